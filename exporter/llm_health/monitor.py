@@ -94,13 +94,18 @@ class BackendMonitor:
             obs = Observation(now=now, reading=reading, sleeping=await self.client.flag("/is_sleeping"), paused=await self.client.flag("/is_paused"))
         verdict = decide(self.memory, obs, self.settings, kind=self.kind)
         if verdict.probe_wanted:
+            models_error = None
             if self.model is None:
-                _, self.model, _ = await self.client.models()
-            result = await self.client.probe(self.model)
-            self.probes_sent += 1
-            stats.probe = result
-            key = "ok" if result.ok else ("timeout" if "timeout" in result.detail else "error")
-            stats.probes[key] = stats.probes.get(key, 0) + 1
+                _, self.model, models_error = await self.client.models()
+            if self.model is None:
+                # Nothing to address a probe to: no evidence either way, and nothing sent.
+                result = ProbeResult(None, 0.0, f"cannot probe: /v1/models {models_error or 'listed no model'}")
+            else:
+                result = await self.client.probe(self.model)
+                self.probes_sent += 1
+                stats.probe = result
+                key = "ok" if result.ok else ("timeout" if "timeout" in result.detail else "error")
+                stats.probes[key] = stats.probes.get(key, 0) + 1
             if result.ok is None:
                 memory = replace(verdict.memory, last_probe_at=now)
                 verdict = replace(verdict, reason=f"{verdict.reason}; {result.detail}", memory=memory, probe_wanted=False)
