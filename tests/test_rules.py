@@ -1,0 +1,215 @@
+"""The rule pack: generated files up to date, promtool-valid, unit-tested, mixin style,
+and reading only series that exist (in real vLLM payloads or the exporter's contract)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+try:
+    from tests.stack import PROMTOOL, ROOT, RULES, SHARED, exporter_series, metric_names, payload_series, run_tool
+except ImportError:  # pragma: no cover - tests/ run as a plain directory
+    from stack import PROMTOOL, ROOT, RULES, SHARED, exporter_series, metric_names, payload_series, run_tool
+
+RULE_FILES = sorted(RULES.glob("*.rules.yml"))
+TEST_FILES = sorted((RULES / "tests").glob("*.test.yml"))
+RUNBOOK = ROOT / "docs" / "runbook.md"
+REAL_METRICS = SHARED / "metrics"
+V1_PAYLOAD = REAL_METRICS / "vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom"
+REAL_VLLM_CAPTURES = ROOT / "tests" / "data" / "vllm-real"
+
+# vLLM series newer than every real payload in ../shared/real-world/metrics/, each with
+# where it is documented. A capture from a vLLM that has it (tests/data/vllm-real/*.prom)
+# is checked too when present.
+NEWER_THAN_PAYLOADS = {
+    "vllm:engine_sleep_state": "vLLM >= 0.11 sleep mode (vllm/v1/metrics/loggers.py); shared/ANCHORS.md",
+}
+# The V0 name kept as a fallback for KV usage; every other vllm: name must be in the V1 payload.
+V0_ONLY = {"vllm:gpu_cache_usage_perc"}
+
+needs_promtool = pytest.mark.skipif(not PROMTOOL, reason="promtool is not installed (apt-get install prometheus)")
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def all_rules() -> list[dict]:
+    return [rule for path in RULE_FILES for group in load(path)["groups"] for rule in group["rules"]]
+
+
+def alerts() -> list[dict]:
+    return [r for r in all_rules() if "alert" in r]
+
+
+def test_rule_files_exist():
+    assert {p.name for p in RULE_FILES} == {"vllm.rules.yml", "llm-health.rules.yml"}
+    assert TEST_FILES
+
+
+def test_generated_files_are_up_to_date():
+    result = run_tool(sys.executable, str(RULES / "generate.py"), "--check")
+    assert result.returncode == 0, result.stderr
+
+
+def test_generator_overrides_reach_every_file(tmp_path):
+    result = run_tool(sys.executable, str(RULES / "generate.py"), "--out", str(tmp_path),
+                      "--set", "vllm.progress_window=7s", "--set", "exporter.backend_hung_for=3s")
+    assert result.returncode == 0, result.stderr
+    vllm = (tmp_path / "vllm.rules.yml").read_text()
+    assert "changes7s" in vllm and "[7s]" in vllm and "[3m]" not in vllm
+    assert "for: 3s" in (tmp_path / "llm-health.rules.yml").read_text()
+    assert "changes7s" in (tmp_path / "prometheusrule.yaml").read_text()
+
+
+def test_generator_refuses_unknown_keys(tmp_path):
+    result = run_tool(sys.executable, str(RULES / "generate.py"), "--out", str(tmp_path), "--set", "vllm.no_such=1s")
+    assert result.returncode != 0 and "no such key" in result.stderr
+
+
+def test_prometheusrule_manifest_holds_the_same_groups():
+    manifest = load(RULES / "prometheusrule.yaml")
+    assert manifest["apiVersion"] == "monitoring.coreos.com/v1"
+    assert manifest["kind"] == "PrometheusRule"
+    assert manifest["metadata"]["name"]
+    groups = [g for path in RULE_FILES for g in load(path)["groups"]]
+    assert manifest["spec"]["groups"] == groups
+
+
+@needs_promtool
+def test_promtool_check_rules():
+    result = run_tool(PROMTOOL, "check", "rules", *map(str, RULE_FILES))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+def test_promtool_check_rules_of_the_manifest(tmp_path):
+    spec = load(RULES / "prometheusrule.yaml")["spec"]
+    path = tmp_path / "manifest.rules.yml"
+    path.write_text(yaml.safe_dump(spec))
+    result = run_tool(PROMTOOL, "check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+@pytest.mark.parametrize("test_file", TEST_FILES, ids=lambda p: p.name)
+def test_promtool_unit_tests(test_file):
+    result = run_tool(PROMTOOL, "test", "rules", str(test_file), cwd=test_file.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_has_a_firing_and_a_quiet_case_with_annotations():
+    firing, quiet = {}, set()
+    for test_file in TEST_FILES:
+        for case in load(test_file)["tests"]:
+            for check in case.get("alert_rule_test", []):
+                name = check["alertname"]
+                if check.get("exp_alerts"):
+                    firing.setdefault(name, []).extend(check["exp_alerts"])
+                else:
+                    quiet.add(name)
+    names = {a["alert"] for a in alerts()}
+    assert names - set(firing) == set(), "alerts without a case that fires"
+    assert names - quiet == set(), "alerts without a case that must not fire"
+    for name, expected in firing.items():
+        for alert in expected:
+            assert {"summary", "description", "runbook_url"} <= set(alert.get("exp_annotations", {})), name
+
+
+def test_hung_cases_cover_the_field_reports():
+    """The cases named in the issue are there for VLLMEngineHung (by their comments)."""
+    text = (RULES / "tests" / "vllm.test.yml").read_text().lower()
+    for case in ("saturated and progressing", "8 tokens/s", "long chunked prefill", "hung with running > 0",
+                 "hung with only waiting > 0", "process_start_time_seconds", "without process_start_time_seconds",
+                 "idle", "sleeping", "data-parallel"):
+        assert case in text, case
+
+
+def test_mixin_conventions():
+    runbook = RUNBOOK.read_text() if RUNBOOK.exists() else ""
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
+               for h in re.findall(r"^#+ (.+)$", runbook, flags=re.M)}
+    seen = set()
+    for rule in alerts():
+        name = rule["alert"]
+        assert name not in seen, f"{name} defined twice"
+        seen.add(name)
+        assert re.fullmatch(r"(VLLM|LLM)[A-Z][A-Za-z0-9]+", name), name
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
+        ann = rule["annotations"]
+        assert ann["summary"].endswith(".") and "{{" not in ann["summary"], f"{name}: summary must be static"
+        assert "{{" in ann["description"], f"{name}: description should name what fired"
+        base, _, anchor = ann["runbook_url"].partition("#")
+        assert base.endswith("runbook.md") and anchor == name.lower(), name
+        assert anchor in anchors, f"{name}: no section '{name}' in docs/runbook.md"
+    for rule in all_rules():
+        if "record" in rule:
+            assert re.fullmatch(r"[a-z_]+:[a-z0-9_]+:[a-z0-9_]+", rule["record"]), rule["record"]
+
+
+def test_critical_alerts_wait_or_are_counts():
+    """Pages need a for: unless they count events over a window (increase)."""
+    for rule in alerts():
+        if rule["labels"]["severity"] == "critical" and "for" not in rule:
+            assert "increase(" in rule["expr"], rule["alert"]
+
+
+# --- every series a rule reads exists -------------------------------------------------
+
+def vllm_payloads() -> list[Path]:
+    files = sorted(REAL_METRICS.glob("vllm*.prom"))
+    assert files, f"no real vLLM payloads under {REAL_METRICS}: tests need ../shared/real-world/"
+    return files
+
+
+def test_metric_name_extraction_catches_the_known_bug():
+    # Two published rule sets query vllm:num_preemptions without _total: it never exists.
+    names = metric_names('sum by (model_name) (rate(vllm:num_preemptions{job="x"}[5m])) > 0')
+    assert names == {"vllm:num_preemptions"}
+    assert not any("vllm:num_preemptions" in payload_series(p) for p in vllm_payloads())
+    assert metric_names('label_replace(up{a="b"} == 0, "host", "$1", "instance", "(.+?)(:[0-9]+)?")') == {"up"}
+    assert metric_names("sum by (job) (x offset 3m) and on (job) y unless z > 1e9") == {"x", "y", "z"}
+
+
+def test_every_series_read_by_a_rule_exists():
+    recorded = {r["record"] for r in all_rules() if "record" in r}
+    exported = exporter_series()
+    payloads = {p.name: payload_series(p) for p in vllm_payloads()}
+    captures = [payload_series(p) for p in sorted(REAL_VLLM_CAPTURES.glob("*.prom"))]
+    v1 = payloads[V1_PAYLOAD.name]
+    problems = []
+    for rule in all_rules():
+        who = rule.get("alert") or rule.get("record")
+        for name in metric_names(rule["expr"]):
+            if name in recorded or name == "up":
+                continue
+            if name.startswith("llm_"):
+                if name not in exported:
+                    problems.append(f"{who}: {name} is not an exporter series (docs/architecture.md)")
+            elif name in NEWER_THAN_PAYLOADS:
+                if captures and not any(name in c for c in captures):
+                    problems.append(f"{who}: {name} missing from the captures in tests/data/vllm-real/")
+            elif name in V0_ONLY:
+                if not any(name in names for names in payloads.values()):
+                    problems.append(f"{who}: {name} is in no real vLLM payload")
+            elif name not in v1:
+                where = [f for f, names in payloads.items() if name in names]
+                problems.append(f"{who}: {name} is not in the V1 payload (found in: {where or 'none'})")
+    assert not problems, "\n".join(problems)
+
+
+def test_fingerprint_reads_every_progress_signal():
+    """No-progress means none of these moved: keep them all in the fingerprint."""
+    rules = {r.get("record"): r["expr"] for r in all_rules() if "record" in r}
+    progress = next(expr for name, expr in rules.items() if name.startswith("engine:vllm_progress_signals:"))
+    assert metric_names(progress) == {
+        "vllm:iteration_tokens_total_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+        "vllm:request_success_total", "vllm:num_preemptions_total", "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    }
+    hung = next(r for r in alerts() if r["alert"] == "VLLMEngineHung")["expr"]
+    assert "vllm:engine_sleep_state" in hung and "process_restarts" in hung and "counter_resets" in hung
