@@ -140,7 +140,9 @@ def parse(data, where: str = "<config>") -> Config:
     unknown = set(data) - {"global", "backends", "redis"}
     if unknown:
         raise ConfigError(where, sorted(unknown)[0], "unknown key (expected global, backends, redis)")
-    glob = data.get("global") or {}
+    glob = data.get("global")
+    if glob is None:
+        glob = {}
     if not isinstance(glob, dict):
         raise ConfigError(where, "global", "expected a mapping")
     bad = set(glob) - set(_DURATION_KEYS) - set(_INT_KEYS)
@@ -148,7 +150,9 @@ def parse(data, where: str = "<config>") -> Config:
         raise ConfigError(where, f"global.{sorted(bad)[0]}", "unknown key")
     timing = _timing(glob, where, "global.", Timing())
 
-    raw = data.get("backends") or []
+    raw = data.get("backends")
+    if raw is None:
+        raw = []
     if not isinstance(raw, list):
         raise ConfigError(where, "backends", "expected a list of backends")
     backends, seen = [], set()

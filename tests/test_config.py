@@ -1,0 +1,91 @@
+"""Configuration: defaults, durations, and errors that name the file and the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from llm_health import config
+from llm_health.errors import ConfigError
+from tests.conftest import ROOT
+
+GOOD = """
+global:
+  interval: 5s
+  hung_after_seconds: 1m
+backends:
+  - name: gpu0
+    url: http://10.0.0.5:8000/v1
+  - name: lb
+    url: http://10.0.0.9:8000
+    kind: proxy
+    interval: 500ms
+"""
+
+
+def test_good_config(tmp_path):
+    f = tmp_path / "c.yml"
+    f.write_text(GOOD)
+    cfg = config.load(f)
+    assert cfg.timing.interval == 5 and cfg.timing.hung_after_seconds == 60
+    gpu0, lb = cfg.backends
+    assert (gpu0.kind, gpu0.timing.interval) == ("vllm", 5)
+    assert (lb.kind, lb.timing.interval, lb.timing.hung_after_seconds) == ("proxy", 0.5, 60)
+
+
+@pytest.mark.parametrize(
+    "text,key,problem",
+    [
+        ("backends: {}", "backends", "expected a list"),
+        ("backends:\n  - url: http://x:1\n", "backends[0].name", "missing"),
+        ("backends:\n  - {name: a, url: 'ftp://x'}\n", "backends[0].url", "not an http"),
+        ("backends:\n  - {name: a, url: 'http://x:1', kind: gpu}\n", "backends[0].kind", "expected one of"),
+        ("backends:\n  - {name: a, url: 'http://x:1', intervall: 5}\n", "backends[0].intervall", "unknown key"),
+        ("backends:\n  - {name: a, url: 'http://x:1'}\n  - {name: a, url: 'http://y:1'}\n", "backends[1].name", "duplicate"),
+        ("global: {interval: fast}\n", "global.interval", "duration"),
+        ("global: {interval: -5}\n", "global.interval", "greater than 0"),
+        ("global: {max_metrics_bytes: 1.5}\n", "global.max_metrics_bytes", "positive integer"),
+        ("globals: {}\n", "globals", "unknown key"),
+        ("backends:\n  - {name: a, url: 'http://x:1', api_key_env: LLM_HEALTH_TEST_UNSET_VAR}\n", "backends[0].api_key_env", "not set"),
+        ("backends:\n  - {name: a, url: 'http://x:1', api_key_file: /nonexistent/key}\n", "backends[0].api_key_file", "cannot read"),
+        ("backends: [\n", "line", "not valid YAML"),
+    ],
+)
+def test_errors_name_file_and_key(tmp_path, text, key, problem):
+    f = tmp_path / "bad.yml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        config.load(f)
+    msg = str(err.value)
+    assert str(f) in msg and key in msg and problem in msg
+
+
+def test_api_key_from_env_never_in_repr(monkeypatch):
+    monkeypatch.setenv("K", "sk-very-secret")
+    cfg = config.parse({"backends": [{"name": "a", "url": "http://x:1", "api_key_env": "K"}]})
+    assert cfg.backends[0].api_key == "sk-very-secret"
+    assert "sk-very-secret" not in repr(cfg)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "llm_health", *args], capture_output=True, text=True, timeout=60, env={"PYTHONPATH": str(ROOT / "exporter"), "PATH": "/usr/bin:/bin"})
+
+
+def test_config_check_command(tmp_path):
+    good = tmp_path / "good.yml"
+    good.write_text(GOOD)
+    r = _cli("config", "check", str(good))
+    assert r.returncode == 0 and "SUCCESS" in r.stdout and "2 backends" in r.stdout
+    bad = tmp_path / "bad.yml"
+    bad.write_text("backends:\n  - {name: a, url: 'http://x:1', kind: gpu}\n")
+    r = _cli("config", "check", str(bad))
+    assert r.returncode == 1 and "backends[0].kind" in r.stderr and str(bad) in r.stderr
+
+
+def test_serve_refuses_bad_config(tmp_path):
+    bad = tmp_path / "bad.yml"
+    bad.write_text("global: {interval: soon}\n")
+    r = _cli("serve", "--config.file", str(bad), "--web.listen-address", "127.0.0.1:0")
+    assert r.returncode == 2 and "global.interval" in r.stderr

@@ -1,0 +1,158 @@
+"""`llm-health serve` against a simulated fleet: /metrics, /status, /probe, bad backends."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llm_health import sim
+from llm_health.config import Backend, Config, Timing
+from llm_health.exporter import Exporter
+
+T = Timing(interval=0.2, hung_after_seconds=0.4, probe_interval=60, probe_timeout=0.5, metrics_timeout=1.0, models_timeout=1.0)
+
+
+@pytest.fixture
+async def serve(aiohttp_client):
+    async def start(backends, timing=T):
+        exporter = Exporter(Config(timing=timing, backends=tuple(Backend(n, u, k, timing) for n, u, k in backends)))
+        client = await aiohttp_client(exporter.app())
+        return exporter, client
+
+    return start
+
+
+def samples(text: str) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def state_of(text: str, backend: str) -> str:
+    hot = [dict(k[1])["state"] for k, v in samples(text).items() if k[0] == "llm_backend_state" and dict(k[1])["backend"] == backend and v == 1]
+    assert len(hot) == 1, hot
+    return hot[0]
+
+
+async def wait_for(client, backend, state, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = await (await client.get("/metrics")).text()
+        if state_of(text, backend) == state:
+            return text
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{backend} never became {state}; last {state_of(text, backend)}")
+
+
+async def test_fleet_states_and_series(sim_server, ticker, serve):
+    idle = await sim_server("idle", scenario="idle")
+    busy = await sim_server("busy", engines=2, scenario="saturated")
+    hung = await sim_server("hung", scenario="hung")
+    ticker.extend([busy, hung])
+    exporter, client = await serve([("idle", idle.url, "vllm"), ("busy", busy.url, "vllm"), ("hung", hung.url, "vllm"), ("dead", sim.dead_url(), "vllm")])
+    text = await wait_for(client, "hung", "hung")
+    assert state_of(text, "idle") == "idle"
+    assert state_of(text, "busy") == "busy"
+    assert state_of(text, "dead") == "down"
+    s = samples(text)
+    assert s[("llm_backend_up", (("backend", "dead"),))] == 0
+    assert s[("llm_backend_up", (("backend", "busy"),))] == 1
+    assert s[("llm_backend_requests_running", (("backend", "busy"), ("engine", "1"), ("model_name", "sim-model")))] == 12
+    assert s[("llm_backend_engine_steps_per_second", (("backend", "busy"), ("engine", "0"), ("model_name", "sim-model")))] > 0
+    assert s[("llm_backend_probes_total", (("backend", "idle"), ("result", "ok")))] == 1
+    assert s[("llm_backend_info", (("backend", "busy"), ("kind", "vllm"), ("profile", "vllm_v1")))] == 1
+    assert s[("llm_exporter_round_errors_total", (("backend", "dead"), ("reason", "metrics")))] >= 1
+    assert ("llm_exporter_build_info", (("version", "0.1.0"),)) in s
+    # the rule of report 1: not one completion to a server with work in flight
+    assert busy.received == [] and hung.received == []
+    status = await (await client.get("/status")).json()
+    by_name = {b["backend"]: b for b in status["backends"]}
+    assert by_name["hung"]["state"] == "hung" and by_name["hung"]["running"] == 4
+    assert by_name["busy"]["engines"][1]["engine"] == "1"
+    page = await (await client.get("/")).text()
+    assert "llm-health exporter" in page and "hung" in page
+    await exporter.stop()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
+async def test_promtool_check_metrics(sim_server, ticker, serve):
+    busy = await sim_server("busy", scenario="saturated")
+    ticker.append(busy)
+    _, client = await serve([("busy", busy.url, "vllm"), ("dead", sim.dead_url(), "vllm")])
+    text = await wait_for(client, "busy", "busy")
+    proc = subprocess.run(["promtool", "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
+    assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()
+
+
+async def test_slow_backend_does_not_delay_others(sim_server, ticker, serve):
+    slow = await sim_server("slow", scenario="saturated")
+    slow.metrics_mode, slow.slow_seconds = "slow", 30.0
+    fast = await sim_server("fast", scenario="saturated")
+    ticker.append(fast)
+    timing = Timing(interval=0.2, hung_after_seconds=0.4, metrics_timeout=20.0, models_timeout=20.0)
+    exporter, client = await serve([("slow", slow.url, "vllm"), ("fast", fast.url, "vllm")], timing)
+    await wait_for(client, "fast", "busy", timeout=5.0)
+    assert exporter.slots["fast"].monitor.rounds >= 2
+    assert exporter.slots["slow"].monitor.rounds == 0  # still waiting on its first read
+    # the scrape itself never waits on a backend
+    started = time.monotonic()
+    await (await client.get("/metrics")).text()
+    assert exporter.slots["slow"].verdict is None
+    assert time.monotonic() - started < 5.0
+
+
+async def test_bad_payloads_named_and_isolated(sim_server, serve):
+    servers = {}
+    for mode in ("html", "garbage", "404", "huge"):
+        s = await sim_server(mode, scenario="idle")
+        s.metrics_mode = mode
+        servers[mode] = s
+    good = await sim_server("good", scenario="idle")
+    exporter, client = await serve([(m, s.url, "vllm") for m, s in servers.items()] + [("good", good.url, "vllm")])
+    await wait_for(client, "good", "idle")
+    for mode in servers:
+        await wait_for(client, mode, "no_metrics")
+    status = {b["backend"]: b for b in (await (await client.get("/status")).json())["backends"]}
+    assert "HTML page" in status["html"]["reason"]
+    assert "HTTP 404" in status["404"]["reason"]
+    assert "larger than" in status["huge"]["reason"]
+    assert "unusable" in status["garbage"]["reason"]
+
+
+async def test_probe_endpoint_multi_target(sim_server, ticker, serve):
+    hung = await sim_server("hung", scenario="hung")
+    ticker.append(hung)
+    exporter, client = await serve([])
+    states = []
+    for _ in range(4):
+        text = await (await client.get("/probe", params={"target": hung.url, "kind": "vllm"})).text()
+        states.append(state_of(text, hung.url))
+        await asyncio.sleep(0.25)
+    assert states[:3] == ["unknown", "stalled", "hung"]
+    bad = await client.get("/probe", params={"target": "file:///etc/passwd"})
+    assert bad.status == 400
+    # state is bounded
+    exporter.config = Config(timing=Timing(max_probe_targets=2), backends=())
+    for port in (1, 2, 3):
+        await client.get("/probe", params={"target": f"http://127.0.0.1:{port}"})
+    assert len(exporter.targets) == 2
+
+
+async def test_proxy_backend_never_reads_metrics(sim_server, serve):
+    a = await sim_server("a", scenario="idle")
+    proxy = sim.SimProxy("p", [a])
+    await proxy.start()
+    try:
+        _, client = await serve([("proxy", proxy.url, "proxy")])
+        await wait_for(client, "proxy", "up")
+        assert proxy.metrics_reads == 0
+    finally:
+        await proxy.stop()
