@@ -1,0 +1,393 @@
+"""Admission queue records in Redis (report 3): per request id, what the admission gate
+needs to see a resent id as a retry and to put age before deadline.
+
+Per request id, a hash ``<prefix>req:<id>``: route, tenant, ``enqueued_ms``,
+``deadline_ms`` (absolute, Unix ms), ``retry_count``, ``attempts``, ``token_units``
+(all attempts together), ``attempt_units_max`` (the largest single attempt),
+``http_status`` (of the last upstream attempt), ``state`` (queued, running, done).
+
+Per route, sorted sets, so that the exporter reads everything in O(log n):
+
+- ``<prefix>route:<route>:enqueued`` waiting ids scored by ``enqueued_ms``: depth
+  (ZCARD), oldest age (first member);
+- ``<prefix>route:<route>:deadline`` waiting ids scored by ``deadline_ms``: smallest
+  slack (first member), past-deadline count (ZCOUNT -inf now);
+- ``<prefix>route:<route>:retried`` waiting ids with ``retry_count >= 1``;
+- ``<prefix>route:<route>:dup`` ids of the retention window scored by their token
+  duplication ratio (``token_units / attempt_units_max``): the max is the last member;
+- ``<prefix>route:<route>:live`` every id of the window scored by
+  ``max(deadline_ms, last write)``: what the garbage collection walks.
+
+Nothing grows without bound: a record expires ``retention_ms`` after
+``max(deadline, last write)``; ids whose window has passed are removed from the
+route's sets by a bounded GC that runs inside every enqueue (and the exporter's
+refresh). A resent id keeps its first ``enqueued_ms`` and ``deadline_ms``: a retry
+inherits the age of the request it copies, which is what the age-first rule needs.
+
+Times are the writer's clock (the gate's), Unix milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis import asyncio as aioredis
+
+DEFAULT_QUEUE_PREFIX = "llm:admission:"
+DEFAULT_RETENTION_MS = 15 * 60 * 1000
+GC_LIMIT = 200  # ids removed per GC call: bounded work inside a hot-path script
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _s(value: Any) -> Any:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    prefix: str = DEFAULT_QUEUE_PREFIX
+
+    def record(self, request_id: str) -> str:
+        return f"{self.prefix}req:{request_id}"
+
+    def route(self, route: str, what: str) -> str:
+        return f"{self.prefix}route:{route}:{what}"
+
+    def routes(self) -> str:
+        return f"{self.prefix}routes"
+
+    def route_keys(self, route: str) -> list[str]:
+        """enqueued, deadline, retried, live, dup: the order the scripts expect."""
+        return [self.route(route, w) for w in ("enqueued", "deadline", "retried", "live", "dup")]
+
+
+@dataclass(frozen=True)
+class QueueRecord:
+    request_id: str
+    route: str
+    tenant: str
+    enqueued_ms: int
+    deadline_ms: int
+    retry_count: int = 0
+    attempts: int = 0
+    token_units: int = 0
+    attempt_units_max: int = 0
+    http_status: int | None = None
+    state: str = "queued"
+
+    @property
+    def is_retry(self) -> bool:
+        return self.retry_count >= 1
+
+    def age_ms(self, now: int | None = None) -> int:
+        return (now if now is not None else now_ms()) - self.enqueued_ms
+
+    def slack_ms(self, now: int | None = None) -> int:
+        return self.deadline_ms - (now if now is not None else now_ms())
+
+    @property
+    def token_duplication_ratio(self) -> float:
+        """Token units of all attempts over those of one (the largest) attempt: 4.0 is
+        an id whose tokens were spent four times."""
+        return self.token_units / self.attempt_units_max if self.attempt_units_max else 0.0
+
+    @classmethod
+    def from_hash(cls, request_id: str, flat: Sequence[Any] | dict[Any, Any]) -> QueueRecord | None:
+        if not flat:
+            return None
+        if isinstance(flat, dict):
+            h = {_s(k): _s(v) for k, v in flat.items()}
+        else:
+            items = [_s(x) for x in flat]
+            h = dict(zip(items[0::2], items[1::2]))
+        status = h.get("http_status") or ""
+        return cls(
+            request_id=request_id,
+            route=h.get("route", ""),
+            tenant=h.get("tenant", ""),
+            enqueued_ms=int(h.get("enqueued_ms") or 0),
+            deadline_ms=int(h.get("deadline_ms") or 0),
+            retry_count=int(h.get("retry_count") or 0),
+            attempts=int(h.get("attempts") or 0),
+            token_units=int(h.get("token_units") or 0),
+            attempt_units_max=int(h.get("attempt_units_max") or 0),
+            http_status=int(status) if status else None,
+            state=h.get("state", ""),
+        )
+
+
+@dataclass(frozen=True)
+class RouteStats:
+    """What the exporter exports per route; ``None`` where there is nothing to measure."""
+
+    depth: int
+    oldest_age_ms: int | None
+    smallest_slack_ms: int | None
+    past_deadline: int
+    retried: int
+    token_duplication_ratio_max: float | None
+
+
+# Shared by the scripts: drop ids whose retention window has passed from a route's sets.
+# KEYS[2..6] = enqueued, deadline, retried, live, dup of one route.
+_GC_FN = """
+local function gc(cutoff, limit)
+  local old = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', cutoff, 'LIMIT', 0, limit)
+  if #old > 0 then
+    for i = 2, 6 do redis.call('ZREM', KEYS[i], unpack(old)) end
+  end
+  return #old
+end
+"""
+
+# KEYS: record, enqueued, deadline, retried, live, dup, routes
+# ARGV: id, route, tenant, deadline_ms, enqueued_ms, now_ms, retention_ms, gc_limit
+ENQUEUE_LUA = _GC_FN + """
+local rec = KEYS[1]
+local retry = 0
+local enq, dl
+if redis.call('EXISTS', rec) == 1 then
+  retry = redis.call('HINCRBY', rec, 'retry_count', 1)
+  enq = redis.call('HGET', rec, 'enqueued_ms')
+  dl = redis.call('HGET', rec, 'deadline_ms')
+  redis.call('HSET', rec, 'route', ARGV[2], 'state', 'queued', 'updated_ms', ARGV[6])
+else
+  enq, dl = ARGV[5], ARGV[4]
+  redis.call('HSET', rec, 'route', ARGV[2], 'tenant', ARGV[3], 'enqueued_ms', enq,
+             'deadline_ms', dl, 'retry_count', 0, 'attempts', 0, 'token_units', 0,
+             'attempt_units_max', 0, 'http_status', '', 'state', 'queued', 'updated_ms', ARGV[6])
+end
+redis.call('ZADD', KEYS[2], enq, ARGV[1])
+redis.call('ZADD', KEYS[3], dl, ARGV[1])
+if retry >= 1 then redis.call('ZADD', KEYS[4], dl, ARGV[1]) end
+local keep = math.max(tonumber(dl), tonumber(ARGV[6]))
+redis.call('ZADD', KEYS[5], string.format('%d', keep), ARGV[1])
+redis.call('PEXPIREAT', rec, string.format('%d', keep + tonumber(ARGV[7])))
+redis.call('SADD', KEYS[7], ARGV[2])
+gc(string.format('(%d', tonumber(ARGV[6]) - tonumber(ARGV[7])), tonumber(ARGV[8]))
+return redis.call('HGETALL', rec)
+"""
+
+# KEYS: record, enqueued, deadline, retried. ARGV: id, new state, http_status ('' keeps),
+# now_ms, only_if_waiting (1: fail unless the id was still waiting: pop_oldest's race).
+LEAVE_QUEUE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local removed = redis.call('ZREM', KEYS[2], ARGV[1])
+if ARGV[5] == '1' and removed == 0 then return false end
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('HSET', KEYS[1], 'state', ARGV[2], 'updated_ms', ARGV[4])
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'http_status', ARGV[3]) end
+return redis.call('HGETALL', KEYS[1])
+"""
+
+# KEYS: record, enqueued, deadline, retried, live, dup
+# ARGV: id, token_units, http_status ('' = none), now_ms, retention_ms, retry_count ('' = none)
+RECORD_ATTEMPT_LUA = """
+local rec = KEYS[1]
+if redis.call('EXISTS', rec) == 0 then return false end
+redis.call('HINCRBY', rec, 'attempts', 1)
+local units = tonumber(ARGV[2])
+local total = redis.call('HINCRBY', rec, 'token_units', units)
+local most = tonumber(redis.call('HGET', rec, 'attempt_units_max') or '0')
+if units > most then
+  most = units
+  redis.call('HSET', rec, 'attempt_units_max', units)
+end
+if ARGV[3] ~= '' then redis.call('HSET', rec, 'http_status', ARGV[3]) end
+local dl = tonumber(redis.call('HGET', rec, 'deadline_ms'))
+if ARGV[6] ~= '' and tonumber(ARGV[6]) > tonumber(redis.call('HGET', rec, 'retry_count') or '0') then
+  redis.call('HSET', rec, 'retry_count', ARGV[6])
+  if redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+    redis.call('ZADD', KEYS[4], string.format('%d', dl), ARGV[1])
+  end
+end
+if most > 0 then redis.call('ZADD', KEYS[6], tostring(total / most), ARGV[1]) end
+redis.call('HSET', rec, 'updated_ms', ARGV[4])
+local keep = math.max(dl, tonumber(ARGV[4]))
+redis.call('ZADD', KEYS[5], string.format('%d', keep), ARGV[1])
+redis.call('PEXPIREAT', rec, string.format('%d', keep + tonumber(ARGV[5])))
+return redis.call('HGETALL', rec)
+"""
+
+# KEYS: (unused), enqueued, deadline, retried, live, dup. ARGV: cutoff_ms, limit.
+GC_LUA = _GC_FN + """
+return gc(string.format('(%d', tonumber(ARGV[1])), tonumber(ARGV[2]))
+"""
+
+
+class AdmissionQueue:
+    """Queue records of the admission gate. Every write is one Lua script (atomic,
+    one round trip); reads are plain commands."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        prefix: str = DEFAULT_QUEUE_PREFIX,
+        retention_ms: int = DEFAULT_RETENTION_MS,
+        clock: Callable[[], int] = now_ms,
+    ):
+        """``clock`` returns the writer's time in Unix ms (tests pass a fake one)."""
+        if retention_ms <= 0:
+            raise ValueError("retention_ms must be positive")
+        self.redis = redis
+        self.keys = QueueKeys(prefix)
+        self.retention_ms = retention_ms
+        self.clock = clock
+        self._enqueue = redis.register_script(ENQUEUE_LUA)
+        self._leave = redis.register_script(LEAVE_QUEUE_LUA)
+        self._attempt = redis.register_script(RECORD_ATTEMPT_LUA)
+        self._gc = redis.register_script(GC_LUA)
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> AdmissionQueue:
+        return cls(aioredis.Redis.from_url(url, decode_responses=True), **kwargs)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    async def enqueue(
+        self,
+        request_id: str,
+        route: str,
+        tenant: str,
+        deadline_ms: int,
+        enqueued_ms: int | None = None,
+    ) -> QueueRecord:
+        """Queue ``request_id`` on ``route``. An id already known (within the retention
+        window) is a resent copy: its ``retry_count`` goes up by one and it keeps its
+        first enqueue time and deadline. The returned record says which (``is_retry``)."""
+        now = self.clock()
+        enq = now if enqueued_ms is None else int(enqueued_ms)
+        flat = await self._enqueue(
+            keys=[self.keys.record(request_id), *self.keys.route_keys(route), self.keys.routes()],
+            args=[request_id, route, tenant, int(deadline_ms), enq, now, self.retention_ms, GC_LIMIT],
+        )
+        record = QueueRecord.from_hash(request_id, flat)
+        assert record is not None
+        return record
+
+    async def _route_of(self, request_id: str) -> str | None:
+        route = await self.redis.hget(self.keys.record(request_id), "route")
+        return _s(route) if route is not None else None
+
+    async def _leave_queue(
+        self, request_id: str, route: str | None, state: str, http_status: int | None, only_if_waiting: bool
+    ) -> QueueRecord | None:
+        route = route if route is not None else await self._route_of(request_id)
+        if route is None:
+            return None
+        flat = await self._leave(
+            keys=[self.keys.record(request_id), *self.keys.route_keys(route)[:3]],
+            args=[request_id, state, "" if http_status is None else int(http_status), self.clock(), int(only_if_waiting)],
+        )
+        return QueueRecord.from_hash(request_id, flat) if flat else None
+
+    async def dequeue(self, request_id: str, route: str | None = None) -> QueueRecord | None:
+        """The id leaves the waiting queue to be served (state ``running``); None if unknown.
+        Passing ``route`` saves a round trip."""
+        return await self._leave_queue(request_id, route, "running", None, False)
+
+    async def pop_oldest(self, route: str) -> QueueRecord | None:
+        """Take the oldest waiting id of ``route`` (state ``running``); None if empty.
+        Concurrent callers never get the same id."""
+        while True:
+            ids = await self.redis.zrange(self.keys.route(route, "enqueued"), 0, 0)
+            if not ids:
+                return None
+            record = await self._leave_queue(_s(ids[0]), route, "running", None, True)
+            if record is not None:
+                return record
+            # Someone else took it (or its record expired): drop a dangling id, try the next.
+            await self.redis.zrem(self.keys.route(route, "enqueued"), ids[0])
+
+    async def complete(
+        self, request_id: str, http_status: int | None = None, route: str | None = None
+    ) -> QueueRecord | None:
+        """The id is finished (state ``done``); its record stays until the retention
+        window ends so that a resent copy is still recognised as a retry."""
+        return await self._leave_queue(request_id, route, "done", http_status, False)
+
+    async def record_attempt(
+        self,
+        request_id: str,
+        *,
+        token_units: int = 0,
+        http_status: int | None = None,
+        retry_count: int | None = None,
+        route: str | None = None,
+    ) -> QueueRecord | None:
+        """Count one upstream attempt of ``request_id``: its token units (added to the id's
+        total), the HTTP status it got, and optionally the retry count the client or
+        sidecar reports (kept if larger). None if the id is unknown."""
+        if token_units < 0:
+            raise ValueError("token_units must not be negative")
+        route = route if route is not None else await self._route_of(request_id)
+        if route is None:
+            return None
+        flat = await self._attempt(
+            keys=[self.keys.record(request_id), *self.keys.route_keys(route)],
+            args=[
+                request_id,
+                int(token_units),
+                "" if http_status is None else int(http_status),
+                self.clock(),
+                self.retention_ms,
+                "" if retry_count is None else int(retry_count),
+            ],
+        )
+        return QueueRecord.from_hash(request_id, flat) if flat else None
+
+    async def read(self, request_id: str) -> QueueRecord | None:
+        """The record of an id, None if never seen or expired. The gate calls this to
+        recognise a resent id as a retry before admitting it."""
+        return QueueRecord.from_hash(request_id, await self.redis.hgetall(self.keys.record(request_id)))
+
+    async def gc(self, route: str, now: int | None = None, limit: int = 1000) -> int:
+        """Remove ids whose retention window has passed from ``route``'s sets; returns
+        how many (at most ``limit``)."""
+        cutoff = (now if now is not None else self.clock()) - self.retention_ms
+        return int(await self._gc(keys=["", *self.keys.route_keys(route)], args=[cutoff, limit]))
+
+    async def routes(self) -> list[str]:
+        return sorted(_s(r) for r in await self.redis.smembers(self.keys.routes()))
+
+    async def route_stats(self, route: str, now: int | None = None) -> RouteStats:
+        """The exporter's numbers for one route, in one round trip."""
+        t = now if now is not None else self.clock()
+        pipe = self.redis.pipeline(transaction=False)
+        add_route_stats_commands(pipe, self.keys, route, t)
+        return parse_route_stats(await pipe.execute(), t)
+
+
+ROUTE_STATS_COMMANDS = 6
+
+
+def add_route_stats_commands(pipe: Any, keys: QueueKeys, route: str, now: int) -> None:
+    """Queue the ROUTE_STATS_COMMANDS reads of one route on a pipeline: all O(1) or O(log n)."""
+    enq, dl, retried, _live, dup = keys.route_keys(route)
+    pipe.zcard(enq)
+    pipe.zrange(enq, 0, 0, withscores=True)
+    pipe.zrange(dl, 0, 0, withscores=True)
+    pipe.zcount(dl, "-inf", now)
+    pipe.zcard(retried)
+    pipe.zrange(dup, -1, -1, withscores=True)
+
+
+def parse_route_stats(replies: Sequence[Any], now: int) -> RouteStats:
+    depth, oldest, tightest, past, retried, dup = replies[:ROUTE_STATS_COMMANDS]
+    return RouteStats(
+        depth=int(depth),
+        oldest_age_ms=now - int(oldest[0][1]) if oldest else None,
+        smallest_slack_ms=int(tightest[0][1]) - now if tightest else None,
+        past_deadline=int(past),
+        retried=int(retried),
+        token_duplication_ratio_max=float(dup[0][1]) if dup else None,
+    )
