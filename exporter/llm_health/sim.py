@@ -51,6 +51,23 @@ _HISTOGRAMS = (
 )
 
 
+def buckets_1_2_5(largest: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10**exp
+            if v > largest:
+                return tuple(out)
+            out.append(v)
+        exp += 1
+
+
+def _hists(max_model_len: int) -> dict[str, "_Hist"]:
+    tokens = buckets_1_2_5(max_model_len)
+    return {n: _Hist(tokens if b is _TOKEN_BUCKETS else b) for n, _, b in _HISTOGRAMS}
+
+
 def _f(value: float) -> str:
     return floatToGoString(value)
 
@@ -93,8 +110,13 @@ class SimEngine:
     preemptions: float = 0.0
     prefix_queries: float = 0.0
     created: float = field(default_factory=time.time)
-    hists: dict[str, _Hist] = field(default_factory=lambda: {n: _Hist(b) for n, _, b in _HISTOGRAMS})
+    max_model_len: int = 32768
+    hists: dict[str, _Hist] = field(default_factory=dict)
     _carry: float = 0.0
+
+    def __post_init__(self):
+        if not self.hists:
+            self.hists = _hists(self.max_model_len)
 
     @property
     def steps(self) -> int:
@@ -142,7 +164,7 @@ class SimEngine:
         self.prefix_queries += prompt_tokens * n
 
     def reset(self) -> None:
-        fresh = SimEngine(engine=self.engine)
+        fresh = SimEngine(engine=self.engine, max_model_len=self.max_model_len)
         for name in ("kv_usage", "prompt_tokens", "generation_tokens", "success", "preemptions", "prefix_queries", "hists", "created"):
             setattr(self, name, getattr(fresh, name))
         self.running = self.waiting = 0
@@ -203,7 +225,8 @@ def render_vllm(engines: list[SimEngine], model: str, start_time: float | None) 
     for e in engines:
         for reason in ("stop", "length", "abort"):
             add(f'vllm:request_success_created{{engine="{e.engine}",finished_reason="{reason}",model_name="{model}"}} {_f(e.created)}')
-    for name, help_, bounds in _HISTOGRAMS:
+    for name, help_, _ in _HISTOGRAMS:
+        bounds = engines[0].hists[name].bounds
         add(f"# HELP {name} {help_}")
         add(f"# TYPE {name} histogram")
         for e, l in zip(engines, lbl):
@@ -240,10 +263,10 @@ class SimServer:
     with nothing in flight: vLLM does not even count the request as waiting).
     """
 
-    def __init__(self, name: str, engines: int = 1, model: str = "sim-model", api_key: str | None = None):
+    def __init__(self, name: str, engines: int = 1, model: str = "sim-model", api_key: str | None = None, max_model_len: int = 32768):
         self.name = name
         self.model = model
-        self.engines = [SimEngine(engine=str(i)) for i in range(engines)]
+        self.engines = [SimEngine(engine=str(i), max_model_len=max_model_len) for i in range(engines)]
         self.start_time: float = float(int(time.time()))
         self.multiprocess = False
         self.metrics_mode = "ok"
