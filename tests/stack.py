@@ -10,6 +10,14 @@ Reusable by any test that needs the monitoring stack:
     am.alerts(inhibited=True)   # -> /api/v2/alerts
     sink = start_sink()         # sink.url, sink.received (one dict per webhook call)
 
+To watch the real exporter instead of a fake target, start it on a free port and scrape
+it under the job the rules select (rules/config.yaml, `selectors.exporter`):
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llm_health", "serve", "--config.file", cfg,
+                             "--web.listen-address", f"127.0.0.1:{port}"])
+    prom = start_prometheus(tmp_path, {"llm-health": [f"127.0.0.1:{port}"]}, rule_files, ...)
+
 Every start waits until the process is ready; every handle has .stop(). The pytest
 fixtures at the bottom (`prometheus_factory`, `alertmanager_factory`, `sink`,
 `target_factory`) stop what they started. Ports are free ports on 127.0.0.1, storage is
