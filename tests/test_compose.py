@@ -1,0 +1,165 @@
+"""compose/: the Compose file is valid against the Compose Specification's schema, and
+every config it mounts passes its own tool (promtool, amtool, llm-health's parser)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+try:
+    from tests.stack import AMTOOL, PROMTOOL, ROOT, RULES, run_tool
+except ImportError:  # pragma: no cover
+    from stack import AMTOOL, PROMTOOL, ROOT, RULES, run_tool
+
+COMPOSE_DIR = ROOT / "compose"
+COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
+SCHEMA = ROOT / "tests" / "data" / "compose-spec.json"
+
+
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def bind_mounts(service: dict) -> list[tuple[Path, str]]:
+    """(host path, container path) of every bind mount (short syntax, relative sources)."""
+    out = []
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith((".", "/")):
+            out.append(((COMPOSE_DIR / source).resolve(), target))
+    return out
+
+
+def mount_of(service: str, container_path: str) -> Path:
+    for host, target in bind_mounts(compose()["services"][service]):
+        if target == container_path:
+            return host
+    raise AssertionError(f"{service} mounts nothing at {container_path}")
+
+
+def test_compose_file_matches_the_compose_specification():
+    schema = json.loads(SCHEMA.read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    errors = sorted(validator.iter_errors(compose()), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+def test_schema_rejects_a_broken_file():
+    """The vendored schema is strict enough to catch a typo."""
+    broken = compose()
+    broken["services"]["redis"]["comand"] = ["redis-server"]
+    assert list(jsonschema.Draft7Validator(json.loads(SCHEMA.read_text())).iter_errors(broken))
+
+
+def test_services():
+    services = compose()["services"]
+    assert {"prometheus", "alertmanager", "grafana", "redis", "llm-health", "restarter"} <= set(services)
+    assert services["redis"]["command"][-2:] == ["--notify-keyspace-events", "Egx"]
+    build = services["llm-health"]["build"]
+    assert (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve() == COMPOSE_DIR / "Dockerfile"
+    restarter = services["restarter"]
+    assert restarter["image"] == services["llm-health"]["image"]
+    assert restarter["entrypoint"][:2] == ["llm-health", "restarter"] and "0.0.0.0:9120" in restarter["entrypoint"]
+    assert "9120:9120" in restarter["ports"] and "9118:9118" in services["llm-health"]["ports"]
+
+
+def test_every_bind_mount_exists():
+    for name, service in compose()["services"].items():
+        for host, _ in bind_mounts(service):
+            assert host.exists(), f"{name}: {host} does not exist"
+
+
+def test_mounts_are_the_files_the_tests_use():
+    assert mount_of("prometheus", "/etc/prometheus/rules") == RULES
+    assert mount_of("grafana", "/etc/grafana/provisioning") == ROOT / "grafana" / "provisioning"
+    provider = yaml.safe_load((ROOT / "grafana" / "provisioning" / "dashboards" / "llm-health.yml").read_text())["providers"][0]
+    assert mount_of("grafana", provider["options"]["path"]) == ROOT / "grafana" / "dashboards"
+    assert mount_of("alertmanager", "/etc/alertmanager/alertmanager.yml") == COMPOSE_DIR / "alertmanager.yml"
+    assert mount_of("llm-health", "/etc/llm-health/config.yml") == COMPOSE_DIR / "llm-health.yml"
+
+
+def test_dockerfile():
+    text = (COMPOSE_DIR / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim$", text, re.M)
+    assert re.search(r"pip install [^\n]*\.(\s|&&)", text)
+    entry = re.search(r"^ENTRYPOINT (.+)$", text, re.M).group(1)
+    assert json.loads(entry) == ["llm-health", "serve", "--config.file", "/etc/llm-health/config.yml",
+                                 "--web.listen-address", "0.0.0.0:9118"]
+    # every COPY source exists in the build context (the repository root)
+    for sources in re.findall(r"^COPY (.+) \S+$", text, re.M):
+        for source in sources.split():
+            assert (ROOT / source).exists(), source
+
+
+@pytest.mark.skipif(not PROMTOOL, reason="promtool is not installed")
+def test_promtool_check_config_with_the_mounted_rules(tmp_path):
+    """prometheus.yml names the rules by their container path; check it with that path
+    pointed at the rules directory compose mounts there."""
+    config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
+    rules_dir = mount_of("prometheus", "/etc/prometheus/rules")
+    config["rule_files"] = [f.replace("/etc/prometheus/rules", str(rules_dir)) for f in config["rule_files"]]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    result = run_tool(PROMTOOL, "check", "config", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = int(re.search(r"(\d+) rule files found", result.stdout).group(1))
+    assert found == len(list(rules_dir.glob("*.rules.yml"))) == 2, result.stdout
+
+
+@pytest.mark.skipif(not PROMTOOL, reason="promtool is not installed")
+def test_promtool_check_rules_as_mounted():
+    rules = sorted(mount_of("prometheus", "/etc/prometheus/rules").glob("*.rules.yml"))
+    assert rules
+    result = run_tool(PROMTOOL, "check", "rules", *map(str, rules))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_scrape_jobs_match_the_rule_selectors():
+    jobs = {j["job_name"]: j for j in yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())["scrape_configs"]}
+    selectors = yaml.safe_load((RULES / "config.yaml").read_text())["selectors"]
+    for selector in selectors.values():
+        job = re.fullmatch(r'job="([^"]+)"', selector).group(1)
+        assert job in jobs, f"rules select {selector} but prometheus.yml has no such job"
+    targets = [t for c in jobs["llm-health"]["static_configs"] for t in c["targets"]]
+    assert targets == ["llm-health:9118"]
+    alerting = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())["alerting"]
+    assert alerting["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
+
+
+@pytest.mark.skipif(not AMTOOL, reason="amtool is not installed")
+def test_amtool_check_config_as_mounted():
+    result = run_tool(AMTOOL, "check-config", str(mount_of("alertmanager", "/etc/alertmanager/alertmanager.yml")))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_alertmanager_credentials_file_is_mounted():
+    receivers = yaml.safe_load((COMPOSE_DIR / "alertmanager.yml").read_text())["receivers"]
+    hook = next(r for r in receivers if r["name"] == "restarter")["webhook_configs"][0]
+    token_path = hook["http_config"]["authorization"]["credentials_file"]
+    host = mount_of("alertmanager", token_path)
+    assert host.read_text().strip()
+    assert mount_of("restarter", "/etc/llm-health/restarter-token") == host
+    assert hook["url"] == "http://restarter:9120/alerts" and "restarter" in compose()["services"]
+
+
+def test_llm_health_config_loads_with_the_exporters_parser():
+    config_module = pytest.importorskip("llm_health.config")
+    config = config_module.load(COMPOSE_DIR / "llm-health.yml")
+    assert [(b.name, b.url, b.kind) for b in config.backends] == [("gpu0", "http://vllm-a:8000", "vllm")]
+    try:
+        from llm_health.redis_view import parse_redis_config
+    except ImportError:  # pragma: no cover - the Redis view is optional
+        return
+    redis = parse_redis_config(config.redis, str(COMPOSE_DIR / "llm-health.yml"))
+    assert redis.url == "redis://redis:6379/0"
+
+
+def test_readme_explains_pointing_at_your_own_vllm():
+    text = (COMPOSE_DIR / "README.md").read_text()
+    assert "## Pointing it at your own vLLM servers" in text
+    assert "llm-health.yml" in text and "prometheus.yml" in text
