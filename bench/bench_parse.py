@@ -1,0 +1,159 @@
+"""Benchmark: the targeted parser (`llm_health.exposition.parse`) against prometheus_client's
+full parse (`text_string_to_metric_families`) on the real /metrics payloads.
+
+    python bench/bench_parse.py [METRICS_DIR]
+
+METRICS_DIR defaults to ../shared/real-world/metrics beside the repository. For each payload
+it first checks that both parsers give the same values for the wanted names, then times
+prometheus_client's full parse and ours with three name sets: the set of the payload's own
+engine profile, the ~20 names a vLLM profile asks for, and the union of every engine's names.
+Times are the best of several repeats.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import re
+import sys
+import timeit
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DIR = ROOT.parent / "shared" / "real-world" / "metrics"
+
+VLLM_SET = frozenset({
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_swapped",
+    "vllm:iteration_tokens_total_count",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:num_preemptions_total",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:cpu_cache_usage_perc",
+    "vllm:engine_sleep_state",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:time_per_output_token_seconds_count",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:request_prompt_tokens_count",
+    "vllm:request_generation_tokens_count",
+    "process_start_time_seconds",
+})
+# The sets the other engine profiles ask for (engines.py), for the "own" column.
+ENGINE_SETS = {
+    "vllm": VLLM_SET,
+    "sglang": frozenset({
+        "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:prompt_tokens_total",
+        "sglang:generation_tokens_total", "sglang:token_usage", "sglang:num_used_tokens",
+        "sglang:cuda_graph_passes_total", "sglang:num_requests_total", "process_start_time_seconds",
+    }),
+    "tgi": frozenset({
+        "tgi_batch_current_size", "tgi_queue_size", "tgi_batch_inference_count",
+        "tgi_batch_inference_success", "tgi_request_success", "tgi_request_generated_tokens_sum",
+        "tgi_batch_current_max_tokens", "process_start_time_seconds",
+    }),
+    "llamacpp": frozenset({
+        "llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:n_decode_total",
+        "llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total", "process_start_time_seconds",
+    }),
+    "triton": frozenset({
+        "nv_inference_pending_request_count", "nv_inference_exec_count", "nv_inference_count",
+        "nv_inference_request_success", "process_start_time_seconds",
+    }),
+}
+UNION_SET = frozenset().union(*ENGINE_SETS.values())
+
+_COUNTER_TYPE = re.compile(r"^\s*#\s+TYPE\s+(\S+)\s+counter\s*$", re.M)
+
+
+def reference(text: str) -> dict:
+    """prometheus_client's samples as {sample name: [(labels, value)]}, with the `_total` it
+    appends to counters named without one taken off again (our parser keeps names as written)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    bare = {n for n in _COUNTER_TYPE.findall(text) if not n.endswith("_total")}
+    out: dict = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name = s.name
+            if family.type == "counter" and family.name in bare and name == family.name + "_total":
+                name = family.name
+            out.setdefault(name, []).append((s.labels, float(s.value)))
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    key = lambda d: {n: [(lab, "NaN" if math.isnan(v) else v) for lab, v in s] for n, s in d.items()}  # noqa: E731
+    return key(a) == key(b)
+
+
+def best_seconds(fn, repeat: int = 7) -> float:
+    """Best time of one call: `repeat` runs of as many calls as take ~0.2 s."""
+    timer = timeit.Timer(fn)
+    number, _ = timer.autorange()
+    return min(timer.repeat(repeat=repeat, number=number)) / number
+
+
+def main(argv: list[str]) -> int:
+    sys.path.insert(0, str(ROOT / "exporter"))
+    from importlib.metadata import version
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from llm_health.exposition import parse
+
+    directory = Path(argv[1]) if len(argv) > 1 else DEFAULT_DIR
+    files = sorted(directory.glob("*.prom"))
+    if not files:
+        print(f"no *.prom files in {directory}", file=sys.stderr)
+        return 1
+
+    print(f"machine: {platform.platform()} ({platform.machine()}), {os.cpu_count()} CPUs")
+    print(f"python {platform.python_version()} ({platform.python_implementation()}), "
+          f"prometheus_client {version('prometheus-client')}")
+    print(f"name sets: vllm = {len(VLLM_SET)} names, union of all engines = {len(UNION_SET)} names, "
+          "own = the set of the payload's engine; frozensets, as engines.py passes them")
+    print("times: best of 7 repeats; ratio = prometheus_client ms / ours ms; hits = samples returned")
+    print()
+    width = max(len(p.name) for p in files)
+    header = f"{'file':<{width}} {'bytes':>6} {'samples':>7} {'prom ms':>7}"
+    for label in ("own", "vllm", "union"):
+        header += f" | {label + ' ms':>8} {'hits':>4} {'ratio':>5}"
+    print(header)
+    print("-" * len(header))
+    ratios: dict[str, list[float]] = {"own": [], "vllm": [], "union": []}
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        own = ENGINE_SETS[next(e for e in ENGINE_SETS if path.name.startswith(e))]
+        sets = {"own": own, "vllm": VLLM_SET, "union": UNION_SET}
+        expected = reference(text)
+        hits = {}
+        for label, names in sets.items():  # the values must agree before anything is timed
+            got = parse(text, names)
+            if not _same(got, {n: s for n, s in expected.items() if n in names}):
+                print(f"MISMATCH in {path.name} with the {label} set", file=sys.stderr)
+                return 2
+            hits[label] = sum(map(len, got.values()))
+
+        prom = best_seconds(lambda: list(text_string_to_metric_families(text)))
+        row = f"{path.name:<{width}} {len(text.encode()):>6} {sum(map(len, expected.values())):>7} {prom * 1e3:>7.3f}"
+        for label, names in sets.items():
+            ours = best_seconds(lambda n=names: parse(text, n))
+            ratios[label].append(prom / ours)
+            row += f" | {ours * 1e3:>8.4f} {hits[label]:>4} {prom / ours:>4.0f}x"
+        print(row, flush=True)
+    print("-" * len(header))
+    for label, values in ratios.items():
+        geo = math.exp(sum(map(math.log, values)) / len(values))
+        print(f"{label:>5} set: geometric mean ratio {geo:.0f}x, minimum {min(values):.0f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
