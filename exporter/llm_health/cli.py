@@ -181,6 +181,36 @@ def cmd_config_check(args) -> int:
     return 0
 
 
+def cmd_gate(args) -> int:
+    import yaml
+    from aiohttp import web
+
+    from .gate import Gate, parse_gate_config
+
+    try:
+        try:
+            data = yaml.safe_load(open(args.config_file))
+        except OSError as exc:
+            raise ConfigError(args.config_file, "(file)", f"cannot read: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(args.config_file, "(parse)", f"not valid YAML: {exc}") from None
+        cfg = parse_gate_config(data, args.config_file)
+    except ConfigError as exc:
+        print(f"llm-health: bad config: {exc}", file=sys.stderr)
+        return 2
+    host, port = args.web_listen_address
+    gate = Gate(cfg)
+    runner_kw = {"handler_cancellation": True}  # a client that disconnects cancels its upstream request
+    web.run_app(gate.app(), host=host, port=port, access_log=None, print=None, **runner_kw)
+    return 0
+
+
+def cmd_drill(args) -> int:
+    from .drills import cmd_drill as run
+
+    return run(args)
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -219,6 +249,17 @@ def parser() -> argparse.ArgumentParser:
     cc = cfg_sub.add_parser("check", help="validate a config file")
     cc.add_argument("file")
     cc.set_defaults(func=cmd_config_check)
+
+    g = sub.add_parser("gate", help="the age-first admission gate: a reverse proxy in front of OpenAI-compatible backends")
+    g.add_argument("--config.file", dest="config_file", required=True)
+    g.add_argument("--web.listen-address", dest="web_listen_address", type=_listen, default=_listen("127.0.0.1:9119"))
+    g.set_defaults(func=cmd_gate)
+
+    dr = sub.add_parser("drill", help="the field reports' drills: retry (report 3), watchdog (report 1)")
+    dr.add_argument("drill", choices=["retry", "watchdog"])
+    dr.add_argument("--redis", help="Redis URL for the retry drill (default: a temporary redis-server)")
+    dr.add_argument("--time-scale", type=_positive, default=1.0, help="retry drill: multiply the report's times (0.1 runs 10x faster)")
+    dr.set_defaults(func=cmd_drill)
 
     d = sub.add_parser("demo", help="a simulated fleet on loopback, the exporter on it, a live state table")
     d.add_argument("--duration", type=float, default=60.0, help="seconds to run (0: until interrupted)")

@@ -1,0 +1,75 @@
+"""The age-first policy as a table (report 3's decision table and more)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llm_health.admission import Policy, ReopenGuard, Request, decide, parse_policy
+from llm_health.errors import ConfigError
+
+REPORT = Policy(reject_if_queue_age_ms_gte=3000, reject_if_retry_count_gte=1, ignore_worker_util_when_slack_ms_lte=0)
+
+
+@pytest.mark.parametrize(
+    "req,decision,status",
+    [
+        # report 3's reference decisions
+        (Request(queue_age_ms=100, deadline_slack_ms=2900), "admit_once", 200),
+        (Request(queue_age_ms=4001, deadline_slack_ms=-1001, retry_count=1), "reject_retry_late", 422),
+        (Request(queue_age_ms=3500, deadline_slack_ms=2000), "reject_age_beats_slack", 422),
+        # the 02:14 page: queue age 47 s against a 30 s deadline, CPU at 12%
+        (Request(queue_age_ms=47000, deadline_slack_ms=30000, worker_util=0.12), "reject_age_beats_slack", 422),
+        # low utilisation never overrides age
+        (Request(queue_age_ms=2000, deadline_slack_ms=1500, worker_util=0.01), "reject_age_beats_slack", 422),
+        # 429 and 503 lift nothing
+        (Request(queue_age_ms=10, deadline_slack_ms=-1, retry_count=1, last_upstream_status=503), "reject_retry_late", 422),
+        (Request(queue_age_ms=10, deadline_slack_ms=-1, retry_count=1, last_upstream_status=429), "reject_retry_late", 422),
+        # a retry with slack left is admitted once
+        (Request(queue_age_ms=100, deadline_slack_ms=2000, retry_count=1, last_upstream_status=503), "admit_once", 200),
+        # a first attempt already late is rejected by age, not admitted
+        (Request(queue_age_ms=0, deadline_slack_ms=0), "reject_age_beats_slack", 422),
+        (Request(queue_age_ms=0, deadline_slack_ms=5000, tenant_budget_left=0), "reject_tenant_budget", 429),
+        (Request(queue_age_ms=0, deadline_slack_ms=5000, tenant_budget_left=10), "admit_once", 200),
+    ],
+)
+def test_decision_table(req, decision, status):
+    d = decide(req, REPORT)
+    assert (d.decision, d.status) == (decision, status)
+    if d.decision != "admit_once":
+        assert d.reason
+
+
+def test_age_beats_slack_is_retryable_only_with_time_left():
+    d = decide(Request(queue_age_ms=3200, deadline_slack_ms=20000), REPORT)  # over the absolute cap, slack left
+    assert (d.decision, d.status, d.retryable) == ("reject_age_beats_slack", 503, True)
+    assert d.retry_after_s >= 1
+
+
+def test_route_closed_first():
+    d = decide(Request(queue_age_ms=0, deadline_slack_ms=9000), Policy(mode="reject_all"))
+    assert (d.decision, d.status, d.retryable) == ("reject_route_closed", 503, True)
+
+
+def test_reads_the_reports_block_as_written():
+    p = parse_policy({"reject_if_queue_age_ms_gte": 3000, "reject_if_retry_count_gte": 1, "ignore_worker_util_when_slack_ms_lte": 0}, "f.yml")
+    assert p == REPORT
+    route = parse_policy({"reject_if_queue_age_ms_gte": 500, "mode": "reject_all"}, "f.yml", "gate.routes.chat.", p)
+    assert (route.reject_if_queue_age_ms_gte, route.mode, route.reject_if_retry_count_gte) == (500, "reject_all", 1)
+
+
+@pytest.mark.parametrize(
+    "section,key",
+    [({"reject_if_retry_count_gte": -1}, "admission.reject_if_retry_count_gte"), ({"mode": "shut"}, "admission.mode"), ({"reject_if_queue_age_ms_gte": "3s"}, "admission.reject_if_queue_age_ms_gte")],
+)
+def test_policy_errors(section, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_policy(section, "f.yml")
+
+
+def test_reopen_guard_two_intervals():
+    g = ReopenGuard()
+    assert not g.observe(4000, 3000)
+    assert not g.observe(100, 3000)
+    assert not g.observe(5000, 3000)  # a bad interval resets the count
+    assert not g.observe(100, 3000)
+    assert g.observe(200, 3000)
