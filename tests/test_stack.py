@@ -9,14 +9,17 @@ rules/generate.py with windows and for: clauses of seconds, so a run takes secon
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 
 try:
-    from tests.stack import (RULES, SHARED, alertmanager_factory, prometheus_factory,  # noqa: F401
+    from tests.stack import (ROOT, RULES, SHARED, alertmanager_factory, free_port, prometheus_factory,  # noqa: F401
                              render_rules, rewrite_alertmanager_config, sink, target_factory, wait_until)
 except ImportError:  # pragma: no cover
-    from stack import (RULES, SHARED, alertmanager_factory, prometheus_factory,  # noqa: F401
+    from stack import (ROOT, RULES, SHARED, alertmanager_factory, free_port, prometheus_factory,  # noqa: F401
                        render_rules, rewrite_alertmanager_config, sink, target_factory, wait_until)
 
 # Short windows for a 1s scrape and evaluation interval; the order of the for: clauses
@@ -188,3 +191,48 @@ def test_committed_rules_evaluate_cleanly_on_real_payloads(tmp_path, prometheus_
     assert all(float(r["value"][1]) == 0 for r in running)
     assert [a for a in prom.alerts() if a["labels"]["alertname"].startswith("VLLMEngine")] == []
 
+
+
+def test_real_exporter_hung_backend_reaches_restarter(
+        tmp_path, prometheus_factory, alertmanager_factory, sink, target_factory):
+    """The same fixtures with the real exporter (`python -m llm_health serve`) between the
+    fake vLLM servers and Prometheus: a frozen engine with work in flight is reported hung
+    by the exporter, LLMBackendHung reaches the restarter; the progressing one stays busy."""
+    pytest.importorskip("llm_health.exporter")
+    models = '{"object": "list", "data": [{"id": "Qwen/Qwen1.5-0.5B-Chat", "object": "model"}]}'
+    frozen = target_factory({"/metrics": vllm_text(running=4, waiting=0, steps=8123, tokens=30100, kv=0.31),
+                             "/v1/models": models})
+    moving = target_factory({"/metrics": progressing_vllm(), "/v1/models": models})
+    config = tmp_path / "llm-health.yml"
+    config.write_text(
+        "global: {interval: 1s, hung_after_seconds: 3}\n"
+        "backends:\n"
+        f"  - {{name: frozen, url: 'http://{frozen.address}', kind: vllm}}\n"
+        f"  - {{name: moving, url: 'http://{moving.address}', kind: vllm}}\n")
+    port = free_port()
+    log = open(tmp_path / "exporter.log", "w")
+    exporter = subprocess.Popen(
+        [sys.executable, "-m", "llm_health", "serve", "--config.file", str(config),
+         "--web.listen-address", f"127.0.0.1:{port}"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "exporter")},
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        token = tmp_path / "token"
+        token.write_text("t\n")
+        am = alertmanager_factory(rewrite_alertmanager_config((RULES / "alertmanager.example.yml").read_text(), sink.url, token))
+        prom = prometheus_factory({"llm-health": [f"127.0.0.1:{port}"]},
+                                  render_rules(tmp_path / "rules", FAST), alertmanagers=[am.url])
+        wait_until(lambda: {a["labels"].get("backend") for a in sink.alerts("/restarter")} >= {"frozen"},
+                   timeout=90, interval=0.5, what="LLMBackendHung from the real exporter at the restarter")
+        assert {a["labels"]["alertname"] for a in sink.alerts("/restarter")} == {"LLMBackendHung"}
+        states = {r["metric"]["backend"]: r["metric"]["state"] for r in prom.query("llm_backend_state == 1")}
+        assert states == {"frozen": "hung", "moving": "busy"}
+        assert not [a for a in sink.alerts() if a["labels"].get("backend") == "moving"]
+    finally:
+        exporter.terminate()
+        try:
+            exporter.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            exporter.kill()
+            exporter.wait()
+        log.close()
