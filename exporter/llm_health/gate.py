@@ -42,12 +42,12 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from redis import asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from . import admission
 from .config import duration, read_api_key
 from .errors import ConfigError
-from .queue import DEFAULT_QUEUE_PREFIX, AdmissionQueue, now_ms
+from .queue import DEFAULT_QUEUE_PREFIX, GC_LIMIT, AdmissionQueue, QueueRecord, add_route_stats_commands, now_ms, parse_route_stats, ROUTE_STATS_COMMANDS
 
 log = logging.getLogger("llm_health.gate")
 
@@ -220,7 +220,12 @@ def token_units(tail: bytes) -> int:
 class Gate:
     def __init__(self, cfg: GateConfig, redis: aioredis.Redis | None = None):
         self.cfg = cfg
-        self.redis = redis or aioredis.Redis.from_url(cfg.redis_url, decode_responses=True, socket_timeout=1.0, socket_connect_timeout=1.0)
+        if redis is None:
+            pool = aioredis.BlockingConnectionPool.from_url(
+                cfg.redis_url, decode_responses=True, socket_timeout=1.0, socket_connect_timeout=1.0, max_connections=64, timeout=1.0
+            )
+            redis = aioredis.Redis(connection_pool=pool)
+        self.redis = redis
         self.queue = AdmissionQueue(self.redis, prefix=cfg.queue_prefix)
         self.session: aiohttp.ClientSession | None = None
         self.redis_up = True
@@ -290,20 +295,54 @@ class Gate:
                 return route
         return next(iter(self.cfg.routes.values()))
 
-    async def _tenant_budget_left(self, tenant: str) -> float | None:
-        limit = self.cfg.tenants.get(tenant)
-        if limit is None:
-            return None
-        used = await self.redis.get(f"{self.cfg.queue_prefix}tenant:{tenant}:{int(time.time() // 60)}")
-        return limit - float(used or 0)
+    def _tenant_key(self, tenant: str) -> str:
+        return f"{self.cfg.queue_prefix}tenant:{tenant}:{int(time.time() // 60)}"
 
-    async def _charge_tenant(self, tenant: str, units: int) -> None:
+    async def _enqueue_and_read(self, request_id: str, route: str, tenant: str, deadline_ms: int, now: int):
+        """One round trip: enqueue (or recognise a resent id), the route's queue stats,
+        and the tenant's spend this minute."""
+        q = self.queue
+        pipe = self.redis.pipeline(transaction=False)
+        keys = [q.keys.record(request_id), *q.keys.route_keys(route), q.keys.routes()]
+        pipe.evalsha(q._enqueue.sha, len(keys), *keys, request_id, route, tenant, int(deadline_ms), now, now, q.retention_ms, GC_LIMIT)
+        add_route_stats_commands(pipe, q.keys, route, now)
+        limit = self.cfg.tenants.get(tenant)
+        if limit is not None:
+            pipe.get(self._tenant_key(tenant))
+        replies = await self._execute(pipe)
+        record = QueueRecord.from_hash(request_id, replies[0])
+        stats = parse_route_stats(replies[1 : 1 + ROUTE_STATS_COMMANDS], now)
+        budget = None if limit is None else limit - float(replies[1 + ROUTE_STATS_COMMANDS] or 0)
+        return record, stats, budget
+
+    async def _finish(self, request_id: str, route: str, tenant: str, units: int, status: int, retry_count: int | None) -> None:
+        """One round trip after the response: the attempt (token units, status), the id
+        done, the tenant charged."""
+        q = self.queue
+        now = now_ms()
+        pipe = self.redis.pipeline(transaction=False)
+        keys = [q.keys.record(request_id), *q.keys.route_keys(route)]
+        pipe.evalsha(q._attempt.sha, len(keys), *keys, request_id, int(units), int(status), now, q.retention_ms, "" if retry_count is None else int(retry_count))
+        pipe.evalsha(q._leave.sha, 4, *keys[:4], request_id, "done", int(status), now, 0)
         if tenant in self.cfg.tenants and units:
-            key = f"{self.cfg.queue_prefix}tenant:{tenant}:{int(time.time() // 60)}"
-            pipe = self.redis.pipeline(transaction=False)
+            key = self._tenant_key(tenant)
             pipe.incrby(key, units)
             pipe.expire(key, 120)
-            await pipe.execute()
+        await self._execute(pipe, rerun_reads=False)
+
+    async def _execute(self, pipe, rerun_reads: bool = True):
+        """Run a pipeline holding EVALSHAs. On a Redis that lost its scripts (NOSCRIPT: a
+        restart) load them and run again the scripts, which all failed, and the reads
+        (`rerun_reads`); writes that did run (INCRBY) are not repeated."""
+        commands = list(pipe.command_stack)
+        try:
+            return await pipe.execute()
+        except NoScriptError:
+            for script in (self.queue._enqueue, self.queue._attempt, self.queue._leave):
+                await self.redis.script_load(script.script)
+            again = self.redis.pipeline(transaction=False)
+            again.command_stack = [c for c in commands if rerun_reads or c[0][0] == "EVALSHA"]
+            return await again.execute()
 
     def _reject(self, route: str, decision: admission.Decision, request_id: str, extra: dict | None = None) -> web.Response:
         self.m_decisions.labels(route, decision.decision).inc()
@@ -339,9 +378,7 @@ class Gate:
         fields = {"request_id": request_id}
         recorded = True
         try:
-            record = await self.queue.enqueue(request_id, route.name, tenant, deadline_ms, enqueued_ms=now)
-            stats = await self.queue.route_stats(route.name)
-            budget = await self._tenant_budget_left(tenant)
+            record, stats, budget = await self._enqueue_and_read(request_id, route.name, tenant, deadline_ms, now)
             self._redis(True)
             retry_count = max(header_retries, record.retry_count)
             deadline_ms = record.deadline_ms  # a resent id keeps the deadline of its first copy
@@ -390,9 +427,7 @@ class Gate:
         self.m_tokens.labels(route.name).inc(units)
         self.m_duration.labels(route.name).observe(time.monotonic() - started)
         if recorded:
-            await self._quiet(self.queue.record_attempt(request_id, token_units=units, http_status=status, retry_count=fields.get("retry_count"), route=route.name))
-            await self._quiet(self.queue.complete(request_id, status, route=route.name))
-            await self._quiet(self._charge_tenant(request.headers.get("X-Tenant", "default"), units))
+            await self._quiet(self._finish(request_id, route.name, tenant, units, status, fields.get("retry_count")))
         response = request["llm_health_response"]
         if response.prepared:
             await response.write_eof()

@@ -1,0 +1,167 @@
+"""The gate's added latency and throughput, against a direct connection to the same fake
+upstream, in the same run.
+
+Processes: a fake OpenAI-compatible upstream (answers at once), the gate (real Redis,
+started here), and this load generator. Open loop at a fixed rate (default 500 req/s):
+latency p50/p99 direct and through the gate, and the difference. Then closed loop with
+64 concurrent clients for the throughput of each path.
+
+    python bench/bench_gate.py [--rate 500] [--seconds 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "exporter"))
+
+import aiohttp  # noqa: E402
+from aiohttp import web  # noqa: E402
+
+BODY = {"model": "m", "prompt": "x", "max_tokens": 1}
+REPLY = {"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def upstream_proc(port: int) -> None:
+    async def handle(request):
+        await request.read()
+        return web.json_response(REPLY)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handle)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def gate_proc(port: int, upstream: str, redis_url: str) -> None:
+    from llm_health.gate import Gate, parse_gate_config
+
+    cfg = parse_gate_config({"gate": {"redis": redis_url, "routes": {"bench": {"upstream": upstream, "default_deadline_ms": 30000}}}}, "<bench>")
+    web.run_app(Gate(cfg).app(), host="127.0.0.1", port=port, access_log=None, print=None, handler_cancellation=True)
+
+
+async def wait_port(port: int) -> None:
+    for _ in range(200):
+        try:
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+            w.close()
+            return
+        except OSError:
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"port {port} never opened")
+
+
+async def open_loop(session, url: str, rate: float, seconds: float) -> tuple[list[float], int]:
+    lat: list[float] = []
+    errors = 0
+
+    async def one(i):
+        nonlocal errors
+        t = time.perf_counter()
+        async with session.post(url, json=BODY, headers={"X-Request-Id": f"b{time.time_ns()}-{i}"}) as r:
+            await r.read()
+            if r.status != 200:
+                errors += 1
+        lat.append(time.perf_counter() - t)
+
+    tasks = []
+    start = time.perf_counter()
+    n = int(rate * seconds)
+    for i in range(n):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    return lat, errors
+
+
+async def closed_loop(session, url: str, concurrency: int, seconds: float) -> float:
+    done = 0
+    stop = time.perf_counter() + seconds
+
+    async def worker(w):
+        nonlocal done
+        i = 0
+        while time.perf_counter() < stop:
+            async with session.post(url, json=BODY, headers={"X-Request-Id": f"c{w}-{i}-{time.time_ns()}"}) as r:
+                await r.read()
+            done += 1
+            i += 1
+
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return done / seconds
+
+
+def pct(values, p):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(p / 100 * len(values)))] * 1000
+
+
+async def measure(direct: str, gated: str, rate: float, seconds: float) -> dict:
+    conn = aiohttp.TCPConnector(limit=256)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        for url in (direct, gated):  # warm up connections and scripts
+            await open_loop(s, url, 100, 1)
+        out = {}
+        # interleave the two paths so machine noise hits both alike
+        for name, url in (("direct", direct), ("gate", gated), ("direct2", direct), ("gate2", gated)):
+            lat, err = await open_loop(s, url, rate, seconds / 2)
+            key = name.rstrip("2")
+            out.setdefault(key, {"lat": [], "errors": 0})
+            out[key]["lat"] += lat
+            out[key]["errors"] += err
+        for key, url in (("direct", direct), ("gate", gated)):
+            out[key]["throughput"] = await closed_loop(s, url, 64, 3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rate", type=float, default=500)
+    ap.add_argument("--seconds", type=float, default=6)
+    args = ap.parse_args()
+    from llm_health.drills import temporary_redis
+
+    up_port, gate_port = free_port(), free_port()
+    with temporary_redis() as redis_url:
+        procs = [mp.Process(target=upstream_proc, args=(up_port,), daemon=True)]
+        procs.append(mp.Process(target=gate_proc, args=(gate_port, f"http://127.0.0.1:{up_port}", redis_url), daemon=True))
+        for p in procs:
+            p.start()
+        try:
+            asyncio.run(wait_port(up_port))
+            asyncio.run(wait_port(gate_port))
+            r = asyncio.run(measure(f"http://127.0.0.1:{up_port}/v1/completions", f"http://127.0.0.1:{gate_port}/v1/completions", args.rate, args.seconds))
+        finally:
+            for p in procs:
+                p.terminate()
+                p.join(5)
+    print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print(f"open loop at {args.rate:g} req/s for {args.seconds:g} s per path (interleaved halves); closed loop: 64 clients, 3 s")
+    print(f"{'path':<8} {'requests':>8} {'errors':>6} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'max req/s':>10}")
+    for key in ("direct", "gate"):
+        lat = r[key]["lat"]
+        print(f"{key:<8} {len(lat):>8} {r[key]['errors']:>6} {pct(lat, 50):>8.2f} {pct(lat, 99):>8.2f} {statistics.mean(lat) * 1000:>8.2f} {r[key]['throughput']:>10.0f}")
+    d, g = r["direct"]["lat"], r["gate"]["lat"]
+    print(f"added by the gate: p50 {pct(g, 50) - pct(d, 50):.2f} ms, p99 {pct(g, 99) - pct(d, 99):.2f} ms; "
+          f"throughput ratio gate/direct {r['gate']['throughput'] / r['direct']['throughput']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
