@@ -64,7 +64,8 @@ def test_services():
     assert (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve() == COMPOSE_DIR / "Dockerfile"
     restarter = services["restarter"]
     assert restarter["image"] == services["llm-health"]["image"]
-    assert restarter["entrypoint"][:2] == ["llm-health", "restarter"] and "0.0.0.0:9120" in restarter["entrypoint"]
+    entry = restarter["entrypoint"]
+    assert entry[:2] == ["llm-health", "restarter"] and entry[entry.index("--web.listen-address") + 1] == "0.0.0.0:9120"
     assert "9120:9120" in restarter["ports"] and "9118:9118" in services["llm-health"]["ports"]
 
 
@@ -143,7 +144,8 @@ def test_alertmanager_credentials_file_is_mounted():
     token_path = hook["http_config"]["authorization"]["credentials_file"]
     host = mount_of("alertmanager", token_path)
     assert host.read_text().strip()
-    assert mount_of("restarter", "/etc/llm-health/restarter-token") == host
+    entry = compose()["services"]["restarter"]["entrypoint"]
+    assert mount_of("restarter", entry[entry.index("--web.token-file") + 1]) == host
     assert hook["url"] == "http://restarter:9120/alerts" and "restarter" in compose()["services"]
 
 
@@ -163,3 +165,15 @@ def test_readme_explains_pointing_at_your_own_vllm():
     text = (COMPOSE_DIR / "README.md").read_text()
     assert "## Pointing it at your own vLLM servers" in text
     assert "llm-health.yml" in text and "prometheus.yml" in text
+
+
+def test_restarter_config_loads_and_names_the_same_backends():
+    restarter = pytest.importorskip("llm_health.restarter")
+    entry = compose()["services"]["restarter"]["entrypoint"]
+    path = mount_of("restarter", entry[entry.index("--config.file") + 1])
+    config = restarter.load_config(path)
+    exporter_names = {b["name"] for b in yaml.safe_load((COMPOSE_DIR / "llm-health.yml").read_text())["backends"]}
+    assert {t.name for t in config.targets} <= exporter_names  # LLMBackendHung matches on backend
+    jobs = {j["job_name"]: j for j in yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())["scrape_configs"]}
+    vllm_targets = {t for c in jobs["vllm"]["static_configs"] for t in c["targets"]}
+    assert {t.instance for t in config.targets} <= vllm_targets  # VLLMEngineHung matches on instance
