@@ -325,3 +325,19 @@ def test_gate_config_errors():
         parse_gate_config({"gate": {}}, "g.yml")
     with pytest.raises(ConfigError, match=r"admission\.reject_if_queue_age_ms"):
         parse_gate_config({"admission": {"reject_if_queue_age_ms": 1}, "gate": {"routes": {"c": {"upstream": "http://x"}}}}, "g.yml")
+
+
+def test_drill_commands_run_and_pass():
+    """The drills as a user runs them: each prints its timeline and a PASS verdict."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {"PYTHONPATH": str(ROOT / "exporter"), "PATH": "/usr/bin:/bin:/usr/sbin:/usr/local/bin"}
+    r = subprocess.run([sys.executable, "-m", "llm_health", "drill", "watchdog"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "verdict: PASS" in r.stdout and "FALSE restart" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "llm_health", "drill", "retry", "--time-scale", "0.1"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "reject_retry_late" in r.stdout and "verdict: PASS" in r.stdout
