@@ -19,7 +19,7 @@ for svc in redis-server prometheus prometheus-alertmanager; do
   (command -v systemctl >/dev/null && systemctl stop "$svc" 2>/dev/null) || true
 done
 
-python3 -m pip install -q --disable-pip-version-check -e '.[test]'
+python3 -m pip install -q --disable-pip-version-check -e '.[test]' -r grafana/requirements.txt
 
 if [ -x .ci/install-vllm.sh ] || [ -f .ci/install-vllm.sh ]; then
   bash .ci/install-vllm.sh
