@@ -226,12 +226,12 @@ async def test_stale_holder_is_refused_and_has_the_older_token(client: LeaseClie
 
 
 async def test_heartbeat_keeps_a_long_job_leased(client: LeaseClient):
-    lease = await client.claim("g0", "w", ttl_ms=600)
+    lease = await client.claim("g0", "w", ttl_ms=1_500)
     assert lease is not None
     seen: list[bool] = []
 
     async def long_job() -> str:
-        for _ in range(15):  # 1.5 s: well past the 600 ms TTL
+        for _ in range(25):  # 2.5 s: well past the 1.5 s TTL
             await asyncio.sleep(0.1)
             seen.append(await client.check_fence("g0", lease.token))
         return "done"
@@ -302,6 +302,37 @@ async def test_timeout_and_cancel_leave_no_subscription_and_no_waiter(client: Le
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert await subscribers(client) == 0
+    assert await client.redis.zcard("gpu:waiters:p") == 0
+
+
+async def test_waiters_share_one_feed_that_survives_a_broken_connection(client: LeaseClient):
+    pool = Pool("p", ["g0"])
+    held = await client.claim("g0", "busy")
+    assert held is not None
+    tasks = [
+        asyncio.create_task(client.wait_for_gpu(pool, f"w{i}", timeout=60, fallback_interval_s=LONG))
+        for i in range(10)
+    ]
+
+    async def all_waiting() -> bool:
+        return await client.redis.zcard("gpu:waiters:p") == 10
+
+    await eventually(all_waiting, "ten waiters")
+    assert len(await client.redis.client_list(_type="pubsub")) == 1  # one connection for all
+    # A release the feed cannot see (events off), then the feed's connection breaks:
+    # only the re-subscription (which re-checks every GPU) can find the free GPU.
+    await client.redis.config_set("notify-keyspace-events", "")
+    assert await client.release(held)
+    await client.redis.config_set("notify-keyspace-events", "Egx")
+    await client.redis.client_kill_filter(_type="pubsub")
+    done, pending = await asyncio.wait(tasks, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    assert len(done) == 1
+    winner = done.pop().result()
+    assert winner is not None and winner.via == "resubscribe"
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
     assert await subscribers(client) == 0
     assert await client.redis.zcard("gpu:waiters:p") == 0
 

@@ -146,6 +146,7 @@ def test_config_shape_parses():
         ({"pools": [{"name": "a", "gpus": ["g"], "set_key": "k"}]}, "redis.pools[0]"),
         ({"pools": [{"name": "a", "gpus": "g0"}]}, "redis.pools[0].gpus"),
         ({"pools": [{"name": "a", "gpus": ["g", 3]}]}, "redis.pools[0].gpus[1]"),
+        ({"pools": [{"name": "a", "gpus": ["g", "h\n"]}]}, "redis.pools[0].gpus[1]"),
         ({"pools": [{"name": "a", "discover": "yes"}]}, "redis.pools[0].discover"),
         ({"pools": [{"name": "a", "gpus": ["g"], "colour": 1}]}, "redis.pools[0].colour"),
         ({"pools": [{"name": "a", "gpus": ["g"], "backends": {"h": "b"}}]}, "redis.pools[0].backends.h"),
@@ -268,8 +269,9 @@ async def test_subscriber_gap_is_repaired_by_comparing_leases(redis_url: str, le
     try:
         await eventually(lambda: view._sub_connected, "the subscriber to connect")
         deleted = await leases.claim("g0", "w0", ttl_ms=60_000)
-        assert deleted and await leases.claim("g1", "w1", ttl_ms=300)
+        assert deleted and await leases.claim("g1", "w1", ttl_ms=1_500)
         await view.refresh({})
+        assert view.status()["pools"]["a100"]["leases_held"] == 2  # both in the baseline
         # Cut the feed and keep it down while g0 is released and g1 expires.
         gate.clear()
         await leases.redis.client_kill_filter(_type="pubsub")
@@ -366,7 +368,7 @@ async def test_round_trips_do_not_grow_with_pools_or_routes(redis_url: str, leas
     await big.refresh({})
     after = await calls()
     assert small.round_trips_last == big.round_trips_last == 1
-    assert big.commands_last > 10 * small.commands_last
+    assert big.commands_last > small.commands_last
     used = {k for k in after if after[k] != before.get(k, 0)}
     assert not {"cmdstat_keys", "cmdstat_scan"} & used, used
     assert value(render(big), "llm_gpu_leases_held", pool="p0") == 167

@@ -339,6 +339,157 @@ class ReconcileReport:
         }
 
 
+# --------------------------------------------------------------------------- keyevent feed
+
+RESUBSCRIBED = object()  # queued to every waiter after the feed was lost and re-made
+
+
+async def subscribe_confirmed(pubsub: Any, channels: Sequence[str], deadline: float) -> None:
+    """SUBSCRIBE and wait until Redis confirms every channel: only from then on are
+    events guaranteed to reach us, so only then may a waiter try its first claim."""
+    await pubsub.subscribe(*channels)
+    loop = asyncio.get_running_loop()
+    confirmed = 0
+    while confirmed < len(channels):
+        left = deadline - loop.time()
+        if left <= 0:
+            raise asyncio.TimeoutError("keyevent subscription not confirmed before the deadline")
+        msg = await pubsub.get_message(timeout=left)
+        if msg is not None and msg.get("type") == "subscribe":
+            confirmed += 1
+
+
+class KeyeventFeed:
+    """One pub/sub connection, subscribed to the ``del`` and ``expired`` keyevent
+    channels while at least one waiter of the client is waiting.
+
+    Each lease event goes, as ``(gpu, reason)``, to ONE local waiter whose pool has that
+    GPU: the longest-waiting one with nothing queued, else the longest-waiting one. One
+    claim per process per release is enough: if it fails, another process holds the GPU
+    and no other local waiter could have won it. Waking every local waiter instead
+    would send N claims per release (a thundering herd). A waiter that leaves with
+    events still queued hands them on. If the connection breaks it is made again and
+    every waiter gets RESUBSCRIBED (then all re-check: events were lost)."""
+
+    def __init__(self, redis: aioredis.Redis, keys: LeaseKeys, db: int, reconnect_max_s: float = 1.0):
+        self.redis, self.keys = redis, keys
+        self.channels = keyevent_channels(db)
+        self.reconnect_max_s = reconnect_max_s
+        self.waiters: dict[asyncio.Queue[Any], set[str]] = {}
+        self._pubsub: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._live = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+    async def join(self, gpus: set[str], deadline: float) -> asyncio.Queue[Any]:
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.waiters[queue] = gpus
+        try:
+            async with self._lock:
+                if self._task is None or self._task.done():
+                    await self._open(deadline)
+            left = deadline - asyncio.get_running_loop().time()
+            async with asyncio.timeout(max(left, 0.001)):
+                await self._live.wait()  # the feed may be re-subscribing after a break
+        except BaseException:
+            await self.leave(queue)
+            raise
+        return queue
+
+    async def leave(self, queue: asyncio.Queue[Any]) -> None:
+        self.waiters.pop(queue, None)
+        while not queue.empty():  # events it did not get to: hand them on
+            event = queue.get_nowait()
+            if event is not RESUBSCRIBED:
+                self._dispatch(*event)
+        if self.waiters:
+            return
+        async with self._lock:
+            if self.waiters:  # someone joined meanwhile: keep the feed
+                return
+            task, pubsub = self._task, self._pubsub
+            self._task = self._pubsub = None
+            self._live.clear()
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            await self._close(pubsub)
+
+    @staticmethod
+    async def _close(pubsub: Any) -> None:
+        if pubsub is None:
+            return
+        with contextlib.suppress(Exception):
+            await pubsub.unsubscribe()
+        with contextlib.suppress(Exception):
+            await pubsub.aclose()
+
+    async def _open(self, deadline: float) -> None:
+        pubsub = self.redis.pubsub()
+        try:
+            await subscribe_confirmed(pubsub, self.channels, deadline)
+        except BaseException:
+            await self._close(pubsub)
+            raise
+        self._pubsub = pubsub
+        self._live.set()
+        self._task = asyncio.create_task(self._read(), name="lease-keyevent-feed")
+
+    async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
+        backoff = 0.05
+        while True:
+            try:
+                msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the connection broke: its events are lost
+                log.warning("lease keyevent feed lost (%r); resubscribing", e)
+                self._live.clear()
+                while True:
+                    await self._close(self._pubsub)
+                    self._pubsub = None
+                    if not self.waiters:
+                        return
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, self.reconnect_max_s)
+                    pubsub = self.redis.pubsub()
+                    try:
+                        await subscribe_confirmed(pubsub, self.channels, loop.time() + 5.0)
+                    except asyncio.CancelledError:
+                        await self._close(pubsub)
+                        raise
+                    except Exception:
+                        await self._close(pubsub)
+                        continue
+                    self._pubsub = pubsub
+                    self._live.set()
+                    backoff = 0.05
+                    for queue in list(self.waiters):
+                        queue.put_nowait(RESUBSCRIBED)
+                    break
+                continue
+            if msg is None or msg.get("type") != "message":
+                continue
+            gpu = self.keys.gpu_of(_s(msg["data"]))
+            if gpu is None:
+                continue
+            self._dispatch(gpu, _s(msg["channel"]).rsplit(":", 1)[-1])
+
+    def _dispatch(self, gpu: str, reason: str) -> None:
+        fallback: asyncio.Queue[Any] | None = None
+        for queue, gpus in self.waiters.items():  # in join order: longest waiting first
+            if gpu in gpus:
+                if queue.empty():
+                    queue.put_nowait((gpu, reason))
+                    return
+                if fallback is None:
+                    fallback = queue
+        if fallback is not None:
+            fallback.put_nowait((gpu, reason))
+
+
 # --------------------------------------------------------------------------- client
 
 
@@ -369,6 +520,7 @@ class LeaseClient:
         self._check_fence = redis.register_script(CHECK_FENCE_LUA)
         self._delete_if_holder = redis.register_script(DELETE_IF_HOLDER_LUA)
         self._notifications_ok = False
+        self._feed = KeyeventFeed(redis, self.keys, self.db)
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> LeaseClient:
@@ -550,36 +702,41 @@ class LeaseClient:
     ) -> Lease | None:
         """Claim a free GPU of ``pool``, waiting up to ``timeout`` seconds; None on timeout.
 
-        Order: subscribe to the ``del`` and ``expired`` keyevent channels and wait for
-        Redis to confirm, THEN try to claim, then wait on the feed and try again on every
-        event for one of the pool's lease keys. A release between the first claim and
-        the wait is therefore already queued on our subscription. Every
-        ``fallback_interval_s`` (default 1 s) it re-checks all GPUs anyway, because pub/sub
-        drops what a disconnected subscriber misses. ``after_first_miss`` is a test hook
-        run after the first claim found every GPU busy.
+        Order: join the keyevent feed (subscribed to ``del`` and ``expired``, confirmed
+        by Redis) FIRST, then try to claim, then wait on the feed and try again on every
+        event for one of the pool's lease keys (another waiter may win it). A release
+        between the first claim and the wait is therefore already queued for us. Every
+        ``fallback_interval_s`` (default 1 s) it re-checks all GPUs anyway, because
+        pub/sub drops what a disconnected subscriber misses. ``after_first_miss`` is a
+        test hook run after the first claim found every GPU busy.
 
-        The waiter is listed in ``<waiters_prefix><pool>`` (scored by its deadline, in
-        Unix ms) while it waits. Cancellation and timeout unsubscribe, close the pub/sub
-        connection and remove the waiter.
+        The waiters of one client share one pub/sub connection (see :class:`KeyeventFeed`);
+        the last one to leave unsubscribes and closes it. A waiter whose first claim
+        failed is listed in ``<waiters_prefix><pool>`` (scored by its deadline, Unix ms)
+        until it returns. Timeout and cancellation remove it and its subscription.
         """
         if not self._notifications_ok:
             await self.check_notifications()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         fallback = self.fallback_interval_s if fallback_interval_s is None else fallback_interval_s
-        gpus = set(pool.gpus)
         waiter = f"{holder}:{uuid.uuid4().hex[:12]}"
         waiters_key = self.keys.waiters(pool.name)
         claim_kw = {"ttl_ms": ttl_ms, "job_id": job_id}
-        pubsub = self.redis.pubsub()
+        queue: asyncio.Queue[Any] | None = None
         registered = False
         try:
-            await self._subscribe(pubsub, deadline)
-            await self._register_waiter(pool, waiter, int((time.time() + timeout) * 1000))
-            registered = True
+            try:
+                queue = await self._feed.join(set(pool.gpus), deadline)
+            except asyncio.TimeoutError:
+                return None
             lease = await self._claim_cancel_safe(pool.gpus, holder, **claim_kw)
             if lease is not None:
                 return lease
+            # Listed only once it really waits (the feed is already joined, so the
+            # order of these two does not matter for the race).
+            await self._register_waiter(pool, waiter, int((time.time() + timeout) * 1000))
+            registered = True
             if after_first_miss is not None:
                 await after_first_miss()
             next_fallback = loop.time() + fallback
@@ -594,58 +751,27 @@ class LeaseClient:
                     next_fallback = loop.time() + fallback
                     continue
                 try:
-                    msg = await pubsub.get_message(
-                        ignore_subscribe_messages=True, timeout=min(deadline, next_fallback) - now
-                    )
-                except _TRANSIENT as e:
-                    # The feed broke: what it would have told us is lost. Resubscribe
-                    # (subscribe first, again) and re-check everything.
-                    log.warning("wait_for_gpu: keyevent feed lost (%r); resubscribing", e)
-                    with contextlib.suppress(Exception):
-                        await pubsub.aclose()
-                    await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
-                    pubsub = self.redis.pubsub()
-                    with contextlib.suppress(*_TRANSIENT):
-                        await self._subscribe(pubsub, deadline)
-                        lease = await self._claim_cancel_safe(pool.gpus, holder, via="resubscribe", **claim_kw)
-                        if lease is not None:
-                            return lease
+                    async with asyncio.timeout(min(deadline, next_fallback) - now):
+                        event = await queue.get()
+                except TimeoutError:
                     continue
-                if msg is None or msg.get("type") != "message":
-                    continue
-                gpu = self.keys.gpu_of(_s(msg["data"]))
-                if gpu is None or gpu not in gpus:
-                    continue
-                reason = _s(msg["channel"]).rsplit(":", 1)[-1]
-                # Another waiter may win this one; then we keep waiting.
-                lease = await self._claim_cancel_safe([gpu], holder, start=0, via=reason, **claim_kw)
+                if event is RESUBSCRIBED:
+                    # The feed was down: its events are lost. Re-check everything.
+                    lease = await self._claim_cancel_safe(pool.gpus, holder, via="resubscribe", **claim_kw)
+                else:
+                    gpu, reason = event
+                    lease = await self._claim_cancel_safe([gpu], holder, start=0, via=reason, **claim_kw)
                 if lease is not None:
                     return lease
         finally:
-            await self._cleanup_wait(pubsub, waiters_key, waiter if registered else None)
+            await self._cleanup_wait(queue, waiters_key, waiter if registered else None)
 
-    async def _subscribe(self, pubsub: Any, deadline: float) -> None:
-        """SUBSCRIBE and wait for Redis to confirm both channels: only then are events
-        guaranteed to reach us, so only then may the first claim be tried."""
-        channels = keyevent_channels(self.db)
-        await pubsub.subscribe(*channels)
-        loop = asyncio.get_running_loop()
-        confirmed = 0
-        while confirmed < len(channels):
-            left = deadline - loop.time()
-            msg = await pubsub.get_message(timeout=max(left, 0.001))
-            if msg is not None and msg.get("type") == "subscribe":
-                confirmed += 1
-            elif msg is None and loop.time() >= deadline:
-                raise asyncio.TimeoutError("keyevent subscription not confirmed before the deadline")
-
-    async def _cleanup_wait(self, pubsub: Any, waiters_key: str, waiter: str | None) -> None:
-        # Runs after a cancellation too; each step is independent so that a broken
-        # connection does not leave the others undone.
-        with contextlib.suppress(Exception):
-            await pubsub.unsubscribe()
-        with contextlib.suppress(Exception):
-            await pubsub.aclose()
+    async def _cleanup_wait(self, queue: asyncio.Queue[Any] | None, waiters_key: str, waiter: str | None) -> None:
+        # Runs after a cancellation too; each step on its own so a broken connection
+        # does not leave the other undone.
+        if queue is not None:
+            with contextlib.suppress(Exception):
+                await self._feed.leave(queue)
         if waiter is not None:
             with contextlib.suppress(Exception):
                 await self.redis.zrem(waiters_key, waiter)
@@ -762,3 +888,63 @@ def parse_lease(gpu: str, value: Any, pttl: Any, info: Sequence[Any]) -> LeaseSt
         int(claimed) if claimed else None,
         job if job is not None else None,
     )
+
+
+# ARGV: lease prefix, info prefix, then the GPU ids of one chunk joined by newlines.
+# Returns, for each HELD lease only, six fields: index (1-based), holder, PTTL, info
+# holder, token, claimed_ms ('' if absent). It reads only the keys it is given (never
+# SCAN). The ids travel as one string because encoding 20,000 separate arguments per
+# refresh was most of the exporter's cost; the keys are therefore not declared, which is
+# fine on one Redis (in Cluster, give the pool's keys one hash tag). One script per
+# chunk of READ_CHUNK GPUs keeps each one short (Redis runs scripts one at a time),
+# and a pipeline of chunks costs one round trip however large the pool.
+READ_LEASES_LUA = """
+local out = {}
+local i = 0
+for gpu in string.gmatch(ARGV[3], '[^\\n]+') do
+  i = i + 1
+  local key = ARGV[1] .. gpu
+  local v = redis.call('GET', key)
+  if v then
+    local info = redis.call('HMGET', ARGV[2] .. gpu, 'holder', 'token', 'claimed_ms')
+    out[#out + 1] = i
+    out[#out + 1] = v
+    out[#out + 1] = redis.call('PTTL', key)
+    out[#out + 1] = info[1] or ''
+    out[#out + 1] = info[2] or ''
+    out[#out + 1] = info[3] or ''
+  end
+end
+return out
+"""
+READ_CHUNK = 500
+
+
+def read_leases_chunks(gpus: Sequence[str]) -> list[tuple[Sequence[str], str]]:
+    """The GPUs in chunks, each with its ids joined for READ_LEASES_LUA."""
+    out = []
+    for i in range(0, len(gpus), READ_CHUNK):
+        chunk = gpus[i: i + READ_CHUNK]
+        out.append((chunk, "\n".join(chunk)))
+    return out
+
+
+def add_read_leases(pipe: Any, keys: LeaseKeys, joined: str) -> None:
+    """Queue the read of one chunk of GPUs (see READ_LEASES_LUA) on a pipeline."""
+    pipe.eval(READ_LEASES_LUA, 0, keys.lease_prefix, keys.info_prefix, joined)
+
+
+def parse_read_leases(chunk: Sequence[str], reply: Sequence[Any]) -> dict[str, LeaseState]:
+    """The held leases of one chunk, by GPU id."""
+    out: dict[str, LeaseState] = {}
+    if reply and isinstance(reply[1], bytes):
+        reply = [_s(x) for x in reply]
+    for j in range(0, len(reply), 6):
+        gpu = chunk[int(reply[j]) - 1]
+        holder, pttl, info_holder, token, claimed = reply[j + 1: j + 6]
+        ttl_ms = int(pttl) if int(pttl) >= 0 else None
+        if info_holder != holder:  # old-style lease, or a leftover side hash of someone else
+            out[gpu] = LeaseState(gpu, holder, ttl_ms)
+        else:
+            out[gpu] = LeaseState(gpu, holder, ttl_ms, int(token) if token else None, int(claimed) if claimed else None)
+    return out
