@@ -246,3 +246,38 @@ async def test_cli_exit_codes(sim_server, ticker):
 async def test_cli_rejects_bad_arguments():
     rc, _, err = await _cli("check", "http://127.0.0.1:1", "--interval", "-1")
     assert rc == 2 and "--interval" in err
+
+
+async def test_gzip_payload_is_read(sim_server, ticker):
+    s = await sim_server(scenario="saturated")
+    s.metrics_mode = "gzip"
+    ticker.append(s)
+    r = await check(s.url)
+    assert r["state"] == "busy"
+
+
+async def test_gzip_bomb_is_capped_after_decompression(sim_server):
+    s = await sim_server(scenario="idle")
+    s.metrics_mode = "gzip_bomb"
+    r = await check(s.url)
+    assert r["state"] == "no_metrics" and "larger than" in r["reason"]
+
+
+async def test_half_open_backend_is_down_after_both_timeouts():
+    """A server that accepts connections and never answers: down only once both endpoints timed out."""
+    writers = []
+
+    async def silent(reader, writer):
+        writers.append(writer)
+        await asyncio.sleep(3600)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        r = await check(f"http://127.0.0.1:{port}", metrics_timeout=0.5, rounds=1)
+    finally:
+        for w in writers:
+            w.close()
+        server.close()
+    assert (r["state"], r["exit_code"]) == ("down", 2)
+    assert "timeout" in r["reason"]

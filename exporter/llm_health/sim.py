@@ -320,6 +320,16 @@ class SimServer:
             return web.Response(text='vllm:num_requests_running{model_name="x" 1\n\x00\x01 not exposition', content_type="text/plain")
         if mode == "huge":
             return web.Response(body=b"# padding\n" * 3_000_000, content_type="text/plain")
+        if mode == "gzip":
+            resp = web.Response(body=self.payload().encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+            resp.enable_compression(web.ContentCoding.gzip)
+            return resp
+        if mode == "gzip_bomb":
+            # 64 MiB of comment lines in about 64 KiB on the wire: the size cap must apply after gunzip.
+            import gzip
+
+            bomb = gzip.compress(b"#" * (64 * 1024 * 1024), compresslevel=9)
+            return web.Response(body=bomb, headers={"Content-Type": "text/plain", "Content-Encoding": "gzip"})
         if mode == "slow":
             await asyncio.sleep(self.slow_seconds)
         return web.Response(body=self.payload().encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
