@@ -51,7 +51,7 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    server = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.strip()
+    server = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, check=False).stdout.strip()
     return (
         f"machine: {platform.platform()}, {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"redis-py {redis.__version__}\n{server}"
@@ -85,7 +85,7 @@ async def handoff_ours(url: str, n: int) -> tuple[list[float], list[float]]:
             assert held is not None
             blocked = asyncio.Event()
 
-            async def wait():
+            async def wait(blocked: asyncio.Event = blocked):
                 async def on_miss():
                     blocked.set()
 
@@ -119,7 +119,7 @@ async def handoff_polling(url: str, n: int) -> list[float]:
             assert await held.acquire(blocking=False)
             nxt = r2.lock("gpu:lease:g0", timeout=30)
 
-            async def wait():
+            async def wait(nxt=nxt):
                 ok = await nxt.acquire(blocking=True, blocking_timeout=10)
                 return ok, time.perf_counter()
 

@@ -53,7 +53,7 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    server = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.strip()
+    server = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, check=False).stdout.strip()
     try:
         import hiredis  # noqa: F401
 

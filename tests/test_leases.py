@@ -337,6 +337,22 @@ async def test_waiters_share_one_feed_that_survives_a_broken_connection(client: 
     assert await client.redis.zcard("gpu:waiters:p") == 0
 
 
+async def test_a_short_waiter_never_shortens_the_waiter_list_ttl(client: LeaseClient):
+    pool = Pool("p", ["g0"])
+    assert await client.claim("g0", "busy")
+    long = asyncio.create_task(client.wait_for_gpu(pool, "long", timeout=600))
+
+    async def listed() -> bool:
+        return await client.redis.zcard("gpu:waiters:p") == 1
+
+    await eventually(listed, "the long waiter")
+    assert await client.wait_for_gpu(pool, "short", timeout=0.1) is None
+    assert await client.redis.pttl("gpu:waiters:p") > 500_000  # still the long one's
+    long.cancel()
+    await asyncio.gather(long, return_exceptions=True)
+    assert await client.redis.zcard("gpu:waiters:p") == 0
+
+
 async def test_waiter_that_wins_first_try_never_waits(client: LeaseClient):
     lease = await client.wait_for_gpu(Pool("p", ["g0", "g1"]), "w", timeout=5)
     assert lease is not None and lease.via == "claim"

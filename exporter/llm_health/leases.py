@@ -49,7 +49,7 @@ DEFAULT_FALLBACK_INTERVAL_S = 1.0
 # g (generic commands: del) and x (expired), or A which includes g and x.
 NEEDED_KEYSPACE_FLAGS = "Egx"
 
-_TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+_TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
 
 
 # --------------------------------------------------------------------------- keys
@@ -247,6 +247,19 @@ if redis.call('HGET', KEYS[2], 'token') ~= ARGV[1] then return 0 end
 return 1
 """
 
+# KEYS: waiters zset. ARGV: waiter id, its deadline (Unix ms), now (Unix ms), TTL wanted.
+# Drops the waiters whose deadline has passed (they died without their cleanup), lists
+# this one, and only ever extends the key's TTL (a short waiter must not expire a long
+# one's entry): nothing stays behind once every deadline has passed.
+ADD_WAITER_LUA = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[3])
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[4]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+end
+return 1
+"""
+
 # KEYS: lease, info. ARGV: holder expected. Deletes the lease only if it still holds
 # that holder (reconcile must not delete a lease claimed since it looked).
 DELETE_IF_HOLDER_LUA = """
@@ -353,7 +366,7 @@ async def subscribe_confirmed(pubsub: Any, channels: Sequence[str], deadline: fl
     while confirmed < len(channels):
         left = deadline - loop.time()
         if left <= 0:
-            raise asyncio.TimeoutError("keyevent subscription not confirmed before the deadline")
+            raise TimeoutError("keyevent subscription not confirmed before the deadline")
         msg = await pubsub.get_message(timeout=left)
         if msg is not None and msg.get("type") == "subscribe":
             confirmed += 1
@@ -519,6 +532,7 @@ class LeaseClient:
         self._release = redis.register_script(RELEASE_LUA)
         self._check_fence = redis.register_script(CHECK_FENCE_LUA)
         self._delete_if_holder = redis.register_script(DELETE_IF_HOLDER_LUA)
+        self._add_waiter = redis.register_script(ADD_WAITER_LUA)
         self._notifications_ok = False
         self._feed = KeyeventFeed(redis, self.keys, self.db)
 
@@ -668,13 +682,10 @@ class LeaseClient:
     # ------------------------------------------------------------ waiting
 
     async def _register_waiter(self, pool: Pool, waiter: str, deadline_ms: int) -> None:
-        key = self.keys.waiters(pool.name)
-        pipe = self.redis.pipeline(transaction=False)
-        # Waiters that died without their finally are dropped once their deadline passes.
-        pipe.zremrangebyscore(key, "-inf", f"({int(time.time() * 1000)}")
-        pipe.zadd(key, {waiter: deadline_ms})
-        pipe.pexpire(key, max(1, deadline_ms - int(time.time() * 1000)) + 60_000)
-        await pipe.execute()
+        now = int(time.time() * 1000)
+        await self._add_waiter(
+            keys=[self.keys.waiters(pool.name)], args=[waiter, deadline_ms, now, max(1, deadline_ms - now) + 60_000]
+        )
 
     async def _claim_cancel_safe(self, gpus: Sequence[str], holder: str, **kw: Any) -> Lease | None:
         """A claim whose result is not lost if the caller is cancelled while Redis runs
@@ -728,7 +739,7 @@ class LeaseClient:
         try:
             try:
                 queue = await self._feed.join(set(pool.gpus), deadline)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None
             lease = await self._claim_cancel_safe(pool.gpus, holder, **claim_kw)
             if lease is not None:

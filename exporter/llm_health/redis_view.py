@@ -296,11 +296,11 @@ class RedisView:
         self.config = config
         self.keys = config.lease_keys
         self.qkeys = config.queue_keys
-        common = dict(
-            decode_responses=True,
-            socket_timeout=config.timeout_s,
-            socket_connect_timeout=config.timeout_s,
-        )
+        common: dict[str, Any] = {
+            "decode_responses": True,
+            "socket_timeout": config.timeout_s,
+            "socket_connect_timeout": config.timeout_s,
+        }
         # One retry without backoff: a pooled connection that died with a Redis restart
         # is replaced at once; a Redis that is down fails the refresh fast.
         self.redis = redis or aioredis.Redis.from_url(config.url, retry=Retry(NoBackoff(), 1), **common)
@@ -355,7 +355,7 @@ class RedisView:
 
     async def start(self) -> None:
         self._stopping = False
-        with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
             await self._check_keyspace_events()
         if self._sub_task is None and self.config.pools:
             self._sub_task = asyncio.create_task(self._subscriber(), name="redis-view-keyevents")
@@ -398,7 +398,7 @@ class RedisView:
         try:
             self._snapshot = await self._read(dict(backend_states))
             self._up, self._error = True, None
-        except (RedisError, OSError, asyncio.TimeoutError) as e:
+        except (RedisError, OSError, TimeoutError) as e:
             self._up, self._error = False, f"{type(e).__name__}: {e}"
             log.warning("redis view: refresh failed: %s", self._error)
         except Exception as e:  # a bug must not take the exporter down either
@@ -627,7 +627,7 @@ class RedisView:
                 while confirmed < len(channels):
                     msg = await pubsub.get_message(timeout=self.config.timeout_s)
                     if msg is None:
-                        raise asyncio.TimeoutError("keyevent subscription not confirmed")
+                        raise TimeoutError("keyevent subscription not confirmed")
                     if msg["type"] == "subscribe":
                         confirmed += 1
                 self._gap_open = False
