@@ -4,6 +4,7 @@
     llm-health serve --config.file FILE                      the Prometheus exporter
     llm-health config check FILE                              validate a config
     llm-health demo                                           a simulated fleet, live
+    llm-health restarter --config.file FILE                  the Alertmanager webhook receiver (docs/restarts.md)
 """
 
 from __future__ import annotations
@@ -217,6 +218,12 @@ def cmd_demo(args) -> int:
     return asyncio.run(run_demo(duration=args.duration, listen=args.web_listen_address, interval=args.interval))
 
 
+def cmd_restarter(args) -> int:
+    from . import restarter
+
+    return restarter.serve(args.config_file, args.web_listen_address, token_file=args.token_file, token_env=args.token_env, dry_run=args.dry_run)
+
+
 # --- parser ---------------------------------------------------------------------------
 
 
@@ -266,6 +273,14 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--interval", type=_positive, default=2.0, help="exporter round interval")
     d.add_argument("--web.listen-address", dest="web_listen_address", type=_listen, default=_listen("127.0.0.1:9118"))
     d.set_defaults(func=cmd_demo)
+
+    r = sub.add_parser("restarter", help="Alertmanager webhook receiver: re-verifies LLMBackendHung/VLLMEngineHung, restarts within a budget")
+    r.add_argument("--config.file", dest="config_file", required=True, help="restarter YAML (docs/restarts.md)")
+    r.add_argument("--web.listen-address", dest="web_listen_address", type=_listen, default=_listen("127.0.0.1:9120"))
+    r.add_argument("--web.token-file", dest="token_file", help="file holding the bearer token Alertmanager sends (credentials_file)")
+    r.add_argument("--web.token-env", dest="token_env", default="LLM_HEALTH_RESTARTER_TOKEN", help="environment variable holding the token when no file is given")
+    r.add_argument("--dry-run", action="store_true", help="verify and report what would be restarted; run no restart command")
+    r.set_defaults(func=cmd_restarter)
     return p
 
 
