@@ -162,9 +162,8 @@ def default_instance(url: str) -> str:
 
 
 def parse_config(data, where: str = "<config>") -> RestarterConfig:
-    from . import (
-        config as exporter_config,  # duration and read_api_key: one spelling of both
-    )
+    # The exporter's duration and read_api_key: one spelling of both.
+    from . import config as exporter_config
 
     duration = exporter_config.duration
     data = _mapping(data, where, "(top level)")
