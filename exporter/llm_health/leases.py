@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from redis import asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -183,6 +185,19 @@ def required_keyspace_command(current: str) -> str | None:
 
 def keyevent_channels(db: int) -> tuple[str, str]:
     return (f"__keyevent@{db}__:del", f"__keyevent@{db}__:expired")
+
+
+def _without_retries(redis: aioredis.Redis) -> aioredis.Redis:
+    """A client on the same server and settings as ``redis`` whose connections never
+    retry: a pub/sub reader must see each disconnection to know events were lost."""
+    pool = redis.connection_pool
+    kwargs = {
+        k: v
+        for k, v in pool.connection_kwargs.items()
+        if not k.startswith(("maint_notifications", "orig_")) and k != "himport_registry"
+    }
+    kwargs["retry"] = Retry(NoBackoff(), 0)
+    return aioredis.Redis(connection_pool=type(pool)(connection_class=pool.connection_class, **kwargs))
 
 
 def _db_of(redis: aioredis.Redis) -> int:
@@ -355,6 +370,7 @@ class ReconcileReport:
 # --------------------------------------------------------------------------- keyevent feed
 
 RESUBSCRIBED = object()  # queued to every waiter after the feed was lost and re-made
+FEED_IDLE_PING_S = 15.0  # a feed silent this long sends itself a message; none back in as long: broken
 
 
 async def subscribe_confirmed(pubsub: Any, channels: Sequence[str], deadline: float) -> None:
@@ -386,7 +402,12 @@ class KeyeventFeed:
 
     def __init__(self, redis: aioredis.Redis, keys: LeaseKeys, db: int, reconnect_max_s: float = 1.0):
         self.redis, self.keys = redis, keys
-        self.channels = keyevent_channels(db)
+        # The feed must SEE every broken connection (its events are lost then): redis-py's
+        # retries would reconnect and resubscribe behind our back, so none on this one.
+        self._sub_redis = _without_retries(redis)
+        # The keyevent channels, and one of our own for liveness checks.
+        self.liveness_channel = f"llm-health:feed:{uuid.uuid4().hex}"
+        self.channels = (*keyevent_channels(db), self.liveness_channel)
         self.reconnect_max_s = reconnect_max_s
         self.waiters: dict[asyncio.Queue[Any], set[str]] = {}
         self._pubsub: Any = None
@@ -438,8 +459,11 @@ class KeyeventFeed:
         with contextlib.suppress(Exception):
             await pubsub.aclose()
 
+    async def aclose(self) -> None:
+        await self._sub_redis.aclose()
+
     async def _open(self, deadline: float) -> None:
-        pubsub = self.redis.pubsub()
+        pubsub = self._sub_redis.pubsub()
         try:
             await subscribe_confirmed(pubsub, self.channels, deadline)
         except BaseException:
@@ -452,9 +476,19 @@ class KeyeventFeed:
     async def _read(self) -> None:
         loop = asyncio.get_running_loop()
         backoff = 0.05
+        awaiting_pong = False
         while True:
             try:
-                msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
+                msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=FEED_IDLE_PING_S)
+                if msg is None:
+                    # Silence: a dead peer without a reset would block us forever. Send
+                    # ourselves a message; if it does not come back, the feed is broken.
+                    if awaiting_pong:
+                        raise TimeoutError("keyevent feed: our own liveness message did not come back")
+                    await self.redis.publish(self.liveness_channel, "1")
+                    awaiting_pong = True
+                    continue
+                awaiting_pong = False
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the connection broke: its events are lost
@@ -467,7 +501,7 @@ class KeyeventFeed:
                         return
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, self.reconnect_max_s)
-                    pubsub = self.redis.pubsub()
+                    pubsub = self._sub_redis.pubsub()
                     try:
                         await subscribe_confirmed(pubsub, self.channels, loop.time() + 5.0)
                     except asyncio.CancelledError:
@@ -479,6 +513,7 @@ class KeyeventFeed:
                     self._pubsub = pubsub
                     self._live.set()
                     backoff = 0.05
+                    awaiting_pong = False
                     for queue in list(self.waiters):
                         queue.put_nowait(RESUBSCRIBED)
                     break
@@ -541,6 +576,7 @@ class LeaseClient:
         return cls(aioredis.Redis.from_url(url, decode_responses=True), **kwargs)
 
     async def aclose(self) -> None:
+        await self._feed.aclose()
         await self.redis.aclose()
 
     # ------------------------------------------------------------ claim / renew / release

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,7 @@ IDLE_STATE = "idle"
 RELEASE_REASONS = ("del", "expired")
 DRIFT_KINDS = ("lease_on_idle_backend", "busy_without_lease")
 STATUS_LIST_CAP = 50  # GPU ids listed per drift kind in /status
+FEED_IDLE_PING_S = 15.0  # the keyevent subscriber checks itself after this long without traffic
 
 
 # ============================================================================ config
@@ -611,7 +613,8 @@ class RedisView:
             self._baseline.pop(gpu, None)
 
     async def _subscriber(self) -> None:
-        channels = keyevent_channels(self.db)
+        liveness = f"llm-health:view:{uuid.uuid4().hex}"
+        channels = (*keyevent_channels(self.db), liveness)
         backoff = 0.05
         while not self._stopping:
             pubsub = self._sub_redis.pubsub()
@@ -635,9 +638,19 @@ class RedisView:
                 self._sub_epoch += 1
                 self._sub_error = None
                 backoff = 0.05
+                awaiting_pong = False
                 while True:
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
-                    if msg is not None and msg["type"] == "message":
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=FEED_IDLE_PING_S)
+                    if msg is None:
+                        # Silence: a dead peer without a reset would block us forever. Send
+                        # ourselves a message; if it does not come back, the feed is broken.
+                        if awaiting_pong:
+                            raise TimeoutError("keyevent feed: our own liveness message did not come back")
+                        await self.redis.publish(liveness, "1")
+                        awaiting_pong = True
+                        continue
+                    awaiting_pong = False
+                    if msg["type"] == "message":
                         self._on_event(_s(msg["channel"]), _s(msg["data"]))
             except asyncio.CancelledError:
                 raise
