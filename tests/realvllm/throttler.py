@@ -1,0 +1,75 @@
+"""Duty-cycle processes with SIGSTOP/SIGCONT: a slow but healthy engine.
+
+    python throttler.py RUN_MS PERIOD_MS PID [PID ...]
+
+Runs in its own process (so the test process's GIL and load threads cannot stretch
+the run windows), at real-time priority where allowed, else at the lowest nice.
+Each period: SIGCONT, sleep RUN_MS, SIGSTOP, sleep the rest, on an absolute clock.
+Stops on SIGTERM/SIGINT or when stdin closes, and always leaves every PID continued.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+
+def main(argv: list[str]) -> int:
+    run_s = float(argv[1]) / 1000
+    period_s = float(argv[2]) / 1000
+    pids = [int(p) for p in argv[3:]]
+    done = threading.Event()
+
+    def on_signal(*_):
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    def watch_stdin():  # parent died or closed the pipe: stop
+        try:
+            sys.stdin.buffer.read()
+        except Exception:
+            pass
+        done.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+    except (OSError, AttributeError):
+        try:
+            os.nice(-20)
+        except OSError:
+            pass
+
+    def send(sig: int) -> None:
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+
+    t = time.monotonic()
+    sys.stdout.write("started\n")
+    sys.stdout.flush()
+    try:
+        while not done.is_set():
+            send(signal.SIGCONT)
+            if done.wait(max(0.0, t + run_s - time.monotonic())):
+                break
+            send(signal.SIGSTOP)
+            t += period_s
+            now = time.monotonic()
+            if t < now:  # fell behind: do not burst to catch up
+                t = now
+            done.wait(max(0.0, t - now))
+    finally:
+        send(signal.SIGCONT)
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown racing the stdin watcher thread
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
