@@ -585,6 +585,24 @@ class VLLMServer:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p, signal.SIGCONT)
 
+    def stop_with_work(self, n: int = 4, max_tokens: int = 1000,
+                       prompt: str | list[int] = "Hello", timeout: float = 60) -> "Load":
+        """Send `n` long completions and SIGSTOP the engine while they are surely in
+        flight; returns the Load (its threads end once the engine runs again or dies).
+
+        The load is started on a throttled engine (~7 steps/s) so that the requests
+        cannot finish between the /metrics read that shows them running and the stop:
+        at full speed 1000 tokens take ~3 s, and a /metrics read on a starved API
+        server can itself take that long. Continue with `cont_engine()`.
+        """
+        want = min(n, self.max_num_seqs)
+        with self.throttle(run_ms=20, period_ms=500):
+            load = self.load(n, max_tokens, prompt)
+            self.wait_for(lambda c: c["num_requests_running"] == want
+                          and (c["generation_tokens_total"] or 0) > 0, timeout=timeout)
+        self.stop_engine("engine")  # milliseconds after the throttle let go: a step or two
+        return load
+
     def rss_total(self) -> int:
         return sum(rss_bytes(p) for p in self.all_pids())
 

@@ -134,9 +134,7 @@ def test_long_chunked_prefill_never_hung(srv):
 
 
 def test_stopped_engine_with_work_is_hung_within_two_rounds(srv):
-    load = srv.load(4, max_tokens=1000, prompt="Hello")
-    srv.wait_for(lambda c: c["num_requests_running"] == 4, timeout=60, interval=0.05)
-    srv.stop_engine("engine")
+    load = srv.stop_with_work(4, max_tokens=1000)
     try:
         # the fact the test stands on: every vllm:* series frozen, /health still 200
         t1 = srv.metrics_text()
