@@ -60,11 +60,11 @@ async def test_stopped_engine_with_requests_in_flight_is_restarted_once(idle_vll
             await asyncio.sleep(0.05)
         await asyncio.to_thread(srv.restart)
 
-    load = srv.load(4, max_tokens=1000, prompt="Hello")
     manager = None
+    # Loaded on a throttled engine and stopped while the requests are surely in flight (at
+    # full speed they can finish between the read that shows them running and the stop).
+    load = await asyncio.to_thread(srv.stop_with_work, 4, 1000, "Hello")
     try:
-        await asyncio.to_thread(srv.wait_for, lambda c: c["num_requests_running"] == 4, 60, 0.05)
-        srv.stop_engine("engine")
         manager = asyncio.create_task(service_manager())
         answers = await asyncio.gather(*(client.post("/alerts", json=hung_alert("cpu0"), headers=AUTH) for _ in range(2)))
         firsts = [(await a.json())["alerts"][0] for a in answers]
