@@ -183,19 +183,13 @@ def cmd_config_check(args) -> int:
 
 
 def cmd_gate(args) -> int:
-    import yaml
     from aiohttp import web
 
+    from .config import load_yaml
     from .gate import Gate, parse_gate_config
 
     try:
-        try:
-            data = yaml.safe_load(open(args.config_file))
-        except OSError as exc:
-            raise ConfigError(args.config_file, "(file)", f"cannot read: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(args.config_file, "(parse)", f"not valid YAML: {exc}") from None
-        cfg = parse_gate_config(data, args.config_file)
+        cfg = parse_gate_config(load_yaml(args.config_file), args.config_file)
     except ConfigError as exc:
         print(f"llm-health: bad config: {exc}", file=sys.stderr)
         return 2

@@ -187,16 +187,21 @@ def parse(data, where: str = "<config>") -> Config:
     return Config(timing=timing, backends=tuple(backends), redis=redis, source=where)
 
 
-def load(path: str | os.PathLike) -> Config:
+def load_yaml(path: str | os.PathLike):
+    """A YAML file's data; a ConfigError naming the file and the line where it is not YAML.
+    Shared by every config the package reads (exporter, gate, restarter)."""
     where = str(path)
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise ConfigError(where, "(file)", f"cannot read: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(parse)"
         raise ConfigError(where, at, f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    return parse(data, where)
+
+
+def load(path: str | os.PathLike) -> Config:
+    return parse(load_yaml(path), str(path))

@@ -256,20 +256,9 @@ def parse_config(data, where: str = "<config>") -> RestarterConfig:
 
 
 def load_config(path: str | os.PathLike) -> RestarterConfig:
-    import yaml
+    from .config import load_yaml
 
-    where = str(path)
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(where, "(file)", f"cannot read: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(parse)"
-        raise ConfigError(where, at, f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    return parse_config(data, where)
+    return parse_config(load_yaml(path), str(path))
 
 
 # --- the webhook body (pure) ------------------------------------------------------------

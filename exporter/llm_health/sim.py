@@ -254,7 +254,34 @@ class Received:
         return self.running > 0 or self.waiting > 0
 
 
-class SimServer:
+class _Served:
+    """A simulated server's life on loopback: `start` on a free port, `stop`, `url`."""
+
+    _runner: web.AppRunner | None = None
+    port: int | None = None
+
+    def app(self) -> web.Application:
+        raise NotImplementedError
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class SimServer(_Served):
     """One simulated vLLM API server on 127.0.0.1.
 
     `metrics_mode`: `ok`, `404`, `html`, `garbage`, `slow` (answers after `slow_seconds`),
@@ -276,8 +303,6 @@ class SimServer:
         self.api_key = api_key
         self.received: list[Received] = []
         self.metrics_reads = 0
-        self._runner: web.AppRunner | None = None
-        self.port: int | None = None
 
     # --- state -----------------------------------------------------------------------
     @property
@@ -386,25 +411,9 @@ class SimServer:
         app.router.add_get("/is_paused", self._is_paused)
         return app
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=0.1)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
-        return self.url
-
-    async def stop(self) -> None:
-        if self._runner:
-            await self._runner.cleanup()
-            self._runner = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
 
-class SimProxy:
+class SimProxy(_Served):
     """A least-connection style proxy: each `/metrics` read may come from another backend,
     which is why a proxy is checked through `/v1/models` only."""
 
@@ -414,8 +423,6 @@ class SimProxy:
         self._next = 0
         self.metrics_reads = 0
         self.models_reads = 0
-        self._runner: web.AppRunner | None = None
-        self.port: int | None = None
 
     def _pick(self) -> SimServer:
         self._next = (self._next + 1) % len(self.backends)
@@ -429,25 +436,11 @@ class SimProxy:
         self.models_reads += 1
         return await self._pick()._models(request)
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
-        return self.url
-
-    async def stop(self) -> None:
-        if self._runner:
-            await self._runner.cleanup()
-            self._runner = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return app
 
 
 def dead_url() -> str:
