@@ -127,9 +127,19 @@ def main() -> int:
                                 f"{c1['num_requests_waiting']:g}, {steps:.1f} steps/s"))
             # engine stopped with the requests in flight
             srv.stop_engine("engine")
+            stopped_at = time.monotonic()
             time.sleep(1.0)
             lat, size = timed_reads(srv, max(5, args.reads // 3))
             rows.append(row("/metrics, engine SIGSTOPped, 4 in flight", lat, size))
+            # hang detection: `llm-health check` started after the stop, 2 s rounds, hung after 4 s
+            started = time.monotonic()
+            rc, result, out = harness.llm_health_check(srv.url, "--interval", "2", "--hung-after", "4")
+            took = time.monotonic() - started
+            state = result["state"] if result else f"no JSON: {out[-200:]}"
+            facts.append(f"hang detection (`llm-health check --interval 2 --hung-after 4`, engine stopped with "
+                         f"4 in flight): {state}, exit {rc}, {result['rounds'] if result else '?'} reads, "
+                         f"{took:.1f} s from the check's start ({time.monotonic() - stopped_at:.1f} s after the stop), "
+                         f"probes sent {result['probes_sent'] if result else '?'}")
             srv.cont_engine("both")
             load.wait(300)
             srv.wait_idle()
