@@ -98,6 +98,21 @@ async def stack(redis_url, tmp_path):
         await r.cleanup()
 
 
+async def recorded(redis_url, prefix, request_id, attempts=1, timeout=10.0):
+    """The id's record once the gate has written its attempt (it does so just after the
+    response, off the client's path)."""
+    q = AdmissionQueue.from_url(redis_url, prefix=prefix)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            rec = await q.read(request_id)
+            if (rec and rec.attempts >= attempts and rec.state == "done") or time.monotonic() > deadline:
+                return rec
+            await asyncio.sleep(0.01)
+    finally:
+        await q.aclose()
+
+
 def deadline_in(ms):
     return {"X-Request-Deadline-Ms": str(int(time.time() * 1000 + ms))}
 
@@ -113,9 +128,7 @@ async def test_admit_records_queue_state(stack, redis_url):
     status, body, headers = await post(url, {"X-Request-Id": "r1", **deadline_in(5000), "X-Tenant": "acme"})
     assert status == 200 and json.loads(body)["usage"]["total_tokens"] == 272
     assert up.calls[0][0] == "r1"
-    q = AdmissionQueue.from_url(redis_url, prefix=gate.cfg.queue_prefix)
-    rec = await q.read("r1")
-    await q.aclose()
+    rec = await recorded(redis_url, gate.cfg.queue_prefix, "r1")
     assert (rec.route, rec.tenant, rec.attempts, rec.token_units, rec.http_status, rec.state) == ("chat", "acme", 1, 272, 200, "done")
 
 
@@ -205,9 +218,7 @@ async def test_streaming_passes_through_byte_for_byte(stack, redis_url):
     assert b"".join(got) == b"".join(SSE_CHUNKS)
     assert len(got) > 1  # delivered as it came, not buffered into one body
     assert done_at > first_at
-    q = AdmissionQueue.from_url(redis_url, prefix=gate.cfg.queue_prefix)
-    rec = await q.read("s1")
-    await q.aclose()
+    rec = await recorded(redis_url, gate.cfg.queue_prefix, "s1")
     assert rec.token_units == 276  # from the usage chunk at the end of the stream
 
 
@@ -301,11 +312,13 @@ async def test_reopen_refused_while_queue_age_over_deadline(stack, redis_url):
         assert r.status == 200
 
 
-async def test_tenant_budget(stack):
-    url, _, _ = await stack(tenants={"small": {"token_units_per_minute": 300}})
+async def test_tenant_budget(stack, redis_url):
+    url, _, gate = await stack(tenants={"small": {"token_units_per_minute": 300}})
     h = {"X-Tenant": "small", "X-Request-Timeout-Ms": "5000"}
     assert (await post(url, {**h, "X-Request-Id": "t1"}))[0] == 200  # 272 units spent
+    await recorded(redis_url, gate.cfg.queue_prefix, "t1")
     assert (await post(url, {**h, "X-Request-Id": "t2"}))[0] == 200  # 28 left: admitted
+    await recorded(redis_url, gate.cfg.queue_prefix, "t2")
     status, body, headers = await post(url, {**h, "X-Request-Id": "t3"})
     assert status == 429 and json.loads(body)["error"]["code"] == "reject_tenant_budget" and "Retry-After" in headers
 

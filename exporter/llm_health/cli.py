@@ -31,6 +31,19 @@ def _listen(address: str) -> tuple[str, int]:
     return (host.strip("[]") or "0.0.0.0"), int(port)
 
 
+def run_app(app, host: str, port: int, **kw) -> None:
+    """aiohttp's run_app on uvloop where it is installed (about a third less CPU per request)."""
+    from aiohttp import web
+
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        loop = None
+    else:
+        loop = uvloop.new_event_loop()
+    web.run_app(app, host=host, port=port, access_log=None, print=None, loop=loop, **kw)
+
+
 def _positive(value: str) -> float:
     try:
         f = float(value)
@@ -145,7 +158,6 @@ def cmd_check(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from aiohttp import web
 
     from . import config as config_mod
     from .exporter import Exporter
@@ -162,7 +174,7 @@ def cmd_serve(args) -> int:
     host, port = args.web_listen_address
     exporter = Exporter(cfg)
     logging.getLogger("llm_health").info("listening on %s:%d with %d backends", host, port, len(cfg.backends))
-    web.run_app(exporter.app(), host=host, port=port, access_log=None, print=None)
+    run_app(exporter.app(), host, port)
     return 0
 
 
@@ -183,7 +195,6 @@ def cmd_config_check(args) -> int:
 
 
 def cmd_gate(args) -> int:
-    from aiohttp import web
 
     from .config import load_yaml
     from .gate import Gate, parse_gate_config
@@ -195,8 +206,7 @@ def cmd_gate(args) -> int:
         return 2
     host, port = args.web_listen_address
     gate = Gate(cfg)
-    runner_kw = {"handler_cancellation": True}  # a client that disconnects cancels its upstream request
-    web.run_app(gate.app(), host=host, port=port, access_log=None, print=None, **runner_kw)
+    run_app(gate.app(), host, port, handler_cancellation=True)  # a client that disconnects cancels its upstream request
     return 0
 
 

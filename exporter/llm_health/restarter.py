@@ -966,7 +966,6 @@ def read_token(token_file: str | None, token_env: str = TOKEN_ENV) -> str:
 
 
 def serve(config_file: str, listen: tuple[str, int], token_file: str | None = None, token_env: str = TOKEN_ENV, dry_run: bool = False) -> int:
-    from aiohttp import web
 
     try:
         cfg = load_config(config_file)
@@ -980,5 +979,7 @@ def serve(config_file: str, listen: tuple[str, int], token_file: str | None = No
         "restarter listening on %s:%d for %d backends%s; webhook path /alerts",
         host, port, len(cfg.targets), " (DRY RUN: restart commands are only reported)" if dry_run else "",
     )
-    web.run_app(restarter.app(), host=host, port=port, access_log=None, print=None)
+    from .cli import run_app
+
+    run_app(restarter.app(), host, port)
     return 0
