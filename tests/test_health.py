@@ -206,3 +206,17 @@ def test_paused_endpoint_is_never_hung():
         mem = v.memory
         assert v.state == "paused"
     assert isinstance(mem, Memory)
+
+
+def test_one_round_is_never_hung_however_long():
+    """Two rounds without progress are needed even when hung_after_seconds has long passed:
+    a healthy long prefill can look frozen for one round."""
+    s = Settings(hung_after_seconds=5)
+    states, _ = run([(0, reading(eng(1, 0, kv=0.1))), (60, reading(eng(1, 0, kv=0.1))), (120, reading(eng(1, 0, kv=0.1)))], settings=s)
+    assert states == ["unknown", "stalled", "hung"]
+
+
+def test_one_failed_probe_is_not_hung():
+    s = Settings(probe_interval=0)
+    states, _ = run([(0, reading(eng()))], settings=s, probes=[False])
+    assert states == ["unresponsive"]
