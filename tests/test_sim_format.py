@@ -39,15 +39,20 @@ def sim_payload(engines_n: int = 1, max_model_len: int = 32768) -> str:
     return s.payload()
 
 
+ARTIFACTS = REAL_VLLM.parents[2] / "artifacts" / "vllm-real"
+
+
 def real_captures():
-    return sorted(REAL_VLLM.glob("*.prom")) if REAL_VLLM.is_dir() else []
+    """The committed captures, and the payloads the real-vLLM tests saved in this run
+    (tests/realvllm runs first), so the simulator stays true to the engine as it is now."""
+    return [p for d in (REAL_VLLM, ARTIFACTS) if d.is_dir() for p in sorted(d.glob("*.prom"))]
 
 
 # (payload, the max_model_len it was served with: token-count buckets stop there)
 REAL = [(V1_REAL, 32768)] + [(p, 1024) for p in real_captures()]
 
 
-@pytest.mark.parametrize("real,max_model_len", REAL, ids=lambda p: getattr(p, "name", str(p)))
+@pytest.mark.parametrize("real,max_model_len", REAL, ids=lambda p: f"{p.parent.name}/{p.name}" if hasattr(p, "name") else str(p))
 def test_sim_families_match_real_vllm(real, max_model_len):
     real_shape = shape(real.read_text())
     sim_shape = shape(sim_payload(max_model_len=max_model_len))

@@ -156,6 +156,13 @@ async def test_every_panel_has_data_and_only_the_hung_backend_alerts(tmp_path, r
         drift = {r["metric"]["kind"]: float(r["value"][1]) for r in await query('llm_gpu_lease_drift{pool="a100"}')}
         assert drift == {"lease_on_idle_backend": 1.0, "busy_without_lease": 1.0}
         assert busy.received == [] and hung.received == []
+        # the exporter's output, Redis view included, and the gate's pass promtool's lint
+        async with aiohttp.ClientSession() as http:
+            for addr, must in ((eaddr, "llm_gpu_lease_drift"), (gaddr, "llm_gate_decisions_total")):
+                text = await (await http.get(f"http://{addr}/metrics")).text()
+                assert must in text
+                lint = await asyncio.to_thread(subprocess.run, ["promtool", "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
+                assert lint.returncode == 0, (addr, lint.stdout.decode() + lint.stderr.decode())
     finally:
         waiter.cancel()
         await asyncio.gather(waiter, return_exceptions=True)

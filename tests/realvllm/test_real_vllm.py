@@ -29,8 +29,17 @@ def check(url: str, *args: str, timeout: float = CHECK_TIMEOUT) -> tuple[int, di
     return rc, result
 
 
-def snapshot(srv: harness.VLLMServer) -> dict:
+ARTIFACTS = harness.REPO / "artifacts" / "vllm-real"
+
+
+def snapshot(srv: harness.VLLMServer, save: str | None = None) -> dict:
+    """vLLM's own counters; `save` keeps the payload as a test artifact
+    (artifacts/vllm-real/NAME.prom), which tests/test_sim_format.py then checks the
+    simulator's format against, in the same run."""
     text = srv.metrics_text()
+    if save:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        (ARTIFACTS / f"{save}.prom").write_text(text)
     c = harness.vllm_counters(text)
     c["abort_total"] = harness.metric_sum(text, "vllm:request_success_total", finished_reason="abort")
     return c
@@ -52,7 +61,7 @@ def srv(idle_vllm_server: harness.VLLMServer) -> harness.VLLMServer:
 
 
 def test_idle_exactly_one_probe_counted_by_vllm(srv):
-    before = snapshot(srv)
+    before = snapshot(srv, save="idle")
     rc, r = check(srv.url, "--kind", "vllm", "--interval", "1", "--rounds", "3",
                   "--hung-after", "5", "--probe-timeout", "20")
     time.sleep(0.5)
@@ -71,7 +80,7 @@ def test_saturated_is_busy_and_nothing_of_ours_arrives(srv):
         load = srv.load(8, max_tokens=1000, prompt="Hello")
         srv.wait_for(lambda c: c["num_requests_running"] == 4 and c["num_requests_waiting"] == 4
                      and (c["generation_tokens_total"] or 0) > 0, timeout=60)
-        before = snapshot(srv)
+        before = snapshot(srv, save="busy")
         with harness.LeastConnProxy([srv.url]) as rec:  # one backend: a recorder
             rc, r = check(rec.url, "--kind", "vllm", "--interval", "1", "--rounds", "6",
                           "--hung-after", "5", "--probe-timeout", "10")
@@ -142,6 +151,8 @@ def test_stopped_engine_with_work_is_hung_within_two_rounds(srv):
         t2 = srv.metrics_text()
         assert vllm_samples(t1) == vllm_samples(t2)
         assert harness.vllm_counters(t2)["num_requests_running"] == 4
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        (ARTIFACTS / "stopped.prom").write_text(t2)
         assert harness.http_get(srv.url + "/health", timeout=10)[0] == 200
         rc, r = check(srv.url, "--kind", "vllm", "--interval", "1", "--rounds", "6",
                       "--hung-after", "2", "--probe-timeout", "5")
@@ -230,7 +241,7 @@ def test_restart_detected_then_idle(srv):
     rc, r = outcome["result"]
     assert (rc, r["state"]) == (0, "restarted"), r
     assert r["probe_sent"] is True, r  # the fresh server is idle: asked for one token
-    fresh = snapshot(srv)
+    fresh = snapshot(srv, save="restarted")
     assert fresh["process_start_time_seconds"] != old_start
     assert fresh["request_success_total"] == 1  # only that probe, counted from zero
 
