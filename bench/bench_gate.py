@@ -50,10 +50,12 @@ def upstream_proc(port: int) -> None:
 
 def gate_proc(port: int, upstream: str, redis_url: str) -> None:
     from llm_health.cli import run_app
-    from llm_health.gate import Gate, parse_gate_config
+    from llm_health.gate import Gate, parse_gate_config, tune_gc
 
     cfg = parse_gate_config({"gate": {"redis": redis_url, "routes": {"bench": {"upstream": upstream, "default_deadline_ms": 30000}}}}, "<bench>")
-    run_app(Gate(cfg).app(), "127.0.0.1", port, handler_cancellation=True)  # as `llm-health gate` runs it
+    gate = Gate(cfg)
+    tune_gc()
+    run_app(gate.app(), "127.0.0.1", port, handler_cancellation=True)  # as `llm-health gate` runs it
 
 
 async def wait_port(port: int) -> None:

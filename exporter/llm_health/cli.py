@@ -197,7 +197,7 @@ def cmd_config_check(args) -> int:
 def cmd_gate(args) -> int:
 
     from .config import load_yaml
-    from .gate import Gate, parse_gate_config
+    from .gate import Gate, parse_gate_config, tune_gc
 
     try:
         cfg = parse_gate_config(load_yaml(args.config_file), args.config_file)
@@ -206,6 +206,7 @@ def cmd_gate(args) -> int:
         return 2
     host, port = args.web_listen_address
     gate = Gate(cfg)
+    tune_gc()
     run_app(gate.app(), host, port, handler_cancellation=True)  # a client that disconnects cancels its upstream request
     return 0
 

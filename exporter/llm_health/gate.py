@@ -145,6 +145,17 @@ def parse_gate_config(data, where: str = "<config>") -> GateConfig:
     return cfg
 
 
+def tune_gc() -> None:
+    """For a process that runs the gate: collect the youngest generation less often and keep
+    what start-up allocated out of every collection, to cut the tail latency collections add
+    (bench/bench_gate.py on a shared 2-core machine: p99 added 1.5-2.6 ms in most runs with
+    this, 4.6-7.5 ms without; single runs of either still reach 10-25 ms)."""
+    import gc
+
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 50)
+
+
 async def _healthy(request: web.Request) -> web.Response:
     return web.Response(text="OK\n")
 
