@@ -354,3 +354,15 @@ def test_drill_commands_run_and_pass():
     r = subprocess.run([sys.executable, "-m", "llm_health", "drill", "retry", "--time-scale", "0.1"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "reject_retry_late" in r.stdout and "verdict: PASS" in r.stdout
+
+
+async def test_retry_with_time_left_is_admitted_once(stack):
+    """A resent id keeps its first deadline; while it still has slack (and the queue ahead of
+    it is young) the retry is admitted, with its retry count recorded."""
+    url, up, _ = await stack()
+    h = {"X-Request-Id": "early-retry", **deadline_in(30000)}
+    up.status = 503
+    assert (await post(url, h))[0] == 503  # the worker protected itself
+    up.status = 200
+    status, _, _ = await post(url, {**h, "X-Retry-Count": "1"})
+    assert status == 200 and len(up.calls) == 2

@@ -320,19 +320,20 @@ class Gate:
         the tenant's spend this minute, and the id taken off the waiting set."""
         q = self.queue
         pipe = self.redis.pipeline(transaction=False)
+        # The queue as this request finds it (the others waiting), before it joins.
+        add_route_stats_commands(pipe, q.keys, route, now)
         keys = [q.keys.record(request_id), *q.keys.route_keys(route), q.keys.routes()]
         pipe.evalsha(q._enqueue.sha, len(keys), *keys, request_id, route, tenant, int(deadline_ms), now, now, q.retention_ms, GC_LIMIT)
-        add_route_stats_commands(pipe, q.keys, route, now)
         limit = self.cfg.tenants.get(tenant)
         if limit is not None:
             pipe.get(self._tenant_key(tenant))
-        # Leave the waiting set now (state running), after the stats above were read: an
-        # admitted request saves a round trip; a rejected one is marked done right after.
+        # Leave the waiting set at once (state running): an admitted request saves a round
+        # trip; a rejected one is marked done right after.
         pipe.evalsha(q._leave.sha, 4, *keys[:4], request_id, "running", "", now, 0)
         replies = await self._execute(pipe)
-        record = QueueRecord.from_hash(request_id, replies[0])
-        stats = parse_route_stats(replies[1 : 1 + ROUTE_STATS_COMMANDS], now)
-        budget = None if limit is None else limit - float(replies[1 + ROUTE_STATS_COMMANDS] or 0)
+        stats = parse_route_stats(replies[:ROUTE_STATS_COMMANDS], now)
+        record = QueueRecord.from_hash(request_id, replies[ROUTE_STATS_COMMANDS])
+        budget = None if limit is None else limit - float(replies[ROUTE_STATS_COMMANDS + 1] or 0)
         return record, stats, budget
 
     async def _finish(self, request_id: str, route: str, tenant: str, units: int, status: int, retry_count: int | None) -> None:
@@ -402,7 +403,9 @@ class Gate:
             self._redis(True)
             retry_count = max(header_retries, record.retry_count)
             deadline_ms = record.deadline_ms  # a resent id keeps the deadline of its first copy
-            queue_age_ms = max(stats.oldest_age_ms or 0, record.age_ms(now))
+            # Age first: how long the requests ahead of this one have waited. A resent id's own
+            # lateness is in its slack (it keeps its first deadline) and its retry count.
+            queue_age_ms = stats.oldest_age_ms or 0
             req = admission.Request(
                 queue_age_ms=queue_age_ms,
                 deadline_slack_ms=deadline_ms - now,
