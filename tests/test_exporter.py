@@ -102,11 +102,10 @@ async def test_slow_backend_does_not_delay_others(sim_server, ticker, serve):
     await wait_for(client, "fast", "busy", timeout=5.0)
     assert exporter.slots["fast"].monitor.rounds >= 2
     assert exporter.slots["slow"].monitor.rounds == 0  # still waiting on its first read
-    # the scrape itself never waits on a backend
-    started = time.monotonic()
-    await (await client.get("/metrics")).text()
-    assert exporter.slots["slow"].verdict is None
-    assert time.monotonic() - started < 5.0
+    # the scrape itself never waits on a backend: it answers while the slow read is still pending
+    text = await (await client.get("/metrics")).text()
+    assert exporter.slots["slow"].verdict is None and exporter.slots["slow"].monitor.rounds == 0
+    assert state_of(text, "slow") == "unknown" and state_of(text, "fast") == "busy"
 
 
 async def test_bad_payloads_named_and_isolated(sim_server, serve):
