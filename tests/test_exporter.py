@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import time
 
-import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
