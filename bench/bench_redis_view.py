@@ -43,16 +43,12 @@ from llm_health.queue import AdmissionQueue, now_ms  # noqa: E402
 from llm_health.redis_view import RedisView, parse_redis_config  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import cpu_model  # noqa: E402
+
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     server = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, check=False).stdout.strip()
     try:
         import hiredis  # noqa: F401
