@@ -111,3 +111,13 @@ def test_sleep_state_gauge():
     )
     (e,) = engines.read(text).engines.values()
     assert e.sleeping
+
+
+def test_likely_profile_used_while_its_marker_is_there():
+    v1 = (REAL_METRICS / "vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom").read_text()
+    sg = (REAL_METRICS / "sglang-0.3-llama31-8b-heavy-load-docs.prom").read_text()
+    assert engines.read(v1, likely=engines.VLLM_V1) == engines.read(v1)
+    # the backend's engine changed since last round: detected again, not misread
+    r = engines.read(sg, likely=engines.VLLM_V1)
+    assert r.profile == "sglang" and r == engines.read(sg)
+    assert engines.read(v1, likely=engines.VLLM_V0).profile == "vllm_v1"
