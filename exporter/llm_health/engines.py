@@ -223,10 +223,23 @@ def _sum_by_unit(samples, unit_labels) -> dict[tuple[str, str], float]:
     return out
 
 
-def read(text: str, profile: Profile | None = None) -> Reading:
-    """Reduce a payload to a `Reading`, one `EngineReading` per engine unit."""
-    profile = profile or detect(text)
-    samples = parse(text, profile.wanted)
+def read(text: str, profile: Profile | None = None, *, likely: Profile | None = None) -> Reading:
+    """Reduce a payload to a `Reading`, one `EngineReading` per engine unit.
+
+    `profile` forces one; otherwise it is detected from the payload. `likely` is the profile
+    this backend had last round: while its marker is still in the payload it is used as is,
+    one parse instead of two (detection, then reading)."""
+    samples = None
+    if profile is None and likely is not None:
+        samples = parse(text, likely.wanted)
+        if likely.marker in samples:
+            profile = likely
+        else:
+            samples = None  # the engine changed (an upgrade, another server): detect again
+    if profile is None:
+        profile = detect(text)
+    if samples is None:
+        samples = parse(text, profile.wanted)
     start = samples.get(START_TIME)
     start_time = start[0][1] if start else None
 

@@ -47,7 +47,7 @@ from redis.exceptions import NoScriptError, RedisError
 from . import admission
 from .config import duration, read_api_key
 from .errors import ConfigError
-from .queue import DEFAULT_QUEUE_PREFIX, GC_LIMIT, AdmissionQueue, QueueRecord, add_route_stats_commands, now_ms, parse_route_stats, ROUTE_STATS_COMMANDS
+from .queue import DEFAULT_QUEUE_PREFIX, AdmissionQueue, QueueRecord, add_route_stats_commands, now_ms, parse_route_stats, ROUTE_STATS_COMMANDS
 
 log = logging.getLogger("llm_health.gate")
 
@@ -322,14 +322,13 @@ class Gate:
         pipe = self.redis.pipeline(transaction=False)
         # The queue as this request finds it (the others waiting), before it joins.
         add_route_stats_commands(pipe, q.keys, route, now)
-        keys = [q.keys.record(request_id), *q.keys.route_keys(route), q.keys.routes()]
-        pipe.evalsha(q._enqueue.sha, len(keys), *keys, request_id, route, tenant, int(deadline_ms), now, now, q.retention_ms, GC_LIMIT)
+        q.pipelined(pipe, q._enqueue, q.enqueue_call(request_id, route, tenant, deadline_ms, now, now))
         limit = self.cfg.tenants.get(tenant)
         if limit is not None:
             pipe.get(self._tenant_key(tenant))
         # Leave the waiting set at once (state running): an admitted request saves a round
         # trip; a rejected one is marked done right after.
-        pipe.evalsha(q._leave.sha, 4, *keys[:4], request_id, "running", "", now, 0)
+        q.pipelined(pipe, q._leave, q.leave_call(request_id, route, "running", None, now))
         replies = await self._execute(pipe)
         stats = parse_route_stats(replies[:ROUTE_STATS_COMMANDS], now)
         record = QueueRecord.from_hash(request_id, replies[ROUTE_STATS_COMMANDS])
@@ -342,9 +341,8 @@ class Gate:
         q = self.queue
         now = now_ms()
         pipe = self.redis.pipeline(transaction=False)
-        keys = [q.keys.record(request_id), *q.keys.route_keys(route)]
-        pipe.evalsha(q._attempt.sha, len(keys), *keys, request_id, int(units), int(status), now, q.retention_ms, "" if retry_count is None else int(retry_count))
-        pipe.evalsha(q._leave.sha, 4, *keys[:4], request_id, "done", int(status), now, 0)
+        q.pipelined(pipe, q._attempt, q.attempt_call(request_id, route, units, status, retry_count, now))
+        q.pipelined(pipe, q._leave, q.leave_call(request_id, route, "done", status, now))
         if tenant in self.cfg.tenants and units:
             key = self._tenant_key(tenant)
             pipe.incrby(key, units)

@@ -76,9 +76,9 @@ class BackendMonitor:
         error = fetched.error
         if fetched.text is not None:
             try:
-                profile = self.profile or engines.detect(fetched.text)
-                reading = engines.read(fetched.text, profile)
-                stats.profile = profile.name
+                likely = engines.BY_NAME.get(self.stats.profile) if self.stats.profile else None
+                reading = engines.read(fetched.text, self.profile, likely=likely)
+                stats.profile = reading.profile
             except (ParseError, UnknownEngine) as exc:
                 error = f"/metrics unusable: {exc}"
         obs = Observation(now=now, reading=reading, metrics_error=error, metrics_timed_out=fetched.timed_out, metrics_refused=fetched.refused)

@@ -253,6 +253,27 @@ class AdmissionQueue:
     async def aclose(self) -> None:
         await self.redis.aclose()
 
+    # Each script's (keys, args), in one place: the methods below run them one at a time,
+    # the gate queues them on a pipeline with `evalsha` (see `pipelined`).
+    def enqueue_call(self, request_id: str, route: str, tenant: str, deadline_ms: int, enqueued_ms: int, now: int) -> tuple[list, list]:
+        keys = [self.keys.record(request_id), *self.keys.route_keys(route), self.keys.routes()]
+        return keys, [request_id, route, tenant, int(deadline_ms), int(enqueued_ms), now, self.retention_ms, GC_LIMIT]
+
+    def leave_call(self, request_id: str, route: str, state: str, http_status: int | None, now: int, only_if_waiting: bool = False) -> tuple[list, list]:
+        keys = [self.keys.record(request_id), *self.keys.route_keys(route)[:3]]
+        return keys, [request_id, state, "" if http_status is None else int(http_status), now, int(only_if_waiting)]
+
+    def attempt_call(self, request_id: str, route: str, token_units: int, http_status: int | None, retry_count: int | None, now: int) -> tuple[list, list]:
+        keys = [self.keys.record(request_id), *self.keys.route_keys(route)]
+        args = [request_id, int(token_units), "" if http_status is None else int(http_status), now, self.retention_ms, "" if retry_count is None else int(retry_count)]
+        return keys, args
+
+    def pipelined(self, pipe: Any, script: Any, call: tuple[list, list]) -> None:
+        """Queue one of this queue's scripts on a pipeline by its SHA (no SCRIPT EXISTS
+        round trip per pipeline, as redis-py's Script objects make)."""
+        keys, args = call
+        pipe.evalsha(script.sha, len(keys), *keys, *args)
+
     async def enqueue(
         self,
         request_id: str,
@@ -265,11 +286,8 @@ class AdmissionQueue:
         window) is a resent copy: its ``retry_count`` goes up by one and it keeps its
         first enqueue time and deadline. The returned record says which (``is_retry``)."""
         now = self.clock()
-        enq = now if enqueued_ms is None else int(enqueued_ms)
-        flat = await self._enqueue(
-            keys=[self.keys.record(request_id), *self.keys.route_keys(route), self.keys.routes()],
-            args=[request_id, route, tenant, int(deadline_ms), enq, now, self.retention_ms, GC_LIMIT],
-        )
+        keys, args = self.enqueue_call(request_id, route, tenant, deadline_ms, now if enqueued_ms is None else enqueued_ms, now)
+        flat = await self._enqueue(keys=keys, args=args)
         record = QueueRecord.from_hash(request_id, flat)
         assert record is not None
         return record
@@ -284,10 +302,8 @@ class AdmissionQueue:
         route = route if route is not None else await self._route_of(request_id)
         if route is None:
             return None
-        flat = await self._leave(
-            keys=[self.keys.record(request_id), *self.keys.route_keys(route)[:3]],
-            args=[request_id, state, "" if http_status is None else int(http_status), self.clock(), int(only_if_waiting)],
-        )
+        keys, args = self.leave_call(request_id, route, state, http_status, self.clock(), only_if_waiting)
+        flat = await self._leave(keys=keys, args=args)
         return QueueRecord.from_hash(request_id, flat) if flat else None
 
     async def dequeue(self, request_id: str, route: str | None = None) -> QueueRecord | None:
@@ -332,17 +348,8 @@ class AdmissionQueue:
         route = route if route is not None else await self._route_of(request_id)
         if route is None:
             return None
-        flat = await self._attempt(
-            keys=[self.keys.record(request_id), *self.keys.route_keys(route)],
-            args=[
-                request_id,
-                int(token_units),
-                "" if http_status is None else int(http_status),
-                self.clock(),
-                self.retention_ms,
-                "" if retry_count is None else int(retry_count),
-            ],
-        )
+        keys, args = self.attempt_call(request_id, route, token_units, http_status, retry_count, self.clock())
+        flat = await self._attempt(keys=keys, args=args)
         return QueueRecord.from_hash(request_id, flat) if flat else None
 
     async def read(self, request_id: str) -> QueueRecord | None:
