@@ -67,6 +67,11 @@ async def test_fleet_states_and_series(sim_server, ticker, serve):
     assert s[("llm_backend_requests_running", (("backend", "busy"), ("engine", "1"), ("model_name", "sim-model")))] == 12
     assert s[("llm_backend_engine_steps_per_second", (("backend", "busy"), ("engine", "0"), ("model_name", "sim-model")))] > 0
     assert s[("llm_backend_probes_total", (("backend", "idle"), ("result", "ok")))] == 1
+    # the one probe was rounds ago; its duration stays exported until the next probe (a series
+    # that came and went with the round would be marked stale by Prometheus between probes)
+    assert exporter.slots["idle"].monitor.rounds > 1 and exporter.slots["idle"].monitor.stats.probe is None
+    assert 0 < s[("llm_backend_probe_duration_seconds", (("backend", "idle"),))] < T.probe_timeout
+    assert ("llm_backend_probe_duration_seconds", (("backend", "busy"),)) not in s
     assert s[("llm_backend_info", (("backend", "busy"), ("kind", "vllm"), ("profile", "vllm_v1")))] == 1
     assert s[("llm_exporter_round_errors_total", (("backend", "dead"), ("reason", "metrics")))] >= 1
     assert ("llm_exporter_build_info", (("version", "0.1.0"),)) in s

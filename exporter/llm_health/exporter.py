@@ -131,7 +131,7 @@ def families(slots: list[Slot]):
     )
     restarts = CounterMetricFamily("llm_backend_restarts", "Restarts seen: a new process start time or counters that went backwards.", labels=["backend"])
     probes = CounterMetricFamily("llm_backend_probes", "1-token probes sent to idle engines, by result.", labels=["backend", "result"])
-    probe_s = GaugeMetricFamily("llm_backend_probe_duration_seconds", "Duration of the last probe.", labels=["backend"])
+    probe_s = GaugeMetricFamily("llm_backend_probe_duration_seconds", "Duration of the last probe sent, kept until the next one.", labels=["backend"])
     fetch_s = GaugeMetricFamily("llm_backend_metrics_fetch_duration_seconds", "Duration of the last /metrics read.", labels=["backend"])
     info = GaugeMetricFamily("llm_backend_info", "Backend kind and the engine profile detected from its payload.", labels=["backend", "kind", "profile"])
     round_s = GaugeMetricFamily("llm_exporter_round_duration_seconds", "Duration of the backend's last round.", labels=["backend"])
@@ -157,8 +157,8 @@ def families(slots: list[Slot]):
         restarts.add_metric([name], m.memory.restarts if m.memory else 0)
         for result in ("ok", "timeout", "error"):
             probes.add_metric([name, result], stats.probes.get(result, 0))
-        if stats.probe is not None:
-            probe_s.add_metric([name], stats.probe.seconds)
+        if m.last_probe is not None:
+            probe_s.add_metric([name], m.last_probe.seconds)
         if stats.metrics is not None:
             fetch_s.add_metric([name], stats.metrics.seconds)
         info.add_metric([name, slot.backend.kind, stats.profile or ""], 1.0)

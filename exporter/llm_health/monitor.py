@@ -42,6 +42,7 @@ class BackendMonitor:
         self.stats = RoundStats()
         self.rounds = 0
         self.probes_sent = 0
+        self.last_probe: ProbeResult | None = None  # kept across rounds: probes are minutes apart
 
     def _stalling(self, reading: engines.Reading) -> bool:
         """Some engine has work in flight and the same fingerprint as last round."""
@@ -103,7 +104,7 @@ class BackendMonitor:
             else:
                 result = await self.client.probe(self.model)
                 self.probes_sent += 1
-                stats.probe = result
+                stats.probe = self.last_probe = result
                 key = "ok" if result.ok else ("timeout" if "timeout" in result.detail else "error")
                 stats.probes[key] = stats.probes.get(key, 0) + 1
             if result.ok is None:
