@@ -65,7 +65,7 @@ def main() -> int:
         rows.append(summary("idle.prom", text))
 
         # busy: 8 requests of 1000 tokens on a throttled engine (20 ms of every 500 ms)
-        with srv.throttle(run_ms=20, period_ms=500):
+        with srv.throttle(run_ms=20, period_ms=500) as th:
             load = srv.load(8, max_tokens=1000, prompt="Hello")
             srv.wait_for(lambda c: c["num_requests_running"] == 4
                          and (c["num_requests_waiting"] or 0) > 0
@@ -75,8 +75,9 @@ def main() -> int:
             (out / "busy.prom").write_text(text)
             rows.append(summary("busy.prom", text))
             time.sleep(1.5)  # a little more progress, so stopped.prom is a later moment
+            th.freeze()  # leave it stopped where the throttle had it: 4 requests in flight
         # stopped: the engine SIGSTOPped with the 4 requests in flight
-        srv.stop_engine("engine")
+        srv.cont_engine("worker")  # EngineCore stays stopped, held by th.freeze()
         time.sleep(3.0)
         text = srv.metrics_text()
         (out / "stopped.prom").write_text(text)

@@ -109,7 +109,7 @@ def main() -> int:
                         f"prompt_tokens +{c1['prompt_tokens_total'] - c0['prompt_tokens_total']:g}"))
 
         if own:
-            with srv.throttle(run_ms=20, period_ms=500):
+            with srv.throttle(run_ms=20, period_ms=500) as th:
                 load = srv.load(8, max_tokens=1000, prompt="Hello")
                 srv.wait_for(lambda c: c["num_requests_running"] == 4, timeout=60)
                 c0 = srv.counters()
@@ -121,8 +121,9 @@ def main() -> int:
                 rows.append(row("/metrics, busy, engine throttled 20/500 ms", lat, size,
                                 f"running {c1['num_requests_running']:g} waiting "
                                 f"{c1['num_requests_waiting']:g}, {steps:.1f} steps/s"))
+                th.freeze()  # leave it stopped where the throttle had it: requests in flight
             # engine stopped with the requests in flight
-            srv.stop_engine("engine")
+            srv.cont_engine("worker")  # EngineCore stays stopped, held by th.freeze()
             stopped_at = time.monotonic()
             time.sleep(1.0)
             lat, size = timed_reads(srv, max(5, args.reads // 3))

@@ -6,7 +6,8 @@ Nothing here imports `llm_health`: vLLM's own counters are read with a regex.
 
     srv = VLLMServer.start()             # builds/reuses the tiny model, waits ready
     srv.stop_engine(); srv.cont_engine() # SIGSTOP/SIGCONT on VLLM::EngineCore
-    with srv.throttle(run_ms=20, period_ms=500): ...   # slow but healthy engine
+    with srv.throttle(run_ms=20, period_ms=500) as th: ...   # slow but healthy engine;
+    #     th.freeze() inside the block leaves it stopped instead of continued
     load = srv.load(n=8, max_tokens=200)  # background completions, ignore_eos
     srv.counters()                        # {'request_success_total': ..., ...}
     srv.restart()                         # same port, new process
@@ -293,6 +294,18 @@ class ServerNotReady(RuntimeError):
     pass
 
 
+class Throttle:
+    """Handle yielded by `VLLMServer.throttle()`."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = pids
+        self.frozen = False
+
+    def freeze(self) -> None:
+        """On leaving the `with` block, leave the throttled processes stopped."""
+        self.frozen = True
+
+
 class VLLMServer:
     """One vLLM OpenAI-compatible server subprocess in its own process group."""
 
@@ -551,14 +564,16 @@ class VLLMServer:
 
     @contextlib.contextmanager
     def throttle(self, run_ms: float = 20, period_ms: float = 500,
-                 which: str = "both") -> Iterator[None]:
+                 which: str = "both") -> Iterator["Throttle"]:
         """Duty-cycle the engine: run `run_ms` of every `period_ms`, stopped the rest.
 
         A slow but healthy engine. Both EngineCore and Worker are cycled by default:
         a Worker left running while EngineCore is stopped for short spells spins on
         its message queue at 100% of a core. The cycle runs in a separate process
         (`throttler.py`, real-time priority where allowed) so the test process's own
-        threads cannot stretch the run windows. Always leaves the engine continued.
+        threads cannot stretch the run windows. Leaves the engine continued, unless
+        `freeze()` was called on the yielded handle: then every throttled process is
+        left stopped where the cycle was, with no full-speed moment in between.
         """
         pids = self._targets(which)
         if not pids:
@@ -568,12 +583,16 @@ class VLLMServer:
              *map(str, pids)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )
+        handle = Throttle(pids)
+        ended = ""
         try:
             proc.stdout.readline()  # "started"
-            yield
+            yield handle
         finally:
             with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
+                proc.send_signal(signal.SIGUSR1 if handle.frozen else signal.SIGTERM)
+            with contextlib.suppress(Exception):
+                ended = proc.stdout.readline().decode().strip()  # "frozen" or "continued"
             with contextlib.suppress(Exception):
                 proc.stdin.close()
             try:
@@ -581,26 +600,32 @@ class VLLMServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+            sig = signal.SIGSTOP if handle.frozen else signal.SIGCONT
             for p in pids:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(p, signal.SIGCONT)
+                    os.kill(p, sig)
+        if handle.frozen and ended != "frozen":
+            raise RuntimeError(f"throttler did not freeze the engine (it said {ended!r})")
 
     def stop_with_work(self, n: int = 4, max_tokens: int = 1000,
                        prompt: str | list[int] = "Hello", timeout: float = 60) -> "Load":
         """Send `n` long completions and SIGSTOP the engine while they are surely in
         flight; returns the Load (its threads end once the engine runs again or dies).
 
-        The load is started on a throttled engine (~7 steps/s) so that the requests
-        cannot finish between the /metrics read that shows them running and the stop:
-        at full speed 1000 tokens take ~3 s, and a /metrics read on a starved API
-        server can itself take that long. Continue with `cont_engine()`.
+        The load runs on a throttled engine (~7 steps/s) and the throttle hands over
+        to the stop without letting go: at full speed 1000 tokens take ~3 s, and on a
+        loaded machine the gap between releasing a throttle and a separate SIGSTOP
+        was seen to be long enough for all of them to finish. The Worker is then
+        continued, so only EngineCore is stopped (as `stop_engine()` leaves it).
+        Continue with `cont_engine()`.
         """
         want = min(n, self.max_num_seqs)
-        with self.throttle(run_ms=20, period_ms=500):
+        with self.throttle(run_ms=20, period_ms=500) as th:
             load = self.load(n, max_tokens, prompt)
             self.wait_for(lambda c: c["num_requests_running"] == want
                           and (c["generation_tokens_total"] or 0) > 0, timeout=timeout)
-        self.stop_engine("engine")  # milliseconds after the throttle let go: a step or two
+            th.freeze()
+        self.cont_engine("worker")
         return load
 
     def rss_total(self) -> int:

@@ -5,7 +5,9 @@
 Runs in its own process (so the test process's GIL and load threads cannot stretch
 the run windows), at real-time priority where allowed, else at the lowest nice.
 Each period: SIGCONT, sleep RUN_MS, SIGSTOP, sleep the rest, on an absolute clock.
-Stops on SIGTERM/SIGINT or when stdin closes, and always leaves every PID continued.
+Stops on SIGTERM/SIGINT or when stdin closes, and then leaves every PID continued;
+on SIGUSR1 it stops at once and leaves every PID stopped (a hang at a moment the
+engine was surely mid-batch, with no full-speed gap between the throttle and the stop).
 """
 from __future__ import annotations
 
@@ -21,12 +23,18 @@ def main(argv: list[str]) -> int:
     period_s = float(argv[2]) / 1000
     pids = [int(p) for p in argv[3:]]
     done = threading.Event()
+    freeze = threading.Event()
 
     def on_signal(*_):
         done.set()
 
+    def on_freeze(*_):
+        freeze.set()
+        done.set()
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGUSR1, on_freeze)
 
     def watch_stdin():  # parent died or closed the pipe: stop
         try:
@@ -66,7 +74,8 @@ def main(argv: list[str]) -> int:
                 t = now
             done.wait(max(0.0, t - now))
     finally:
-        send(signal.SIGCONT)
+        send(signal.SIGSTOP if freeze.is_set() else signal.SIGCONT)
+    sys.stdout.write("frozen\n" if freeze.is_set() else "continued\n")
     sys.stdout.flush()
     os._exit(0)  # no interpreter teardown racing the stdin watcher thread
 
