@@ -6,6 +6,11 @@ started here), and this load generator. Open loop at a fixed rate (default 500 r
 latency p50/p99 direct and through the gate, and the difference. Then closed loop with
 64 concurrent clients for the throughput of each path.
 
+A third path, `hop`, is a decomposition and nothing a user runs: a second gate process
+whose two Redis round trips are replaced by constants (the request is admitted as a first
+attempt on an empty queue), so the figures show what the HTTP hop costs on its own and
+what the Redis calls add to it.
+
     python bench/bench_gate.py [--rate 500] [--seconds 6]
 """
 
@@ -48,12 +53,23 @@ def upstream_proc(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
-def gate_proc(port: int, upstream: str, redis_url: str) -> None:
+def gate_proc(port: int, upstream: str, redis_url: str, without_redis: bool = False) -> None:
     from llm_health.cli import run_app
     from llm_health.gate import Gate, parse_gate_config, tune_gc
+    from llm_health.queue import QueueRecord, RouteStats
 
     cfg = parse_gate_config({"gate": {"redis": redis_url, "routes": {"bench": {"upstream": upstream, "default_deadline_ms": 30000}}}}, "<bench>")
     gate = Gate(cfg)
+    if without_redis:  # the `hop` decomposition: the same handler, no Redis round trips
+
+        async def enqueue_and_read(request_id, route, tenant, deadline_ms, now):
+            record = QueueRecord(request_id, route, tenant, enqueued_ms=now, deadline_ms=deadline_ms, state="running")
+            return record, RouteStats(0, None, None, 0, 0, None), None
+
+        async def finish(*_args):
+            return None
+
+        gate._enqueue_and_read, gate._finish = enqueue_and_read, finish
     tune_gc()
     run_app(gate.app(), "127.0.0.1", port, handler_cancellation=True)  # as `llm-health gate` runs it
 
@@ -116,21 +132,23 @@ def pct(values, p):
     return values[min(len(values) - 1, int(p / 100 * len(values)))] * 1000
 
 
-async def measure(direct: str, gated: str, rate: float, seconds: float) -> dict:
+PATHS = ("direct", "gate", "hop")
+
+
+async def measure(urls: dict[str, str], rate: float, seconds: float) -> dict:
     conn = aiohttp.TCPConnector(limit=256)
     async with aiohttp.ClientSession(connector=conn) as s:
-        for url in (direct, gated):  # warm up connections and scripts
+        for url in urls.values():  # warm up connections and scripts
             await open_loop(s, url, 100, 1)
-        out = {}
-        # interleave the two paths so machine noise hits both alike
-        for name, url in (("direct", direct), ("gate", gated), ("direct2", direct), ("gate2", gated)):
-            lat, err = await open_loop(s, url, rate, seconds / 2)
-            key = name.rstrip("2")
-            out.setdefault(key, {"lat": [], "errors": 0})
-            out[key]["lat"] += lat
-            out[key]["errors"] += err
-        for key, url in (("direct", direct), ("gate", gated)):
-            out[key]["throughput"] = await closed_loop(s, url, 64, 3)
+        out = {key: {"lat": [], "errors": 0} for key in PATHS}
+        # interleave the paths in halves so machine noise hits them alike
+        for _half in range(2):
+            for key in PATHS:
+                lat, err = await open_loop(s, urls[key], rate, seconds / 2)
+                out[key]["lat"] += lat
+                out[key]["errors"] += err
+        for key in PATHS:
+            out[key]["throughput"] = await closed_loop(s, urls[key], 64, 3)
     return out
 
 
@@ -141,29 +159,37 @@ def main() -> None:
     args = ap.parse_args()
     from llm_health.drills import temporary_redis
 
-    up_port, gate_port = free_port(), free_port()
+    up_port, gate_port, hop_port = free_port(), free_port(), free_port()
+    upstream = f"http://127.0.0.1:{up_port}"
     with temporary_redis() as redis_url:
-        procs = [mp.Process(target=upstream_proc, args=(up_port,), daemon=True)]
-        procs.append(mp.Process(target=gate_proc, args=(gate_port, f"http://127.0.0.1:{up_port}", redis_url), daemon=True))
+        procs = [
+            mp.Process(target=upstream_proc, args=(up_port,), daemon=True),
+            mp.Process(target=gate_proc, args=(gate_port, upstream, redis_url), daemon=True),
+            mp.Process(target=gate_proc, args=(hop_port, upstream, redis_url, True), daemon=True),
+        ]
         for p in procs:
             p.start()
         try:
-            asyncio.run(wait_port(up_port))
-            asyncio.run(wait_port(gate_port))
-            r = asyncio.run(measure(f"http://127.0.0.1:{up_port}/v1/completions", f"http://127.0.0.1:{gate_port}/v1/completions", args.rate, args.seconds))
+            for port in (up_port, gate_port, hop_port):
+                asyncio.run(wait_port(port))
+            urls = {key: f"http://127.0.0.1:{port}/v1/completions" for key, port in zip(PATHS, (up_port, gate_port, hop_port))}
+            r = asyncio.run(measure(urls, args.rate, args.seconds))
         finally:
             for p in procs:
                 p.terminate()
                 p.join(5)
     print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
     print(f"open loop at {args.rate:g} req/s for {args.seconds:g} s per path (interleaved halves); closed loop: 64 clients, 3 s")
+    print("hop = the gate with its Redis round trips replaced by constants (a decomposition, not a mode)")
     print(f"{'path':<8} {'requests':>8} {'errors':>6} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'max req/s':>10}")
-    for key in ("direct", "gate"):
+    for key in PATHS:
         lat = r[key]["lat"]
         print(f"{key:<8} {len(lat):>8} {r[key]['errors']:>6} {pct(lat, 50):>8.2f} {pct(lat, 99):>8.2f} {statistics.mean(lat) * 1000:>8.2f} {r[key]['throughput']:>10.0f}")
-    d, g = r["direct"]["lat"], r["gate"]["lat"]
-    print(f"added by the gate: p50 {pct(g, 50) - pct(d, 50):.2f} ms, p99 {pct(g, 99) - pct(d, 99):.2f} ms; "
-          f"throughput ratio gate/direct {r['gate']['throughput'] / r['direct']['throughput']:.2f}")
+    d = r["direct"]["lat"]
+    for key, what in (("gate", "added by the gate"), ("hop", "added by the HTTP hop alone")):
+        g = r[key]["lat"]
+        print(f"{what}: p50 {pct(g, 50) - pct(d, 50):.2f} ms, p99 {pct(g, 99) - pct(d, 99):.2f} ms; "
+              f"throughput ratio {key}/direct {r[key]['throughput'] / r['direct']['throughput']:.2f}")
 
 
 if __name__ == "__main__":
