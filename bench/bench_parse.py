@@ -15,12 +15,17 @@ from __future__ import annotations
 import math
 import os
 import platform
-import re
 import sys
 import timeit
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "exporter"))
+sys.path.insert(0, str(ROOT))
+
+from llm_health import engines  # noqa: E402
+from tests.prom_reference import reference  # noqa: E402
+
 DEFAULT_DIR = ROOT.parent / "shared" / "real-world" / "metrics"
 
 VLLM_SET = frozenset({
@@ -45,47 +50,13 @@ VLLM_SET = frozenset({
     "vllm:request_generation_tokens_count",
     "process_start_time_seconds",
 })
-# The sets the other engine profiles ask for (engines.py), for the "own" column.
+# The "own" column: vLLM payloads with the set above, the others with what their engine
+# profile asks for (engines.py).
 ENGINE_SETS = {
     "vllm": VLLM_SET,
-    "sglang": frozenset({
-        "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:prompt_tokens_total",
-        "sglang:generation_tokens_total", "sglang:token_usage", "sglang:num_used_tokens",
-        "sglang:cuda_graph_passes_total", "sglang:num_requests_total", "process_start_time_seconds",
-    }),
-    "tgi": frozenset({
-        "tgi_batch_current_size", "tgi_queue_size", "tgi_batch_inference_count",
-        "tgi_batch_inference_success", "tgi_request_success", "tgi_request_generated_tokens_sum",
-        "tgi_batch_current_max_tokens", "process_start_time_seconds",
-    }),
-    "llamacpp": frozenset({
-        "llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:n_decode_total",
-        "llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total", "process_start_time_seconds",
-    }),
-    "triton": frozenset({
-        "nv_inference_pending_request_count", "nv_inference_exec_count", "nv_inference_count",
-        "nv_inference_request_success", "process_start_time_seconds",
-    }),
+    **{p.name: p.wanted for p in (engines.SGLANG, engines.TGI, engines.LLAMACPP, engines.TRITON)},
 }
 UNION_SET = frozenset().union(*ENGINE_SETS.values())
-
-_COUNTER_TYPE = re.compile(r"^\s*#\s+TYPE\s+(\S+)\s+counter\s*$", re.M)
-
-
-def reference(text: str) -> dict:
-    """prometheus_client's samples as {sample name: [(labels, value)]}, with the `_total` it
-    appends to counters named without one taken off again (our parser keeps names as written)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    bare = {n for n in _COUNTER_TYPE.findall(text) if not n.endswith("_total")}
-    out: dict = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            name = s.name
-            if family.type == "counter" and family.name in bare and name == family.name + "_total":
-                name = family.name
-            out.setdefault(name, []).append((s.labels, float(s.value)))
-    return out
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -101,7 +72,6 @@ def best_seconds(fn, repeat: int = 7) -> float:
 
 
 def main(argv: list[str]) -> int:
-    sys.path.insert(0, str(ROOT / "exporter"))
     from importlib.metadata import version
 
     from prometheus_client.parser import text_string_to_metric_families

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import _parse_sample, text_string_to_metric_families
 
 from llm_health.exposition import Names, ParseError, _parse_line, compile_names, parse
+from tests.prom_reference import reference
 
 # exposition.py follows prometheus_client's current parser (rewritten for UTF-8 names in
 # 0.21-0.23). Older versions read odd lines differently (an exemplar as labels, a leading
@@ -46,22 +47,6 @@ OTHER_ENGINES = frozenset({
 # --- the reference -------------------------------------------------------------------------
 
 LEGACY_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")  # the names parse() accepts
-_COUNTER_TYPE = re.compile(r"^\s*#\s+TYPE\s+(\S+)\s+counter\s*$", re.M)
-
-
-def reference(text: str) -> dict:
-    """prometheus_client's samples as {sample name: [(labels, value)]}, sample names as
-    written: prometheus_client appends `_total` to the samples of a counter family whose
-    name lacks it; that is undone here."""
-    bare_counters = {n for n in _COUNTER_TYPE.findall(text) if not n.endswith("_total")}
-    out: dict = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            name = s.name
-            if family.type == "counter" and family.name in bare_counters and name == family.name + "_total":
-                name = family.name
-            out.setdefault(name, []).append((s.labels, float(s.value)))
-    return out
 
 
 def norm(samples: dict) -> dict:
