@@ -297,8 +297,7 @@ class ServerNotReady(RuntimeError):
 class Throttle:
     """Handle yielded by `VLLMServer.throttle()`."""
 
-    def __init__(self, pids: list[int]):
-        self.pids = pids
+    def __init__(self) -> None:
         self.frozen = False
 
     def freeze(self) -> None:
@@ -583,7 +582,7 @@ class VLLMServer:
              *map(str, pids)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )
-        handle = Throttle(pids)
+        handle = Throttle()
         ended = ""
         try:
             proc.stdout.readline()  # "started"
