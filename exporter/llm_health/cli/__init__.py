@@ -1,0 +1,41 @@
+"""The `llm-health` command: the parser, and one module per subcommand.
+
+llm-health check URL [--kind vllm|proxy] [--json] ...   one verdict, for watchdogs
+llm-health serve --config.file FILE                      the Prometheus exporter
+llm-health config check FILE                              validate a config
+llm-health gate --config.file FILE                       the age-first admission gate
+llm-health restarter --config.file FILE                  the Alertmanager webhook receiver
+llm-health drill retry|watchdog                          the drills
+llm-health demo                                           a simulated fleet, live
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .. import __version__
+from . import check, demo, drill, gate, restarter, serve
+from .common import Parser, add_log_level, setup_logging
+
+
+def parser() -> Parser:
+    p = Parser(prog="llm-health", description="Tell busy from hung LLM inference servers from the engine's own counters.")
+    p.add_argument("--version", action="version", version=f"llm-health {__version__}")
+    add_log_level(p, default="info")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for module in (check, serve, gate, drill, demo, restarter):
+        module.add(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

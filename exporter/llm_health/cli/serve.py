@@ -1,0 +1,71 @@
+"""`llm-health serve` (the exporter) and `llm-health config check FILE`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from ..config import exporter as exporter_config
+from ..config.errors import ConfigError
+from ..config.gate import parse_gate_config
+from ..config.load import load_yaml
+from ..config.restarter import parse_config as parse_restarter_config
+from .common import add_log_level, listen_address
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        cfg = exporter_config.load(args.config_file)
+    except ConfigError as exc:
+        print(f"llm-health: bad config: {exc}", file=sys.stderr)
+        return 2
+    # Imported once the config is good: a `redis:` section needs the `redis` extra.
+    from ..exporter.app import Exporter
+    from ..web import run_app
+
+    host, port = args.web_listen_address
+    exporter = Exporter(cfg, config_file=args.config_file)
+    logging.getLogger("llm_health").info("listening on %s:%d with %d backends", host, port, len(cfg.backends))
+    run_app(exporter.app(), host, port)
+    return 0
+
+
+def check_config(path: str) -> str:
+    """What the file configures, or ConfigError. The kind is told by its top-level keys:
+    `gate:` is the gate's, `restarter:` the restarter's, anything else the exporter's."""
+    data = load_yaml(path)
+    if isinstance(data, dict) and "gate" in data:
+        gate = parse_gate_config(data, path)
+        return f"gate config, {len(gate.routes)} routes"
+    if isinstance(data, dict) and "restarter" in data:
+        r = parse_restarter_config(data, path)
+        return f"restarter config, {len(r.targets)} backends"
+    cfg = exporter_config.parse(data, path)
+    return f"{len(cfg.backends)} backends" + (", redis section valid" if cfg.redis is not None else "")
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    try:
+        what = check_config(args.file)
+    except ConfigError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 1
+    print(f"SUCCESS: {args.file}: {what}")
+    return 0
+
+
+def add(sub: Any) -> None:
+    s = sub.add_parser("serve", help="run the Prometheus exporter")
+    s.add_argument("--config.file", dest="config_file", required=True)
+    s.add_argument("--web.listen-address", dest="web_listen_address", type=listen_address, default=listen_address("127.0.0.1:9118"))
+    add_log_level(s)
+    s.set_defaults(func=cmd_serve)
+
+    cfg = sub.add_parser("config", help="configuration tools")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    cc = cfg_sub.add_parser("check", help="validate a config file (exporter, gate or restarter, told by its top-level keys)")
+    cc.add_argument("file")
+    add_log_level(cc)
+    cc.set_defaults(func=cmd_config_check)

@@ -1,0 +1,114 @@
+"""The exporter's YAML configuration (`llm-health serve`), parsed once into typed values.
+
+```yaml
+global:                      # every key optional; these are the defaults
+  interval: 10s              # seconds between rounds per backend
+  hung_after_seconds: 60     # least time without progress before `hung`
+  probe_interval: 60s        # at most one 1-token probe per idle backend per this
+  probe_timeout: 5s
+  connect_timeout: 3s
+  metrics_timeout: 30s       # a slow /metrics is load, not death: keep this generous
+  models_timeout: 10s
+  max_metrics_bytes: 16777216
+  max_probe_targets: 1000    # state kept for /probe?target=... (least recently used dropped)
+backends:
+  - name: gpu0               # the `backend` label
+    url: http://10.0.0.5:8000
+    kind: vllm               # vllm (any engine with /metrics) or proxy (/v1/models only)
+    interval: 10s            # optional, overrides global
+    api_key_env: VLLM_API_KEY      # or api_key_file: /etc/llm-health/gpu0.key
+redis: {...}                 # optional: see docs/redis-schema.md
+```
+Durations are seconds, or strings with a unit: `500ms`, `10s`, `5m`, `1h`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+from ..core.health import Settings
+from .fields import NAME, Section
+from .load import load_yaml
+from .redis import RedisConfig, parse_redis_config
+
+KINDS = ("vllm", "proxy")
+
+
+@dataclass(frozen=True)
+class Timing:
+    interval: float = 10.0
+    hung_after_seconds: float = 60.0
+    probe_interval: float = 60.0
+    probe_timeout: float = 5.0
+    connect_timeout: float = 3.0
+    metrics_timeout: float = 30.0
+    models_timeout: float = 10.0
+    max_metrics_bytes: int = 16 * 1024 * 1024
+    max_probe_targets: int = 1000
+
+    def settings(self) -> Settings:
+        return Settings(hung_after_seconds=self.hung_after_seconds, probe_interval=self.probe_interval)
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    url: str
+    kind: str = "vllm"
+    timing: Timing = field(default_factory=Timing)
+    api_key: str | None = field(default=None, repr=False)  # never printed
+
+
+@dataclass(frozen=True)
+class Config:
+    timing: Timing
+    backends: tuple[Backend, ...]
+    redis: RedisConfig | None = None
+    source: str = "<config>"
+
+
+_DURATIONS = ("interval", "hung_after_seconds", "probe_interval", "probe_timeout", "connect_timeout", "metrics_timeout", "models_timeout")
+
+
+def _timing(s: Section, base: Timing, *, per_backend: bool = False) -> Timing:
+    """The timing keys of `s` over `base`. A backend may override the durations only."""
+    values: dict[str, float | int] = {}
+    for key in _DURATIONS:
+        if key in s:
+            values[key] = s.duration(key, minimum=0.0 if key != "interval" else 0.05)
+        else:
+            s.raw(key)
+    if not per_backend:
+        values["max_metrics_bytes"] = s.integer("max_metrics_bytes", base.max_metrics_bytes)
+        values["max_probe_targets"] = s.integer("max_probe_targets", base.max_probe_targets)
+    return replace(base, **values)  # type: ignore[arg-type]
+
+
+def parse(data: object, where: str = "<config>") -> Config:
+    top = Section(data, where)
+    g = top.section("global")
+    timing = _timing(g, Timing())
+    g.done()
+
+    backends: list[Backend] = []
+    seen: set[str] = set()
+    for entry in top.items("backends"):
+        name = entry.string("name", pattern=NAME, what="use letters, digits and _ . : - only (at most 128)")
+        if name in seen:
+            raise entry.error("name", f"duplicate backend name {name!r}")
+        seen.add(name)
+        url = entry.url("url")
+        kind = entry.choice("kind", KINDS, "vllm")
+        backend_timing = _timing(entry, timing, per_backend=True)
+        api_key = entry.secret("api_key")
+        entry.done()
+        backends.append(Backend(name=name, url=url, kind=kind, timing=backend_timing, api_key=api_key))
+
+    redis = parse_redis_config(top.raw("redis"), where) if "redis" in top else None
+    top.done()
+    return Config(timing=timing, backends=tuple(backends), redis=redis, source=where)
+
+
+def load(path: str | os.PathLike[str]) -> Config:
+    return parse(load_yaml(path), str(path))

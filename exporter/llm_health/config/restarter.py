@@ -1,0 +1,178 @@
+"""The restarter's YAML configuration (`llm-health restarter`), parsed once into typed
+values; and its bearer token.
+
+```yaml
+restarter:
+  budget: {max_restarts: 3, window: 1h, cooldown: 5m, backoff: 2}
+  verify: {interval: 10s, hung_after_seconds: 20}
+backends:
+  - name: gpu0                       # the `backend` label of LLMBackendHung
+    url: http://10.0.0.5:8000
+    instance: 10.0.0.5:8000          # the `instance` label of VLLMEngineHung (default: host:port of url)
+    restart: [systemctl, restart, vllm@gpu0]     # an argv, run without a shell
+    restart_timeout: 2m
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ..core.restart_policy import Budget
+from .errors import ConfigError
+from .fields import Section
+from .load import load_yaml
+
+log = logging.getLogger("llm_health.restarter")
+
+TOKEN_ENV = "LLM_HEALTH_RESTARTER_TOKEN"
+
+
+@dataclass(frozen=True)
+class Verify:
+    """The re-verification: `llm-health check` with these settings."""
+
+    interval: float = 10.0
+    hung_after_seconds: float = 20.0
+    probe_timeout: float = 5.0
+    metrics_timeout: float = 30.0
+    rounds: int | None = None  # None: enough for hung_after_seconds, as `check` does
+
+
+@dataclass(frozen=True)
+class Target:
+    """One backend the restarter may act on."""
+
+    name: str
+    url: str
+    instance: str = ""
+    kind: str = "vllm"
+    restart: tuple[str, ...] = ()
+    restart_timeout: float = 120.0
+    api_key: str | None = field(default=None, repr=False)  # never printed
+
+
+@dataclass(frozen=True)
+class RestarterConfig:
+    targets: tuple[Target, ...]
+    budget: Budget = field(default_factory=Budget)
+    verify: Verify = field(default_factory=Verify)
+    recovery_timeout: float = 600.0
+    recovery_interval: float | None = None  # None: verify.interval
+    kill_grace: float = 5.0  # SIGTERM to SIGKILL when a restart command passes its timeout
+    max_output_bytes: int = 16384  # the tail of a restart command's output kept
+    history: int = 100  # recent actions and refusals shown on /status
+    source: str = "<config>"
+
+
+def default_instance(url: str) -> str:
+    """host:port of a URL, as Prometheus writes the `instance` label of a scraped target."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{host}:{port}"
+
+
+def parse_config(data: object, where: str = "<config>") -> RestarterConfig:
+    top = Section(data, where)
+    section = top.section("restarter")
+
+    b = section.section("budget")
+    d = Budget()
+    budget = Budget(
+        max_restarts=b.integer("max_restarts", d.max_restarts),
+        window=b.duration("window", d.window, maximum=30 * 86400.0),
+        cooldown=b.duration("cooldown", d.cooldown, maximum=30 * 86400.0),
+        backoff=b.number("backoff", d.backoff, minimum=1, maximum=100),
+    )
+    b.done()
+
+    v = section.section("verify")
+    dv = Verify()
+    verify = Verify(
+        interval=v.duration("interval", dv.interval),
+        hung_after_seconds=v.duration("hung_after_seconds", dv.hung_after_seconds),
+        probe_timeout=v.duration("probe_timeout", dv.probe_timeout),
+        metrics_timeout=v.duration("metrics_timeout", dv.metrics_timeout),
+        rounds=v.integer("rounds", None, minimum=3, maximum=10_000),
+    )
+    v.done()
+
+    defaults = RestarterConfig(targets=())
+    recovery_timeout = section.duration("recovery_timeout", defaults.recovery_timeout)
+    recovery_interval = section.duration("recovery_interval", None)
+    kill_grace = section.duration("kill_grace", defaults.kill_grace)
+    max_output = section.integer("max_output_bytes", defaults.max_output_bytes, maximum=16 * 1024 * 1024)
+    history = section.integer("history", defaults.history, maximum=100_000)
+    section.done()
+
+    if not isinstance(top.raw("backends"), list) or not top.raw("backends"):
+        raise top.error("backends", "expected a non-empty list of backends (name, url, restart)")
+    targets: list[Target] = []
+    names: set[str] = set()
+    instances: dict[str, str] = {}
+    for entry in top.items("backends"):
+        name = entry.string("name")
+        url = entry.url("url")
+        if name in names:
+            raise entry.error("name", f"duplicate backend name {name!r}")
+        names.add(name)
+        kind = entry.choice("kind", ("vllm", "proxy"), "vllm")
+        instance = entry.string("instance", None) or default_instance(url)
+        if instance in instances:
+            raise entry.error("instance", f"{instance!r} is also backend {instances[instance]!r}: a VLLMEngineHung alert could not tell them apart")
+        instances[instance] = name
+        restart: tuple[str, ...] = ()
+        if kind == "proxy":
+            if "restart" in entry:
+                raise entry.error("restart", "a proxy is never restarted (restart its backends): remove this key")
+        else:
+            if "restart" not in entry:
+                raise entry.error("restart", "missing: the argv that restarts this backend, e.g. [systemctl, restart, vllm@gpu0]")
+            restart = entry.argv("restart")
+        restart_timeout = entry.duration("restart_timeout", 120.0)
+        api_key = entry.secret("api_key")
+        entry.done()
+        targets.append(Target(name, url, instance, kind, restart, restart_timeout, api_key))
+    top.done()
+    return RestarterConfig(
+        targets=tuple(targets),
+        budget=budget,
+        verify=verify,
+        recovery_timeout=recovery_timeout,
+        recovery_interval=recovery_interval,
+        kill_grace=kill_grace,
+        max_output_bytes=max_output,
+        history=history,
+        source=where,
+    )
+
+
+def load_config(path: str | os.PathLike[str]) -> RestarterConfig:
+    return parse_config(load_yaml(path), str(path))
+
+
+def read_token(token_file: str | None, token_env: str = TOKEN_ENV) -> str:
+    """The bearer token from a file or an environment variable; never echoed."""
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(token_file, "(token file)", f"cannot read: {exc.strerror}") from None
+        if not token:
+            raise ConfigError(token_file, "(token file)", "is empty")
+        with contextlib.suppress(OSError):
+            if Path(token_file).stat().st_mode & 0o007:
+                log.warning("token file %s is readable by every user: chmod o-rwx it", token_file)
+        return token
+    token = (os.environ.get(token_env) or "").strip()
+    if not token:
+        raise ConfigError("(environment)", token_env, "not set or empty: give --web.token-file FILE or set this variable")
+    return token

@@ -1,0 +1,279 @@
+"""Engine profiles: which series of each inference engine mean running, waiting, progress,
+start time and sleep, how to tell the engines apart from a payload, and the `Reading`
+the state machine is fed.
+
+Pure: no I/O. The payload is parsed with the targeted parser, asking only for the series
+a profile needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .exposition import parse
+
+START_TIME = "process_start_time_seconds"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How one engine exposes its work and its progress.
+
+    `unit_labels` name the labels that tell one engine unit from another in one payload
+    (vLLM's data-parallel `engine` rank and `model_name`); series are summed over every
+    other label (e.g. `finished_reason`). `counters` only ever rise in one process, so a
+    fall means a restart. `steps` is the counter of engine steps; `gauges` are the
+    engine-side gauges whose change also shows the engine took a step (KV usage rises
+    during a long prefill even when no step is counted).
+    """
+
+    name: str
+    marker: str  # a sample name only this profile's engine exposes
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    steps: str | None
+    generation_tokens: str | None
+    counters: tuple[str, ...]
+    gauges: tuple[str, ...] = ()
+    unit_labels: tuple[str, ...] = ()
+    sleep_awake: str | None = None  # gauge with sleep_state="awake": 0 means sleeping
+    has_sleep_endpoints: bool = False
+
+    @property
+    def wanted(self) -> frozenset[str]:
+        names = {START_TIME, *self.running, *self.waiting, *self.counters, *self.gauges}
+        for name in (self.steps, self.generation_tokens, self.sleep_awake):
+            if name:
+                names.add(name)
+        return frozenset(names)
+
+
+_VLLM_COUNTERS = (
+    "vllm:iteration_tokens_total_count",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:num_preemptions_total",
+)
+
+VLLM_V1 = Profile(
+    name="vllm_v1",
+    marker="vllm:kv_cache_usage_perc",
+    running=("vllm:num_requests_running",),
+    waiting=("vllm:num_requests_waiting",),
+    steps="vllm:iteration_tokens_total_count",
+    generation_tokens="vllm:generation_tokens_total",
+    counters=(*_VLLM_COUNTERS, "vllm:prefix_cache_queries_total"),
+    gauges=("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"),
+    unit_labels=("model_name", "engine"),
+    sleep_awake="vllm:engine_sleep_state",
+    has_sleep_endpoints=True,
+)
+
+VLLM_V0 = Profile(
+    name="vllm_v0",
+    marker="vllm:gpu_cache_usage_perc",
+    running=("vllm:num_requests_running",),
+    waiting=("vllm:num_requests_waiting", "vllm:num_requests_swapped"),
+    steps="vllm:iteration_tokens_total_count",
+    generation_tokens="vllm:generation_tokens_total",
+    counters=_VLLM_COUNTERS,
+    gauges=(
+        "vllm:gpu_cache_usage_perc",
+        "vllm:cpu_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_swapped",
+    ),
+    unit_labels=("model_name", "engine"),
+    has_sleep_endpoints=True,
+)
+
+SGLANG = Profile(
+    name="sglang",
+    marker="sglang:num_running_reqs",
+    running=("sglang:num_running_reqs",),
+    waiting=("sglang:num_queue_reqs",),
+    steps="sglang:cuda_graph_passes_total",
+    generation_tokens="sglang:generation_tokens_total",
+    counters=(
+        "sglang:cuda_graph_passes_total",
+        "sglang:prompt_tokens_total",
+        "sglang:generation_tokens_total",
+        "sglang:num_requests_total",
+    ),
+    gauges=("sglang:num_used_tokens", "sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs"),
+    unit_labels=("model_name", "engine"),
+)
+
+TGI = Profile(
+    name="tgi",
+    marker="tgi_batch_current_size",
+    running=("tgi_batch_current_size",),
+    waiting=("tgi_queue_size",),
+    steps="tgi_batch_inference_count",
+    generation_tokens="tgi_request_generated_tokens_sum",
+    counters=(
+        "tgi_batch_inference_count",
+        "tgi_batch_inference_success",
+        "tgi_request_success",
+        "tgi_request_generated_tokens_sum",
+    ),
+    gauges=("tgi_batch_current_size", "tgi_queue_size", "tgi_batch_current_max_tokens"),
+)
+
+LLAMACPP = Profile(
+    name="llamacpp",
+    marker="llamacpp:requests_processing",
+    running=("llamacpp:requests_processing",),
+    waiting=("llamacpp:requests_deferred",),
+    steps="llamacpp:n_decode_total",
+    generation_tokens="llamacpp:tokens_predicted_total",
+    counters=("llamacpp:n_decode_total", "llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total"),
+    gauges=("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+)
+
+# Triton has no "running" gauge: pending requests are the work in flight, and executions
+# the progress. One unit per model and version.
+TRITON = Profile(
+    name="triton",
+    marker="nv_inference_pending_request_count",
+    running=(),
+    waiting=("nv_inference_pending_request_count",),
+    steps="nv_inference_exec_count",
+    generation_tokens=None,
+    counters=("nv_inference_exec_count", "nv_inference_count", "nv_inference_request_success"),
+    gauges=("nv_inference_pending_request_count",),
+    unit_labels=("model", "version"),
+)
+
+# Order matters only where a payload could carry two markers: V1 before V0 (a V1 engine
+# of some versions still lists the deprecated gauge).
+PROFILES: tuple[Profile, ...] = (VLLM_V1, VLLM_V0, SGLANG, TGI, LLAMACPP, TRITON)
+BY_NAME = {p.name: p for p in PROFILES}
+_MARKERS = frozenset(p.marker for p in PROFILES) | {
+    "vllm:num_requests_running",
+    "vllm:iteration_tokens_total_count",
+}
+
+
+@dataclass(frozen=True)
+class EngineReading:
+    """One engine unit (a data-parallel rank of one model) at one instant."""
+
+    model_name: str
+    engine: str
+    running: float
+    waiting: float
+    steps: float | None
+    generation_tokens: float | None
+    counters: tuple[float, ...]  # in profile order, NaN where absent
+    gauges: tuple[float, ...]
+    sleeping: bool = False
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.model_name, self.engine)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.running > 0 or self.waiting > 0
+
+    @property
+    def fingerprint(self) -> tuple[float, ...]:
+        return self.counters + self.gauges
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A parsed `/metrics` payload of one backend, reduced to what the decision needs."""
+
+    profile: str
+    start_time: float | None
+    engines: dict[tuple[str, str], EngineReading] = field(default_factory=dict)
+
+
+class UnknownEngine(ValueError):
+    """The payload is text exposition but no profile's series are in it."""
+
+
+def detect(text: str) -> Profile:
+    """Choose the profile from the payload itself."""
+    found = parse(text, _MARKERS)
+    for profile in PROFILES:
+        if profile.marker in found:
+            return profile
+    if "vllm:num_requests_running" in found or "vllm:iteration_tokens_total_count" in found:
+        # Older or partial vLLM payloads without a cache-usage gauge.
+        return VLLM_V0
+    raise UnknownEngine("no known engine series (vllm:, sglang:, tgi_, llamacpp:, nv_inference_) in /metrics")
+
+
+def _unit(labels: dict[str, str], unit_labels: tuple[str, ...]) -> tuple[str, str]:
+    values = [labels.get(name, "") for name in unit_labels] + ["", ""]
+    return (values[0], values[1])
+
+
+def _sum_by_unit(samples: Iterable[tuple[dict[str, str], float]], unit_labels: tuple[str, ...]) -> dict[tuple[str, str], float]:
+    out: dict[tuple[str, str], float] = {}
+    for labels, value in samples:
+        key = _unit(labels, unit_labels)
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def read(text: str, profile: Profile | None = None, *, likely: Profile | None = None) -> Reading:
+    """Reduce a payload to a `Reading`, one `EngineReading` per engine unit.
+
+    `profile` forces one; otherwise it is detected from the payload. `likely` is the profile
+    this backend had last round: while its marker is still in the payload it is used as is,
+    one parse instead of two (detection, then reading)."""
+    samples = None
+    if profile is None and likely is not None:
+        samples = parse(text, likely.wanted)
+        if likely.marker in samples:
+            profile = likely
+        else:
+            samples = None  # the engine changed (an upgrade, another server): detect again
+    if profile is None:
+        profile = detect(text)
+    if samples is None:
+        samples = parse(text, profile.wanted)
+    start = samples.get(START_TIME)
+    start_time = start[0][1] if start else None
+
+    sums = {name: _sum_by_unit(samples.get(name, ()), profile.unit_labels) for name in profile.wanted}
+    units: set[tuple[str, str]] = set()
+    for name in (*profile.running, *profile.waiting, *profile.counters):
+        units.update(sums[name])
+    if not units:
+        raise UnknownEngine(f"{profile.name} payload has none of {sorted(profile.running + profile.waiting)}")
+
+    awake: dict[tuple[str, str], float] = {}
+    if profile.sleep_awake:
+        for labels, value in samples.get(profile.sleep_awake, ()):
+            if labels.get("sleep_state") == "awake":
+                awake[_unit(labels, profile.unit_labels)] = value
+
+    def total(names: tuple[str, ...], key: tuple[str, str]) -> float:
+        return sum(sums[n].get(key, 0.0) for n in names)
+
+    def one(name: str | None, key: tuple[str, str]) -> float | None:
+        return sums[name].get(key, math.nan) if name else None
+
+    engines = {}
+    for key in sorted(units):
+        engines[key] = EngineReading(
+            model_name=key[0],
+            engine=key[1],
+            running=total(profile.running, key),
+            waiting=total(profile.waiting, key),
+            steps=one(profile.steps, key),
+            generation_tokens=one(profile.generation_tokens, key),
+            counters=tuple(sums[n].get(key, math.nan) for n in profile.counters),
+            gauges=tuple(sums[n].get(key, math.nan) for n in profile.gauges),
+            sleeping=awake.get(key, 1.0) == 0.0,
+        )
+    return Reading(profile=profile.name, start_time=start_time, engines=engines)

@@ -1,0 +1,280 @@
+"""The health state machine: previous state plus one round's observation gives a verdict.
+
+Pure: no I/O, no clock. The caller (`probe.monitor`) fetches, and feeds in what it saw and
+when.
+
+The rules:
+
+* progress is any change in the engine-side fingerprint (step count, prompt and generation
+  tokens, finished requests, preemptions, KV usage, running/waiting), not output tokens:
+  a vLLM V1 engine prefilling a long prompt moves only KV usage for a while;
+* work in flight with no progress is `stalled` for one round and `hung` after two
+  consecutive rounds and at least `hung_after_seconds` since the last progress seen;
+* an idle engine is probed (one 1-token completion) at most once per `probe_interval`;
+  a failed probe is `unresponsive`, two in a row `hung`;
+* a new process start time or a counter that went backwards is a `restarted` server:
+  counters of two processes are never compared, a new baseline is taken;
+* a proxy is judged by `/v1/models` alone: behind a least-connection proxy each
+  `/metrics` read may come from another backend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from .engines import EngineReading, Reading
+from .states import State, worst
+
+STATES: tuple[State, ...] = tuple(State)
+
+
+@dataclass(frozen=True)
+class Settings:
+    hung_after_seconds: float = 60.0
+    probe_interval: float = 60.0
+    hung_rounds: int = 2  # consecutive rounds without progress before `hung`
+    hung_probe_failures: int = 2
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one round saw. `reading` is None when `/metrics` gave nothing usable."""
+
+    now: float
+    reading: Reading | None = None
+    metrics_error: str | None = None  # e.g. "refused", "timeout after 30s", "HTTP 404"
+    metrics_timed_out: bool = False
+    metrics_refused: bool = False
+    models_ok: bool | None = None  # /v1/models answered; None: not asked
+    models_error: str | None = None
+    sleeping: bool = False  # /is_sleeping said true
+    paused: bool = False  # /is_paused said true
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What is kept of one engine unit between rounds."""
+
+    at: float
+    fingerprint: tuple[float, ...]
+    counters: tuple[float, ...]
+    steps: float | None
+    generation_tokens: float | None
+    last_progress_at: float
+    rounds_without_progress: int = 0
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What is kept of one backend between rounds."""
+
+    start_time: float | None = None
+    engines: dict[tuple[str, str], EngineMemory] = field(default_factory=dict)
+    last_probe_at: float | None = None
+    failed_probes: int = 0
+    restarts: int = 0
+    last_state: State = State.UNKNOWN
+
+
+@dataclass(frozen=True)
+class EngineVerdict:
+    model_name: str
+    engine: str
+    state: State
+    reason: str
+    running: float
+    waiting: float
+    steps_per_second: float | None = None
+    generation_tokens_per_second: float | None = None
+    seconds_since_progress: float = 0.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    state: State
+    reason: str
+    memory: Memory
+    engines: tuple[EngineVerdict, ...] = ()
+    probe_wanted: bool = False
+    restarted: bool = False
+
+    @property
+    def running(self) -> float:
+        return sum(e.running for e in self.engines)
+
+    @property
+    def waiting(self) -> float:
+        return sum(e.waiting for e in self.engines)
+
+    def total(self, attr: str) -> float | None:
+        values = [getattr(e, attr) for e in self.engines if getattr(e, attr) is not None]
+        return sum(values) if values else None
+
+
+def same_fingerprint(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    """Fingerprints equal, NaN (series absent) equal to NaN."""
+    if len(a) != len(b):
+        return False
+    return all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+
+
+def _went_back(before: tuple[float, ...], after: tuple[float, ...]) -> bool:
+    return any(y < x for x, y in zip(before, after) if not (math.isnan(x) or math.isnan(y)))
+
+
+def _rate(new: float | None, old: float | None, seconds: float) -> float | None:
+    if new is None or old is None or seconds <= 0 or math.isnan(new) or math.isnan(old):
+        return None
+    return max(0.0, (new - old) / seconds)
+
+
+def _remember(e: EngineReading, now: float, last_progress_at: float, rounds: int = 0) -> EngineMemory:
+    return EngineMemory(
+        at=now,
+        fingerprint=e.fingerprint,
+        counters=e.counters,
+        steps=e.steps,
+        generation_tokens=e.generation_tokens,
+        last_progress_at=last_progress_at,
+        rounds_without_progress=rounds,
+    )
+
+
+def _judge_engine(prev: EngineMemory | None, e: EngineReading, obs: Observation, s: Settings) -> tuple[EngineVerdict, EngineMemory]:
+    now = obs.now
+    if prev is None:
+        mem = _remember(e, now, now)
+        if e.sleeping or obs.sleeping:
+            return EngineVerdict(e.model_name, e.engine, State.SLEEPING, "engine reports sleep mode", e.running, e.waiting), mem
+        if obs.paused:
+            return EngineVerdict(e.model_name, e.engine, State.PAUSED, "engine reports paused", e.running, e.waiting), mem
+        if e.in_flight:
+            reason = f"{e.running:g} running, {e.waiting:g} waiting: first reading, progress unknown until the next"
+            return EngineVerdict(e.model_name, e.engine, State.UNKNOWN, reason, e.running, e.waiting), mem
+        return EngineVerdict(e.model_name, e.engine, State.IDLE, "nothing running or waiting", e.running, e.waiting), mem
+
+    dt = now - prev.at
+    steps_ps = _rate(e.steps, prev.steps, dt)
+    gen_ps = _rate(e.generation_tokens, prev.generation_tokens, dt)
+    progressed = not same_fingerprint(prev.fingerprint, e.fingerprint)
+
+    def verdict(state: State, reason: str, since: float = 0.0) -> EngineVerdict:
+        return EngineVerdict(e.model_name, e.engine, state, reason, e.running, e.waiting, steps_ps, gen_ps, since)
+
+    if e.sleeping or obs.sleeping or obs.paused:
+        state = State.PAUSED if obs.paused and not (e.sleeping or obs.sleeping) else State.SLEEPING
+        # A sleeping engine keeps its requests but takes no steps: restart the clock.
+        return verdict(state, f"engine reports {state}; never hung"), _remember(e, now, now)
+    if progressed:
+        mem = _remember(e, now, now)
+        if e.in_flight:
+            if steps_ps:
+                how = f", {steps_ps:.1f} steps/s"
+            else:  # a V1 long chunked prefill: no step counted, but KV usage (or another series) moved
+                how = " (no step counted: KV cache or other engine series moved, as in a long prefill)"
+            return verdict(State.BUSY, f"{e.running:g} running, {e.waiting:g} waiting, engine progressing{how}"), mem
+        return verdict(State.IDLE, "nothing running or waiting"), mem
+    if not e.in_flight:
+        return verdict(State.IDLE, "nothing running or waiting"), _remember(e, now, now)
+
+    rounds = prev.rounds_without_progress + 1
+    since = now - prev.last_progress_at
+    mem = _remember(e, now, prev.last_progress_at, rounds)
+    what = f"{e.running:g} running, {e.waiting:g} waiting"
+    if e.running == 0:
+        what += " (waiting with nothing running)"
+    if rounds >= s.hung_rounds and since >= s.hung_after_seconds:
+        return verdict(State.HUNG, f"{what}, no engine progress for {rounds} rounds ({since:.0f}s)", since), mem
+    return verdict(State.STALLED, f"{what}, no engine progress for {rounds} round(s) ({since:.0f}s)", since), mem
+
+
+def _restart_reason(prev: Memory, reading: Reading) -> str | None:
+    """Why this reading comes from a new process, or None."""
+    if not prev.engines:
+        return None
+    if reading.start_time is not None and prev.start_time is not None and reading.start_time != prev.start_time:
+        return "process start time changed"
+    for key, e in reading.engines.items():
+        old = prev.engines.get(key)
+        if old is not None and _went_back(old.counters, e.counters):
+            return "a counter went backwards"
+    return None
+
+
+def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "vllm") -> Verdict:
+    """One round: previous memory and this round's observation give the verdict."""
+    prev = prev or Memory()
+    if kind == "proxy":
+        if obs.models_ok:
+            return Verdict(State.UP, "proxy: /v1/models answered (its backends are checked directly)", replace(prev, last_state=State.UP))
+        return Verdict(State.DOWN, f"proxy: /v1/models failed: {obs.models_error or 'no answer'}", replace(prev, last_state=State.DOWN))
+
+    reading = obs.reading
+    if reading is None:
+        if obs.models_ok:
+            if obs.metrics_timed_out:
+                state, reason = State.UNKNOWN, f"/metrics {obs.metrics_error}; /v1/models answered: a slow read is load, not death"
+            else:
+                state, reason = State.NO_METRICS, f"no usable /metrics ({obs.metrics_error}); /v1/models answered"
+            return Verdict(state, reason, replace(prev, last_state=state))
+        why = f"/metrics: {obs.metrics_error or 'no answer'}; /v1/models: {obs.models_error or 'no answer'}"
+        return Verdict(State.DOWN, why, replace(prev, last_state=State.DOWN))
+
+    restart_reason = _restart_reason(prev, reading)
+    if restart_reason is not None:
+        engines = {key: _remember(e, obs.now, obs.now) for key, e in reading.engines.items()}
+        restarted = tuple(EngineVerdict(e.model_name, e.engine, State.RESTARTED, restart_reason, e.running, e.waiting) for e in reading.engines.values())
+        all_idle = not any(e.in_flight for e in reading.engines.values())
+        mem = Memory(
+            start_time=reading.start_time,
+            engines=engines,
+            last_probe_at=prev.last_probe_at,
+            failed_probes=0,
+            restarts=prev.restarts + 1,
+            last_state=State.RESTARTED,
+        )
+        reason = f"restarted: {restart_reason}; new baseline" + ("; probing the idle engine" if all_idle else "")
+        return Verdict(State.RESTARTED, reason, mem, restarted, probe_wanted=all_idle, restarted=True)
+
+    evs: list[EngineVerdict] = []
+    engines = {}
+    for key, e in reading.engines.items():
+        ev, emem = _judge_engine(prev.engines.get(key), e, obs, s)
+        evs.append(ev)
+        engines[key] = emem
+    state = worst(ev.state for ev in evs)
+    mem = replace(prev, start_time=reading.start_time, engines=engines)
+
+    if state is State.IDLE:
+        # Only an engine with nothing in flight is ever sent a request.
+        due = prev.last_probe_at is None or obs.now - prev.last_probe_at >= s.probe_interval
+        if prev.failed_probes:
+            state = State.HUNG if prev.failed_probes >= s.hung_probe_failures else State.UNRESPONSIVE
+            reason = f"idle but the last {prev.failed_probes} probe(s) failed"
+            return Verdict(state, reason, replace(mem, last_state=state), tuple(evs), probe_wanted=due)
+        return Verdict(State.IDLE, "nothing running or waiting", replace(mem, last_state=State.IDLE), tuple(evs), probe_wanted=due)
+
+    if prev.failed_probes:
+        # Work showed up and the engine moved: the failed probes are forgotten.
+        mem = replace(mem, failed_probes=0)
+    chosen = next(ev for ev in evs if ev.state == state)
+    reason = chosen.reason
+    if len(evs) > 1:
+        reason = f"engine {chosen.engine or '-'} model {chosen.model_name or '-'}: {reason}"
+    return Verdict(state, reason, replace(mem, last_state=state), tuple(evs))
+
+
+def after_probe(v: Verdict, ok: bool, now: float, s: Settings, detail: str = "") -> Verdict:
+    """Fold the result of the probe that `decide` asked for into its verdict."""
+    mem = replace(v.memory, last_probe_at=now)
+    if ok:
+        state = State.RESTARTED if v.state is State.RESTARTED else State.IDLE
+        mem = replace(mem, failed_probes=0, last_state=state)
+        reason = f"{v.reason if state is State.RESTARTED else 'idle'}; probe answered {detail}".strip()
+        return replace(v, state=state, reason=reason, memory=mem, probe_wanted=False)
+    failed = v.memory.failed_probes + 1
+    state = State.HUNG if failed >= s.hung_probe_failures else State.UNRESPONSIVE
+    mem = replace(mem, failed_probes=failed, last_state=state)
+    reason = f"idle engine did not answer a 1-token probe ({detail or 'failed'}); {failed} failed in a row"
+    return replace(v, state=state, reason=reason, memory=mem, probe_wanted=False)

@@ -1,9 +1,0 @@
-"""Errors shared by the package: each names what is wrong and where."""
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong. The message names the file and the key."""
-
-    def __init__(self, where: str, key: str, problem: str):
-        self.where, self.key, self.problem = where, key, problem
-        super().__init__(f"{where}: {key}: {problem}")

@@ -1,0 +1,98 @@
+"""One watched backend: its monitor, what its last round found, and its `/status` entry."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from ..config.exporter import Backend
+from ..core.health import Verdict
+from ..core.states import State
+from ..probe.client import BackendClient
+from ..probe.monitor import BackendMonitor
+
+log = logging.getLogger("llm_health.exporter")
+
+
+@dataclass
+class Slot:
+    """One backend: its monitor and what its last round found."""
+
+    backend: Backend
+    monitor: BackendMonitor
+    verdict: Verdict | None = None
+    last_round_at: float | None = None  # wall clock
+    errors: dict[str, int] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+    # /probe targets: one round at a time, and when the current one started (monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    round_started: float | None = None
+
+    def status(self) -> dict[str, Any]:
+        v, stats, m = self.verdict, self.monitor.stats, self.monitor
+        out = {
+            "backend": self.backend.name,
+            "url": m.client.url,
+            "kind": self.backend.kind,
+            "state": v.state if v else State.UNKNOWN,
+            "reason": v.reason if v else "no round yet",
+            "profile": stats.profile,
+            "running": v.running if v and v.engines else None,
+            "waiting": v.waiting if v and v.engines else None,
+            "steps_per_second": v.total("steps_per_second") if v else None,
+            "generation_tokens_per_second": v.total("generation_tokens_per_second") if v else None,
+            "restarts": m.memory.restarts if m.memory else 0,
+            "probes_sent": m.probes_sent,
+            "probe_sent": stats.probe is not None,
+            "last_round_at": self.last_round_at,
+            "round_seconds": stats.seconds,
+            "metrics_seconds": stats.metrics.seconds if stats.metrics else None,
+            "metrics_bytes": stats.metrics.size if stats.metrics else None,
+            "engines": [
+                {
+                    "model_name": e.model_name,
+                    "engine": e.engine,
+                    "state": e.state,
+                    "reason": e.reason,
+                    "running": e.running,
+                    "waiting": e.waiting,
+                    "steps_per_second": e.steps_per_second,
+                    "generation_tokens_per_second": e.generation_tokens_per_second,
+                    "seconds_since_progress": e.seconds_since_progress,
+                }
+                for e in (v.engines if v else ())
+            ],
+        }
+        return out
+
+
+def make_monitor(session: aiohttp.ClientSession, b: Backend) -> BackendMonitor:
+    t = b.timing
+    client = BackendClient(
+        session,
+        b.url,
+        api_key=b.api_key,
+        connect_timeout=t.connect_timeout,
+        metrics_timeout=t.metrics_timeout,
+        models_timeout=t.models_timeout,
+        probe_timeout=t.probe_timeout,
+        max_bytes=t.max_metrics_bytes,
+    )
+    return BackendMonitor(client, kind=b.kind, settings=t.settings())
+
+
+async def run_round(slot: Slot) -> None:
+    """One round for one backend; nothing it meets escapes to the caller."""
+    try:
+        slot.verdict = await slot.monitor.round()
+        if slot.monitor.stats.error:
+            slot.errors[slot.monitor.stats.error] = slot.errors.get(slot.monitor.stats.error, 0) + 1
+    except Exception as exc:
+        log.exception("round for backend %s failed: %s", slot.backend.name, type(exc).__name__)
+        slot.errors["exception"] = slot.errors.get("exception", 0) + 1
+    slot.last_round_at = time.time()

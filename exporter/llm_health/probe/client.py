@@ -1,0 +1,156 @@
+"""HTTP calls to one backend: `/metrics`, `/v1/models`, the 1-token probe, sleep flags.
+
+Every call has a connect timeout and a total timeout of its own; `/metrics` bodies are
+capped in size (after gzip is undone, so a small compressed bomb is caught too). Errors
+come back as values that say what happened (refused, timeout, HTTP status, not
+exposition), never as exceptions, and never carry the API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from ..urls import base_url
+
+DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Fetched:
+    text: str | None = None
+    error: str | None = None
+    timed_out: bool = False
+    refused: bool = False
+    seconds: float = 0.0
+    size: int = 0
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    ok: bool | None  # None: the server refused the request itself (4xx): no evidence either way
+    seconds: float
+    detail: str
+    timed_out: bool = False
+
+    @property
+    def result(self) -> str:
+        """The `result` label of llm_backend_probes_total: ok, timeout or error."""
+        return "ok" if self.ok else ("timeout" if self.timed_out else "error")
+
+
+def _describe(exc: BaseException, timeout: float) -> tuple[str, bool, bool]:
+    """(message, timed_out, refused) for a failed call, without the request's headers."""
+    if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+        return f"timeout after {timeout:g}s", True, False
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"connection refused or unreachable ({exc.os_error.strerror or type(exc.os_error).__name__})", False, True
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "server closed the connection", False, False
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return f"broken response body ({exc})", False, False
+    if isinstance(exc, aiohttp.ClientError):
+        return f"{type(exc).__name__}: {exc}", False, False
+    return f"{type(exc).__name__}: {exc}", False, False
+
+
+class BackendClient:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        api_key: str | None = None,
+        connect_timeout: float = 3.0,
+        metrics_timeout: float = 30.0,
+        models_timeout: float = 10.0,
+        probe_timeout: float = 5.0,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ):
+        self.session = session
+        self.url = base_url(url)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.connect_timeout = connect_timeout
+        self.metrics_timeout = metrics_timeout
+        self.models_timeout = models_timeout
+        self.probe_timeout = probe_timeout
+        self.max_bytes = max_bytes
+
+    def _timeout(self, total: float) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=total, connect=min(self.connect_timeout, total))
+
+    async def metrics(self) -> Fetched:
+        start = time.monotonic()
+        try:
+            async with self.session.get(
+                self.url + "/metrics",
+                headers={**self._headers, "Accept": "text/plain;version=0.0.4", "Accept-Encoding": "gzip"},
+                timeout=self._timeout(self.metrics_timeout),
+            ) as resp:
+                if resp.status != 200:
+                    return Fetched(error=f"HTTP {resp.status}", seconds=time.monotonic() - start)
+                body = bytearray()
+                async for chunk in resp.content.iter_chunked(65536):
+                    body += chunk
+                    if len(body) > self.max_bytes:
+                        return Fetched(error=f"payload larger than {self.max_bytes} bytes", seconds=time.monotonic() - start)
+                ctype = resp.headers.get("Content-Type", "")
+        except Exception as exc:
+            msg, timed_out, refused = _describe(exc, self.metrics_timeout)
+            return Fetched(error=msg, timed_out=timed_out, refused=refused, seconds=time.monotonic() - start)
+        seconds = time.monotonic() - start
+        text = body.decode("utf-8", errors="replace")
+        head = text.lstrip()[:64].lower()
+        if "html" in ctype or head.startswith("<"):
+            return Fetched(error=f"HTML page, not Prometheus text (Content-Type {ctype or 'missing'})", seconds=seconds, size=len(body))
+        if "json" in ctype or head.startswith("{"):
+            return Fetched(error=f"JSON, not Prometheus text (Content-Type {ctype or 'missing'})", seconds=seconds, size=len(body))
+        return Fetched(text=text, seconds=seconds, size=len(body))
+
+    async def models(self) -> tuple[bool, str | None, str | None]:
+        """(answered, first model id, error)."""
+        try:
+            async with self.session.get(self.url + "/v1/models", headers=self._headers, timeout=self._timeout(self.models_timeout)) as resp:
+                if resp.status != 200:
+                    return False, None, f"HTTP {resp.status}"
+                data = await resp.json(content_type=None)
+        except Exception as exc:
+            return False, None, _describe(exc, self.models_timeout)[0]
+        try:
+            return True, data["data"][0]["id"], None
+        except (KeyError, IndexError, TypeError):
+            return True, None, None
+
+    async def probe(self, model: str | None) -> ProbeResult:
+        """One 1-token completion. Only ever sent to an engine with nothing in flight."""
+        start = time.monotonic()
+        if model is None:
+            return ProbeResult(None, 0.0, "no served model listed by /v1/models")
+        payload = {"model": model, "prompt": "ok", "max_tokens": 1, "temperature": 0}
+        try:
+            async with self.session.post(self.url + "/v1/completions", json=payload, headers=self._headers, timeout=self._timeout(self.probe_timeout)) as resp:
+                await resp.read()
+                seconds = time.monotonic() - start
+                if resp.status == 200:
+                    return ProbeResult(True, seconds, f"in {seconds * 1000:.0f} ms")
+                if 400 <= resp.status < 500:
+                    return ProbeResult(None, seconds, f"probe refused with HTTP {resp.status} (check model name and API key)")
+                return ProbeResult(False, seconds, f"HTTP {resp.status}")
+        except Exception as exc:
+            detail, timed_out, _ = _describe(exc, self.probe_timeout)
+            return ProbeResult(False, time.monotonic() - start, detail, timed_out)
+
+    async def flag(self, path: str) -> bool:
+        """vLLM's `/is_sleeping` and `/is_paused`: True only on a clear yes."""
+        try:
+            async with self.session.get(self.url + path, headers=self._headers, timeout=self._timeout(2.0)) as resp:
+                if resp.status != 200:
+                    return False
+                data = await resp.json(content_type=None)
+        except Exception:
+            return False
+        if isinstance(data, dict):
+            return any(data.get(k) is True for k in ("is_sleeping", "is_paused", "paused", "sleeping"))
+        return data is True

@@ -1,0 +1,114 @@
+"""One backend's rounds: fetch, decide, and probe only when the engine is idle.
+
+Shared by `llm-health check`, the exporter and the restarter, so all three reach the
+same verdict from the same evidence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from ..core import engines
+from ..core.engines import Profile, UnknownEngine
+from ..core.exposition import ParseError
+from ..core.health import Memory, Observation, Settings, Verdict, after_probe, decide, same_fingerprint
+from .client import BackendClient, Fetched, ProbeResult
+
+
+@dataclass
+class RoundStats:
+    """What the last round cost and saw, for the exporter's own series."""
+
+    metrics: Fetched | None = None
+    probe: ProbeResult | None = None
+    profile: str | None = None
+    seconds: float = 0.0
+    error: str | None = None  # the reason label of llm_exporter_round_errors_total
+    probes: dict[str, int] = field(default_factory=lambda: {"ok": 0, "timeout": 0, "error": 0})
+
+
+class BackendMonitor:
+    def __init__(self, client: BackendClient, kind: str = "vllm", settings: Settings | None = None, profile: Profile | None = None):
+        if kind not in ("vllm", "proxy"):
+            raise ValueError(f"kind must be vllm or proxy, not {kind!r}")
+        self.client = client
+        self.kind = kind
+        self.settings = settings or Settings()
+        self.profile = profile
+        self.memory: Memory | None = None
+        self.model: str | None = None
+        self.verdict: Verdict | None = None
+        self.stats = RoundStats()
+        self.rounds = 0
+        self.probes_sent = 0
+        self.last_probe: ProbeResult | None = None  # kept across rounds: probes are minutes apart
+
+    def _stalling(self, reading: engines.Reading) -> bool:
+        """Some engine has work in flight and the same fingerprint as last round."""
+        if not self.memory:
+            return False
+        for key, e in reading.engines.items():
+            old = self.memory.engines.get(key)
+            if e.in_flight and old is not None and same_fingerprint(old.fingerprint, e.fingerprint):
+                return True
+        return False
+
+    async def round(self, now: float | None = None) -> Verdict:
+        start = time.monotonic()
+        now = start if now is None else now
+        stats = RoundStats(probes=self.stats.probes)
+        if self.kind == "proxy":
+            ok, _model, err = await self.client.models()
+            obs = Observation(now=now, models_ok=ok, models_error=err)
+            verdict = decide(self.memory, obs, self.settings, kind="proxy")
+            stats.error = None if ok else "models"
+        else:
+            verdict = await self._engine_round(now, stats)
+        stats.seconds = time.monotonic() - start
+        self.memory, self.verdict, self.stats = verdict.memory, verdict, stats
+        self.rounds += 1
+        return verdict
+
+    async def _engine_round(self, now: float, stats: RoundStats) -> Verdict:
+        fetched = await self.client.metrics()
+        stats.metrics = fetched
+        reading = None
+        error = fetched.error
+        if fetched.text is not None:
+            try:
+                likely = engines.BY_NAME.get(self.stats.profile) if self.stats.profile else None
+                reading = engines.read(fetched.text, self.profile, likely=likely)
+                stats.profile = reading.profile
+            except (ParseError, UnknownEngine) as exc:
+                error = f"/metrics unusable: {exc}"
+        obs = Observation(now=now, reading=reading, metrics_error=error, metrics_timed_out=fetched.timed_out, metrics_refused=fetched.refused)
+        if reading is None:
+            stats.error = "metrics"
+            ok, model, merr = await self.client.models()
+            self.model = model or self.model
+            obs = Observation(
+                now=now, metrics_error=error, metrics_timed_out=fetched.timed_out, metrics_refused=fetched.refused, models_ok=ok, models_error=merr
+            )
+        elif self._stalling(reading) and engines.BY_NAME[reading.profile].has_sleep_endpoints:
+            # Before calling it stalled, ask whether the engine sleeps or is paused on purpose.
+            obs = Observation(now=now, reading=reading, sleeping=await self.client.flag("/is_sleeping"), paused=await self.client.flag("/is_paused"))
+        verdict = decide(self.memory, obs, self.settings, kind=self.kind)
+        if verdict.probe_wanted:
+            models_error = None
+            if self.model is None:
+                _, self.model, models_error = await self.client.models()
+            if self.model is None:
+                # Nothing to address a probe to: no evidence either way, and nothing sent.
+                result = ProbeResult(None, 0.0, f"cannot probe: /v1/models {models_error or 'listed no model'}")
+            else:
+                result = await self.client.probe(self.model)
+                self.probes_sent += 1
+                stats.probe = self.last_probe = result
+                stats.probes[result.result] = stats.probes.get(result.result, 0) + 1
+            if result.ok is None:
+                memory = replace(verdict.memory, last_probe_at=now)
+                verdict = replace(verdict, reason=f"{verdict.reason}; {result.detail}", memory=memory, probe_wanted=False)
+            else:
+                verdict = after_probe(verdict, result.ok, now, self.settings, result.detail)
+        return verdict

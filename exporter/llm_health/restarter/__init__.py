@@ -1,0 +1,2 @@
+"""`llm-health restarter`: the restart authority, an Alertmanager webhook receiver
+(`app`) that runs restart commands without a shell (`runner`)."""

@@ -1,0 +1,66 @@
+"""The restarter's series, rendered from its counters and the budget at the current
+time; no I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from ..collector import SnapshotCollector
+from ..config.restarter import RestarterConfig, Target
+from ..core.restart_policy import REFUSALS, Policy
+
+
+class Counts(Protocol):
+    """What the collector reads of the restarter."""
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    @property
+    def config(self) -> RestarterConfig: ...
+    @property
+    def policy(self) -> Policy[Target]: ...
+    @property
+    def outcomes(self) -> Mapping[tuple[str, str], int]: ...
+    @property
+    def refusals(self) -> Mapping[str, int]: ...
+    @property
+    def recovery_seconds(self) -> Mapping[str, float]: ...
+
+
+class RestarterCollector(SnapshotCollector):
+    """Rendered from the restarter's counters and the budget at the current time; no I/O."""
+
+    def __init__(self, restarter: Counts):
+        self.r = restarter
+
+    def families(self, describing: bool) -> list[Metric]:
+        r = self.r
+        now = r.clock()
+        restarts = CounterMetricFamily(
+            "llm_restarter_restarts",
+            "Restarts run after a re-verified hang, by outcome (recovered, not_recovered, failed, timeout, error, dry_run).",
+            labels=["backend", "outcome"],
+        )
+        for (backend, outcome), n in sorted(r.outcomes.items()):
+            restarts.add_metric([backend, outcome], n)
+        refusals = CounterMetricFamily("llm_restarter_refusals", "Alerts or requests the restarter did not act on, by reason.", labels=["reason"])
+        for reason in REFUSALS:
+            refusals.add_metric([reason], r.refusals[reason])
+        recovery = GaugeMetricFamily(
+            "llm_restarter_recovery_seconds", "Seconds from the start of the last restart until the backend was idle or busy again.", labels=["backend"]
+        )
+        for backend, seconds in sorted(r.recovery_seconds.items()):
+            recovery.add_metric([backend], seconds)
+        exhausted = GaugeMetricFamily(
+            "llm_restarter_budget_exhausted",
+            "1 while a re-verified hang was refused because the backend's restart budget is spent (the restarter stopped restarting it).",
+            labels=["backend"],
+        )
+        for t in r.config.targets:
+            if t.kind != "proxy":
+                exhausted.add_metric([t.name], 1.0 if r.policy.exhausted(t.name, now) else 0.0)
+        return [restarts, refusals, recovery, exhausted]

@@ -1,0 +1,210 @@
+"""Every Lua script of the Redis data contract, in one place: the lease scripts (claim,
+renew, release, fence check, waiters, reconcile's delete, the bulk read) and the admission
+queue's (enqueue, leave, record an attempt, GC). Each runs atomically on one Redis.
+
+Single Redis instance (or one primary): the scripts touch several keys, so in Redis
+Cluster all of a pool's keys would need one hash tag, e.g. ``lease_prefix: "{gpu}:lease:"``.
+"""
+
+from __future__ import annotations
+
+# --------------------------------------------------------------------------- leases
+
+# KEYS: n lease keys, then n info keys, then n fence keys.
+# ARGV: holder, ttl_ms, job_id, first index to try (0-based).
+# Claims the first free GPU, trying from ARGV[4] round the list. The fencing token is
+# INCR'd and the side hash written in the same script, so no reader ever sees a lease
+# of ours without its token. Time comes from the Redis clock, the same for every claimer.
+CLAIM_LUA = """
+local n = #KEYS / 3
+local start = tonumber(ARGV[4]) or 0
+local t = redis.call('TIME')
+local now = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+for i = 0, n - 1 do
+  local j = ((i + start) % n) + 1
+  if redis.call('SET', KEYS[j], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    local token = redis.call('INCR', KEYS[2 * n + j])
+    redis.call('HSET', KEYS[n + j], 'holder', ARGV[1], 'token', token, 'job_id', ARGV[3],
+               'claimed_ms', now, 'ttl_ms', ARGV[2])
+    redis.call('PEXPIRE', KEYS[n + j], ARGV[2])
+    return {j - 1, token, now}
+  end
+end
+return false
+"""
+
+# KEYS: lease, info. ARGV: holder, token, ttl_ms. Extends both only for the holder of
+# this very claim (same id AND same fencing token: a holder id reused by a later claim
+# of the same worker does not count).
+RENEW_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[2], 'token') ~= ARGV[2] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('HSET', KEYS[2], 'ttl_ms', ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+
+# KEYS: lease, info. ARGV: holder, token.
+RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[2], 'token') ~= ARGV[2] then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2])
+return 1
+"""
+
+# KEYS: lease, info. ARGV: token. 1 if the token is the one of the lease held now.
+CHECK_FENCE_LUA = """
+local holder = redis.call('GET', KEYS[1])
+if not holder then return 0 end
+if redis.call('HGET', KEYS[2], 'holder') ~= holder then return 0 end
+if redis.call('HGET', KEYS[2], 'token') ~= ARGV[1] then return 0 end
+return 1
+"""
+
+# KEYS: waiters zset. ARGV: waiter id, its deadline (Unix ms), now (Unix ms), TTL wanted.
+# Drops the waiters whose deadline has passed (they died without their cleanup), lists
+# this one, and only ever extends the key's TTL (a short waiter must not expire a long
+# one's entry): nothing stays behind once every deadline has passed.
+ADD_WAITER_LUA = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[3])
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[4]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+end
+return 1
+"""
+
+# KEYS: lease, info. ARGV: holder expected. Deletes the lease only if it still holds
+# that holder (reconcile must not delete a lease claimed since it looked).
+DELETE_IF_HOLDER_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2])
+return 1
+"""
+
+# ARGV: lease prefix, info prefix, then the GPU ids of one chunk joined by newlines.
+# Returns, for each HELD lease only, six fields: index (1-based), holder, PTTL, info
+# holder, token, claimed_ms ('' if absent). It reads only the keys it is given (never
+# SCAN). The ids travel as one string because encoding 20,000 separate arguments per
+# refresh was most of the exporter's cost; the keys are therefore not declared, which is
+# fine on one Redis (in Cluster, give the pool's keys one hash tag). One script per
+# chunk of READ_CHUNK GPUs keeps each one short (Redis runs scripts one at a time),
+# and a pipeline of chunks costs one round trip however large the pool.
+READ_LEASES_LUA = """
+local out = {}
+local i = 0
+for gpu in string.gmatch(ARGV[3], '[^\\n]+') do
+  i = i + 1
+  local key = ARGV[1] .. gpu
+  local v = redis.call('GET', key)
+  if v then
+    local info = redis.call('HMGET', ARGV[2] .. gpu, 'holder', 'token', 'claimed_ms')
+    out[#out + 1] = i
+    out[#out + 1] = v
+    out[#out + 1] = redis.call('PTTL', key)
+    out[#out + 1] = info[1] or ''
+    out[#out + 1] = info[2] or ''
+    out[#out + 1] = info[3] or ''
+  end
+end
+return out
+"""
+
+
+# --------------------------------------------------------------------------- admission queue
+
+GC_LIMIT = 200  # ids removed per GC call: bounded work inside a hot-path script
+
+# Shared by the scripts: drop ids whose retention window has passed from a route's sets.
+# KEYS[2..6] = enqueued, deadline, retried, live, dup of one route.
+_GC_FN = """
+local function gc(cutoff, limit)
+  local old = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', cutoff, 'LIMIT', 0, limit)
+  if #old > 0 then
+    for i = 2, 6 do redis.call('ZREM', KEYS[i], unpack(old)) end
+  end
+  return #old
+end
+"""
+
+# KEYS: record, enqueued, deadline, retried, live, dup, routes
+# ARGV: id, route, tenant, deadline_ms, enqueued_ms, now_ms, retention_ms, gc_limit
+ENQUEUE_LUA = (
+    _GC_FN
+    + """
+local rec = KEYS[1]
+local retry = 0
+local enq, dl
+if redis.call('EXISTS', rec) == 1 then
+  retry = redis.call('HINCRBY', rec, 'retry_count', 1)
+  enq = redis.call('HGET', rec, 'enqueued_ms')
+  dl = redis.call('HGET', rec, 'deadline_ms')
+  redis.call('HSET', rec, 'route', ARGV[2], 'state', 'queued', 'updated_ms', ARGV[6])
+else
+  enq, dl = ARGV[5], ARGV[4]
+  redis.call('HSET', rec, 'route', ARGV[2], 'tenant', ARGV[3], 'enqueued_ms', enq,
+             'deadline_ms', dl, 'retry_count', 0, 'attempts', 0, 'token_units', 0,
+             'attempt_units_max', 0, 'http_status', '', 'state', 'queued', 'updated_ms', ARGV[6])
+end
+redis.call('ZADD', KEYS[2], enq, ARGV[1])
+redis.call('ZADD', KEYS[3], dl, ARGV[1])
+if retry >= 1 then redis.call('ZADD', KEYS[4], dl, ARGV[1]) end
+local keep = math.max(tonumber(dl), tonumber(ARGV[6]))
+redis.call('ZADD', KEYS[5], string.format('%d', keep), ARGV[1])
+redis.call('PEXPIREAT', rec, string.format('%d', keep + tonumber(ARGV[7])))
+redis.call('SADD', KEYS[7], ARGV[2])
+gc(string.format('(%d', tonumber(ARGV[6]) - tonumber(ARGV[7])), tonumber(ARGV[8]))
+return redis.call('HGETALL', rec)
+"""
+)
+
+# KEYS: record, enqueued, deadline, retried. ARGV: id, new state, http_status ('' keeps),
+# now_ms, only_if_waiting (1: fail unless the id was still waiting: pop_oldest's race).
+LEAVE_QUEUE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local removed = redis.call('ZREM', KEYS[2], ARGV[1])
+if ARGV[5] == '1' and removed == 0 then return false end
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('HSET', KEYS[1], 'state', ARGV[2], 'updated_ms', ARGV[4])
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'http_status', ARGV[3]) end
+return redis.call('HGETALL', KEYS[1])
+"""
+
+# KEYS: record, enqueued, deadline, retried, live, dup
+# ARGV: id, token_units, http_status ('' = none), now_ms, retention_ms, retry_count ('' = none)
+RECORD_ATTEMPT_LUA = """
+local rec = KEYS[1]
+if redis.call('EXISTS', rec) == 0 then return false end
+redis.call('HINCRBY', rec, 'attempts', 1)
+local units = tonumber(ARGV[2])
+local total = redis.call('HINCRBY', rec, 'token_units', units)
+local most = tonumber(redis.call('HGET', rec, 'attempt_units_max') or '0')
+if units > most then
+  most = units
+  redis.call('HSET', rec, 'attempt_units_max', units)
+end
+if ARGV[3] ~= '' then redis.call('HSET', rec, 'http_status', ARGV[3]) end
+local dl = tonumber(redis.call('HGET', rec, 'deadline_ms'))
+if ARGV[6] ~= '' and tonumber(ARGV[6]) > tonumber(redis.call('HGET', rec, 'retry_count') or '0') then
+  redis.call('HSET', rec, 'retry_count', ARGV[6])
+  if redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+    redis.call('ZADD', KEYS[4], string.format('%d', dl), ARGV[1])
+  end
+end
+if most > 0 then redis.call('ZADD', KEYS[6], tostring(total / most), ARGV[1]) end
+redis.call('HSET', rec, 'updated_ms', ARGV[4])
+local keep = math.max(dl, tonumber(ARGV[4]))
+redis.call('ZADD', KEYS[5], string.format('%d', keep), ARGV[1])
+redis.call('PEXPIREAT', rec, string.format('%d', keep + tonumber(ARGV[5])))
+return redis.call('HGETALL', rec)
+"""
+
+# KEYS: (unused), enqueued, deadline, retried, live, dup. ARGV: cutoff_ms, limit.
+GC_LUA = (
+    _GC_FN
+    + """
+return gc(string.format('(%d', tonumber(ARGV[1])), tonumber(ARGV[2]))
+"""
+)
