@@ -8,6 +8,7 @@ Writes config.json, model.safetensors, a byte-level BPE tokenizer trained on the
 local license texts (bos/eos/unk/pad and a chat template), then a marker file last.
 Deterministic (fixed seed). ~5 s, ~3 MB.
 """
+
 from __future__ import annotations
 
 import glob
@@ -27,9 +28,7 @@ CHAT_TEMPLATE = (
 
 
 def corpus_files() -> list[str]:
-    files = sorted(
-        f for f in glob.glob("/usr/share/common-licenses/*") if os.path.isfile(f)
-    )
+    files = sorted(f for f in glob.glob("/usr/share/common-licenses/*") if os.path.isfile(f))
     if not files:  # any text will do; fall back to Python's own sources
         import json as _j
 
@@ -89,8 +88,7 @@ def build(out_dir: str) -> None:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         fast.save_pretrained(tmp)
-        gen = {"bos_token_id": fast.bos_token_id, "eos_token_id": fast.eos_token_id,
-               "pad_token_id": fast.pad_token_id}
+        gen = {"bos_token_id": fast.bos_token_id, "eos_token_id": fast.eos_token_id, "pad_token_id": fast.pad_token_id}
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
             json.dump(gen, f)
         with open(os.path.join(tmp, MARKER), "w") as f:

@@ -9,6 +9,7 @@ Stops on SIGTERM/SIGINT or when stdin closes, and then leaves every PID continue
 on SIGUSR1 it stops at once and leaves every PID stopped (a hang at a moment the
 engine was surely mid-batch, with no full-speed gap between the throttle and the stop).
 """
+
 from __future__ import annotations
 
 import os

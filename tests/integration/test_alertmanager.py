@@ -9,12 +9,8 @@ import time
 import pytest
 import yaml
 
-try:
-    from tests.stack import AMTOOL, ROOT, RULES, alertmanager_factory, run_tool, sink, wait_until  # noqa: F401
-    from tests.stack import rewrite_alertmanager_config
-except ImportError:  # pragma: no cover
-    from stack import AMTOOL, ROOT, RULES, alertmanager_factory, run_tool, sink, wait_until  # noqa: F401
-    from stack import rewrite_alertmanager_config
+from tests.fixtures.paths import ROOT, RULES
+from tests.fixtures.stack import AMTOOL, rewrite_alertmanager_config, run_tool, wait_until
 
 EXAMPLE = RULES / "alertmanager.example.yml"
 COMPOSE = ROOT / "compose" / "alertmanager.yml"
@@ -55,8 +51,7 @@ def matches(matchers: list[str], labels: dict) -> bool:
         assert m, f"cannot parse matcher {matcher!r}"
         name, op, value = m.groups()
         have = labels.get(name, "")
-        ok = {"=": have == value, "!=": have != value,
-              "=~": re.fullmatch(value, have) is not None, "!~": re.fullmatch(value, have) is None}[op]
+        ok = {"=": have == value, "!=": have != value, "=~": re.fullmatch(value, have) is not None, "!~": re.fullmatch(value, have) is None}[op]
         if not ok:
             return False
     return True
@@ -86,8 +81,7 @@ def test_every_alert_routes_by_severity(name):
     if name in RESTARTER_ALERTS:
         expected.insert(0, "restarter")
     labels = [f"{k}={v}" for k, v in static_labels(name, rule).items()] + ["backend=gpu0", "instance=h:9118"]
-    result = run_tool(AMTOOL, "config", "routes", "test", f"--config.file={EXAMPLE}",
-                      f"--verify.receivers={','.join(expected)}", *labels)
+    result = run_tool(AMTOOL, "config", "routes", "test", f"--config.file={EXAMPLE}", f"--verify.receivers={','.join(expected)}", *labels)
     assert result.returncode == 0, f"{name}: {result.stdout}{result.stderr}"
 
 
@@ -123,7 +117,8 @@ def test_inhibit_rules_match_real_alerts_and_source_fires_first():
         for s in sources:
             for t in targets:
                 assert seconds(alerts[s].get("for")) <= seconds(alerts[t].get("for")), (
-                    f"{s} (for {alerts[s].get('for', '0s')}) inhibits {t} (for {alerts[t].get('for', '0s')})")
+                    f"{s} (for {alerts[s].get('for', '0s')}) inhibits {t} (for {alerts[t].get('for', '0s')})"
+                )
 
 
 def test_the_three_inhibitions_the_issue_asks_for():
@@ -147,19 +142,38 @@ def test_the_three_inhibitions_the_issue_asks_for():
 
 # --- the shipped config in a real Alertmanager -----------------------------------------
 
+
 def test_live_inhibition_and_delivery(alertmanager_factory, sink, tmp_path):
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     am = alertmanager_factory(rewrite_alertmanager_config(EXAMPLE.read_text(), sink.url, token))
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    am.post_alerts([
-        {"labels": {"alertname": "LLMBackendBusy", "severity": "info", "backend": "gpu0", "job": "llm-health", "instance": "e:9118"}, "startsAt": now},
-        {"labels": {"alertname": "LLMBackendProbeSlow", "severity": "warning", "backend": "gpu0", "job": "llm-health", "instance": "e:9118"}, "startsAt": now},
-        {"labels": {"alertname": "LLMBackendProbeSlow", "severity": "warning", "backend": "gpu1", "job": "llm-health", "instance": "e:9118"}, "startsAt": now},
-        {"labels": {"alertname": "VLLMHostDown", "severity": "critical", "host": "gpu-a"}, "startsAt": now},
-        {"labels": {"alertname": "VLLMEngineDown", "severity": "critical", "host": "gpu-a", "instance": "gpu-a:8000", "job": "vllm"}, "startsAt": now},
-        {"labels": {"alertname": "LLMBackendHung", "severity": "critical", "backend": "gpu2", "state": "hung", "job": "llm-health", "instance": "e:9118"}, "startsAt": now},
-    ])
+    am.post_alerts(
+        [
+            {"labels": {"alertname": "LLMBackendBusy", "severity": "info", "backend": "gpu0", "job": "llm-health", "instance": "e:9118"}, "startsAt": now},
+            {
+                "labels": {"alertname": "LLMBackendProbeSlow", "severity": "warning", "backend": "gpu0", "job": "llm-health", "instance": "e:9118"},
+                "startsAt": now,
+            },
+            {
+                "labels": {"alertname": "LLMBackendProbeSlow", "severity": "warning", "backend": "gpu1", "job": "llm-health", "instance": "e:9118"},
+                "startsAt": now,
+            },
+            {"labels": {"alertname": "VLLMHostDown", "severity": "critical", "host": "gpu-a"}, "startsAt": now},
+            {"labels": {"alertname": "VLLMEngineDown", "severity": "critical", "host": "gpu-a", "instance": "gpu-a:8000", "job": "vllm"}, "startsAt": now},
+            {
+                "labels": {
+                    "alertname": "LLMBackendHung",
+                    "severity": "critical",
+                    "backend": "gpu2",
+                    "state": "hung",
+                    "job": "llm-health",
+                    "instance": "e:9118",
+                },
+                "startsAt": now,
+            },
+        ]
+    )
 
     def inhibited_state():
         state = {}
@@ -175,8 +189,7 @@ def test_live_inhibition_and_delivery(alertmanager_factory, sink, tmp_path):
     assert ("LLMBackendProbeSlow", "gpu0") not in shown and ("VLLMEngineDown", None) not in shown
     assert ("LLMBackendProbeSlow", "gpu1") in shown
 
-    wait_until(lambda: sink.alerts("/restarter") and sink.alerts("/ticket") and sink.alerts("/pager"),
-               timeout=30, what="deliveries to the sink")
+    wait_until(lambda: sink.alerts("/restarter") and sink.alerts("/ticket") and sink.alerts("/pager"), timeout=30, what="deliveries to the sink")
     restarted = sink.alerts("/restarter")
     assert {a["labels"]["alertname"] for a in restarted} == {"LLMBackendHung"}
     call = next(c for c in sink.received if c["path"] == "/restarter")

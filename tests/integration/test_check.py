@@ -1,6 +1,6 @@
-"""`llm-health check` against simulated vLLM servers on loopback: report 1's cases and more.
+"""`llm-health check` against simulated vLLM servers on loopback: idle, busy, hung, restarted, a proxy, a dead backend and more.
 
-Every test also proves the rule the report ends with: no completion is ever sent to a
+Every test also proves the rule the product stands on: no completion is ever sent to a
 server with work in flight (the simulator logs every request with the work it found).
 """
 
@@ -13,11 +13,10 @@ import sys
 
 import pytest
 
-from llm_health import sim
-from llm_health.cli import run_check
-from tests.conftest import ROOT
+from llm_health.probe.check import run_check
+from llm_health.sim import servers as sim
 
-FAST = dict(interval=0.3, hung_after=0.6, probe_timeout=0.5, metrics_timeout=2.0)
+FAST = {"interval": 0.3, "hung_after": 0.6, "probe_timeout": 0.5, "metrics_timeout": 2.0}
 
 
 async def check(url, **kw):
@@ -32,7 +31,7 @@ async def test_idle_one_probe(sim_server):
 
 
 async def test_saturated_twelve_running_no_probe(sim_server, ticker):
-    """Report 1's proof: 12 running (the limit) plus waiting: busy, at ~126 tokens/s, no request sent."""
+    """12 running (the limit) plus waiting: busy, at ~126 tokens/s, no request sent."""
     s = await sim_server(scenario="saturated")
     ticker.append(s)
     r = await check(s.url)
@@ -216,9 +215,13 @@ async def test_api_key_sent_and_never_printed(sim_server, tmp_path):
 
 async def _cli(*args, env=None):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "llm_health", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "exporter"), **(env or {})},
+        sys.executable,
+        "-m",
+        "llm_health",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **(env or {})},
     )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     return proc.returncode, out.decode(), err.decode()
@@ -244,8 +247,9 @@ async def test_cli_exit_codes(sim_server, ticker):
 
 
 async def test_cli_rejects_bad_arguments():
+    # A usage error is "cannot run" (4): never 1 (hung) nor 2 (down), on which a watchdog acts.
     rc, _, err = await _cli("check", "http://127.0.0.1:1", "--interval", "-1")
-    assert rc == 2 and "--interval" in err
+    assert rc == 4 and "--interval" in err
 
 
 async def test_gzip_payload_is_read(sim_server, ticker):

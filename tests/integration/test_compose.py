@@ -11,10 +11,12 @@ import jsonschema
 import pytest
 import yaml
 
-try:
-    from tests.stack import AMTOOL, PROMTOOL, ROOT, RULES, run_tool
-except ImportError:  # pragma: no cover
-    from stack import AMTOOL, PROMTOOL, ROOT, RULES, run_tool
+from llm_health.config import exporter as exporter_config
+from llm_health.config import restarter as restarter_config
+from llm_health.config.gate import parse_gate_config
+from llm_health.config.load import load_yaml
+from tests.fixtures.paths import ROOT, RULES
+from tests.fixtures.stack import AMTOOL, PROMTOOL, run_tool
 
 COMPOSE_DIR = ROOT / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
@@ -87,10 +89,10 @@ def test_mounts_are_the_files_the_tests_use():
 def test_dockerfile():
     text = (COMPOSE_DIR / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim$", text, re.M)
-    assert re.search(r"pip install [^\n]*\.(\s|&&)", text)
+    # the package with every extra: the exporter's Redis view and the gate need them
+    assert re.search(r"pip install [^\n]*'\.\[all\]'(\s|&&)", text)
     entry = re.search(r"^ENTRYPOINT (.+)$", text, re.M).group(1)
-    assert json.loads(entry) == ["llm-health", "serve", "--config.file", "/etc/llm-health/config.yml",
-                                 "--web.listen-address", "0.0.0.0:9118"]
+    assert json.loads(entry) == ["llm-health", "serve", "--config.file", "/etc/llm-health/config.yml", "--web.listen-address", "0.0.0.0:9118"]
     # every COPY source exists in the build context (the repository root)
     for sources in re.findall(r"^COPY (.+) \S+$", text, re.M):
         for source in sources.split():
@@ -124,8 +126,10 @@ def test_scrape_jobs_match_the_rule_selectors():
     jobs = {j["job_name"]: j for j in yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())["scrape_configs"]}
     selectors = yaml.safe_load((RULES / "config.yaml").read_text())["selectors"]
     for selector in selectors.values():
-        job = re.fullmatch(r'job="([^"]+)"', selector).group(1)
-        assert job in jobs, f"rules select {selector} but prometheus.yml has no such job"
+        m = re.fullmatch(r'job(=~?)"([^"]+)"', selector)
+        assert m, selector
+        wanted = m.group(2).split("|") if m.group(1) == "=~" else [m.group(2)]
+        assert any(job in jobs for job in wanted), f"rules select {selector} but prometheus.yml has no such job"
     targets = [t for c in jobs["llm-health"]["static_configs"] for t in c["targets"]]
     assert targets == ["llm-health:9118"]
     alerting = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())["alerting"]
@@ -150,15 +154,9 @@ def test_alertmanager_credentials_file_is_mounted():
 
 
 def test_llm_health_config_loads_with_the_exporters_parser():
-    config_module = pytest.importorskip("llm_health.config")
-    config = config_module.load(COMPOSE_DIR / "llm-health.yml")
+    config = exporter_config.load(COMPOSE_DIR / "llm-health.yml")
     assert [(b.name, b.url, b.kind) for b in config.backends] == [("gpu0", "http://vllm-a:8000", "vllm")]
-    try:
-        from llm_health.redis_view import parse_redis_config
-    except ImportError:  # pragma: no cover - the Redis view is optional
-        return
-    redis = parse_redis_config(config.redis, str(COMPOSE_DIR / "llm-health.yml"))
-    assert redis.url == "redis://redis:6379/0"
+    assert config.redis is not None and config.redis.url == "redis://redis:6379/0"
 
 
 def test_readme_explains_pointing_at_your_own_vllm():
@@ -168,12 +166,19 @@ def test_readme_explains_pointing_at_your_own_vllm():
 
 
 def test_restarter_config_loads_and_names_the_same_backends():
-    restarter = pytest.importorskip("llm_health.restarter")
     entry = compose()["services"]["restarter"]["entrypoint"]
     path = mount_of("restarter", entry[entry.index("--config.file") + 1])
-    config = restarter.load_config(path)
+    config = restarter_config.load_config(path)
     exporter_names = {b["name"] for b in yaml.safe_load((COMPOSE_DIR / "llm-health.yml").read_text())["backends"]}
     assert {t.name for t in config.targets} <= exporter_names  # LLMBackendHung matches on backend
     jobs = {j["job_name"]: j for j in yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())["scrape_configs"]}
     vllm_targets = {t for c in jobs["vllm"]["static_configs"] for t in c["targets"]}
     assert {t.instance for t in config.targets} <= vllm_targets  # VLLMEngineHung matches on instance
+
+
+def test_gate_config_loads_and_is_scraped():
+    entry = compose()["services"]["gate"]["entrypoint"]
+    gate = parse_gate_config(load_yaml(mount_of("gate", entry[entry.index("--config.file") + 1])), "gate.yml")
+    assert gate.redis_url == "redis://redis:6379/0" and gate.routes["chat"].upstream == "http://vllm-a:8000"
+    jobs = {j["job_name"]: j for j in yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())["scrape_configs"]}
+    assert [t for c in jobs["llm-health-gate"]["static_configs"] for t in c["targets"]] == ["gate:9119"]

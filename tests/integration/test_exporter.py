@@ -10,9 +10,9 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm_health import sim
-from llm_health.config import Backend, Config, Timing
-from llm_health.exporter import Exporter
+from llm_health.config.exporter import Backend, Config, Timing
+from llm_health.exporter.app import Exporter
+from llm_health.sim import servers as sim
 
 T = Timing(interval=0.2, hung_after_seconds=0.4, probe_interval=60, probe_timeout=0.5, metrics_timeout=1.0, models_timeout=1.0)
 
@@ -75,7 +75,7 @@ async def test_fleet_states_and_series(sim_server, ticker, serve):
     assert s[("llm_backend_info", (("backend", "busy"), ("kind", "vllm"), ("profile", "vllm_v1")))] == 1
     assert s[("llm_exporter_round_errors_total", (("backend", "dead"), ("reason", "metrics")))] >= 1
     assert ("llm_exporter_build_info", (("version", "0.1.0"),)) in s
-    # the rule of report 1: not one completion to a server with work in flight
+    # the rule: not one completion to a server with work in flight
     assert busy.received == [] and hung.received == []
     status = await (await client.get("/status")).json()
     by_name = {b["backend"]: b for b in status["backends"]}
@@ -119,7 +119,7 @@ async def test_bad_payloads_named_and_isolated(sim_server, serve):
         s.metrics_mode = mode
         servers[mode] = s
     good = await sim_server("good", scenario="idle")
-    exporter, client = await serve([(m, s.url, "vllm") for m, s in servers.items()] + [("good", good.url, "vllm")])
+    _exporter, client = await serve([(m, s.url, "vllm") for m, s in servers.items()] + [("good", good.url, "vllm")])
     await wait_for(client, "good", "idle")
     for mode in servers:
         await wait_for(client, mode, "no_metrics")

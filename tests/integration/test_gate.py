@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import aiohttp
@@ -11,9 +12,12 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm_health import drills
-from llm_health.gate import Gate, parse_gate_config, token_units
-from llm_health.queue import AdmissionQueue
+from llm_health.config.errors import ConfigError
+from llm_health.config.gate import parse_gate_config
+from llm_health.gate.app import Gate
+from llm_health.gate.headers import token_units
+from llm_health.sim import drills
+from llm_health.store.queue import AdmissionQueue
 
 SSE_CHUNKS = [f'data: {{"choices":[{{"delta":{{"content":"tok{i}"}}}}]}}\n\n'.encode() for i in range(20)] + [
     b'data: {"choices":[],"usage":{"prompt_tokens":256,"completion_tokens":20,"total_tokens":276}}\n\n',
@@ -118,14 +122,13 @@ def deadline_in(ms):
 
 
 async def post(url, headers=None, body=None, path="/v1/completions"):
-    async with aiohttp.ClientSession() as s:
-        async with s.post(url + path, json=body or {"model": "m", "prompt": "hi"}, headers=headers or {}) as r:
-            return r.status, await r.read(), dict(r.headers)
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body or {"model": "m", "prompt": "hi"}, headers=headers or {}) as r:
+        return r.status, await r.read(), dict(r.headers)
 
 
 async def test_admit_records_queue_state(stack, redis_url):
     url, up, gate = await stack()
-    status, body, headers = await post(url, {"X-Request-Id": "r1", **deadline_in(5000), "X-Tenant": "acme"})
+    status, body, _headers = await post(url, {"X-Request-Id": "r1", **deadline_in(5000), "X-Tenant": "acme"})
     assert status == 200 and json.loads(body)["usage"]["total_tokens"] == 272
     assert up.calls[0][0] == "r1"
     rec = await recorded(redis_url, gate.cfg.queue_prefix, "r1")
@@ -145,7 +148,7 @@ async def test_resent_id_is_a_retry_without_headers(stack):
 
 
 async def test_t_plus_4001_timeline():
-    """Report 3's drill on the real gate, 10x faster: the retry at T+4001 is rejected."""
+    """The retry drill on the real gate, 10x faster: the retry at T+4001 is rejected."""
     with drills.temporary_redis() as url:
         uncapped = await drills.run_retry(url, gated=False, scale=0.1)
         gated = await drills.run_retry(url, gated=True, scale=0.1)
@@ -195,7 +198,7 @@ async def test_malformed_headers_get_400(stack, headers, fragment):
 
 
 async def test_missing_deadline_without_default_is_400(stack):
-    url, up, _ = await stack(routes={"chat": {"upstream": "UPSTREAM"}})
+    url, _up, _ = await stack(routes={"chat": {"upstream": "UPSTREAM"}})
     status, body, _ = await post(url, {"X-Request-Id": "x"})
     assert status == 400 and "no deadline" in json.loads(body)["error"]["message"]
     # the remaining-budget form and the OpenAI SDK's retry header are accepted
@@ -237,7 +240,7 @@ async def test_redis_down_fails_open_or_closed(stack, own_redis_server):
         "open": {"upstream": "UPSTREAM", "default_deadline_ms": 5000, "redis_down": "open"},
         "closed": {"upstream": "UPSTREAM", "default_deadline_ms": 5000, "redis_down": "closed"},
     }
-    url, up, gate = await stack(redis=own_redis_server.url, routes=routes)
+    url, _up, _gate = await stack(redis=own_redis_server.url, routes=routes)
     assert (await post(url, {"X-Route": "open"}))[0] == 200
     own_redis_server.kill()
     status, _, _ = await post(url, {"X-Route": "open"})
@@ -267,7 +270,7 @@ async def test_dead_upstream_is_502(stack):
 
 
 async def test_operator_controls(stack, redis_url):
-    url, up, gate = await stack()
+    url, _up, gate = await stack()
     auth = {"Authorization": "Bearer admin-secret"}
     async with aiohttp.ClientSession() as s:
         assert (await s.post(url + "/-/routes/chat/reject_all")).status == 401
@@ -330,7 +333,6 @@ def test_token_units_from_usage():
 
 
 def test_gate_config_errors():
-    from llm_health.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"gate\.routes\.chat\.upstream"):
         parse_gate_config({"gate": {"routes": {"chat": {"upstream": "nope"}}}}, "g.yml")
@@ -345,9 +347,7 @@ def test_drill_commands_run_and_pass():
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
-
-    env = {"PYTHONPATH": str(ROOT / "exporter"), "PATH": "/usr/bin:/bin:/usr/sbin:/usr/local/bin"}
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     r = subprocess.run([sys.executable, "-m", "llm_health", "drill", "watchdog"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert "verdict: PASS" in r.stdout and "FALSE restart" in r.stdout

@@ -14,10 +14,8 @@ import sys
 import pytest
 import yaml
 
-try:
-    from tests.stack import PROMTOOL, ROOT, exporter_series, metric_names, run_tool
-except ImportError:  # pragma: no cover
-    from stack import PROMTOOL, ROOT, exporter_series, metric_names, run_tool
+from tests.fixtures.paths import ROOT
+from tests.fixtures.stack import PROMTOOL, exporter_series, metric_names, run_tool
 
 GRAFANA = ROOT / "grafana"
 DASHBOARDS = sorted((GRAFANA / "dashboards").glob("*.json"))
@@ -49,8 +47,7 @@ def data_panels(dashboard: dict) -> list[dict]:
 
 
 def all_queries() -> list[tuple[str, str, str]]:
-    return [(name, p["title"], t["expr"]) for name, d in dashboards().items()
-            for p in data_panels(d) for t in p.get("targets", [])]
+    return [(name, p["title"], t["expr"]) for name, d in dashboards().items() for p in data_panels(d) for t in p.get("targets", [])]
 
 
 def enclosing_function(expr: str, position: int) -> str | None:
@@ -115,7 +112,7 @@ def test_panel_ids_unique_and_grid_within_24_columns():
         ids = [p["id"] for p in d["panels"]]
         assert len(ids) == len(set(ids)) and all(ids), name
         for p in d["panels"]:
-            assert 0 <= p["gridPos"]["x"] and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24, (name, p.get("title"))
+            assert p["gridPos"]["x"] >= 0 and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24, (name, p.get("title"))
 
 
 def test_rate_windows_use_rate_interval():
@@ -123,7 +120,7 @@ def test_rate_windows_use_rate_interval():
         for window in re.findall(r"\[([^\]]+)\]", expr):
             assert window in ("$__rate_interval", "$__range"), (name, title, window)
         for m in re.finditer(r"\b(rate|irate|increase)\s*\(", expr):
-            window = re.search(r"\[([^\]]+)\]", expr[m.end():]).group(1)
+            window = re.search(r"\[([^\]]+)\]", expr[m.end() :]).group(1)
             allowed = {"$__rate_interval"} if m.group(1) != "increase" else {"$__rate_interval", "$__range"}
             assert window in allowed, (name, title, m.group(1), window)
 
@@ -141,22 +138,44 @@ def test_counter_check_catches_a_raw_counter():
     assert enclosing_function("sum(rate(x_total[$__rate_interval]))", 9) == "rate"
 
 
-def test_every_series_is_exported():
-    exported = exporter_series()
+def recorded_series() -> set[str]:
+    """The recording rules of the committed rule files (the raw layer's panels read them)."""
+    out = set()
+    for path in (ROOT / "rules").glob("*.rules.yml"):
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            out.update(r["record"] for r in group["rules"] if "record" in r)
+    return out
+
+
+def test_every_series_is_exported_or_recorded():
+    known = exporter_series() | recorded_series()
     for name, title, expr in all_queries():
-        assert metric_names(expr) <= exported, (name, title, metric_names(expr) - exported)
+        assert metric_names(expr) <= known, (name, title, metric_names(expr) - known)
     for name, d in dashboards().items():
         for v in d["templating"]["list"]:
             if v["type"] == "query":
-                metric = re.search(r"label_values\((\w+),", v["query"]["query"]).group(1)
-                assert metric in exported, (name, v["name"])
+                metric = re.search(r"label_values\((\w+)[{,]", v["query"]["query"]).group(1)
+                assert metric in known, (name, v["name"])
+
+
+def test_dashboards_follow_the_monitoring_config():
+    """One config for rules and dashboards: its selectors and the raw layer's rate window
+    appear in the queries; another value given to the generator changes them."""
+    config = yaml.safe_load((ROOT / "rules" / "config.yaml").read_text())
+    exprs = [expr for _, _, expr in all_queries()]
+    assert any(config["selectors"]["exporter"] in e for e in exprs)
+    assert any(f"engine:vllm_steps:rate{config['vllm']['rate_window']}" in e for e in exprs)
+    result = run_tool(sys.executable, str(GRAFANA / "generate.py"), "--queries", "--set", "vllm.rate_window=42s", "--set", 'selectors.exporter=job="mine"')
+    assert result.returncode == 0, result.stderr
+    other = [q["expr"] for qs in json.loads(result.stdout).values() for q in qs]
+    assert any("engine:vllm_steps:rate42s" in e for e in other) and any('job="mine"' in e for e in other)
+    assert not any(config["selectors"]["exporter"] in e for e in other)
 
 
 @pytest.mark.skipif(not PROMTOOL, reason="promtool is not installed (apt-get install prometheus)")
 def test_every_query_is_valid_promql(tmp_path):
     generator = load_generator()
-    rules = [{"record": f"dashboard:query_{i}:check", "expr": generator.concrete(expr)}
-             for i, (_, _, expr) in enumerate(all_queries())]
+    rules = [{"record": f"dashboard:query_{i}:check", "expr": generator.concrete(expr)} for i, (_, _, expr) in enumerate(all_queries())]
     path = tmp_path / "dashboard-queries.rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
     result = run_tool(PROMTOOL, "check", "rules", str(path))

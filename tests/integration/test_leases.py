@@ -12,16 +12,10 @@ import random
 import pytest
 import pytest_asyncio
 
-from llm_health.leases import (
-    KeyspaceEventsOff,
-    Lease,
-    LeaseClient,
-    LeaseKeys,
-    LeaseLost,
-    Pool,
-    keyevent_channels,
-)
-
+from llm_health.store.feed import keyevent_channels
+from llm_health.store.keys import LeaseKeys
+from llm_health.store.leases import LeaseClient
+from llm_health.store.records import KeyspaceEventsOff, Lease, LeaseLost, Pool
 
 LONG = 3600.0  # a fallback interval no test lives long enough to reach
 
@@ -154,7 +148,7 @@ async def test_crashed_holder_frees_its_gpu_by_the_expired_event(client: LeaseCl
 
 
 async def naive_wait(c: LeaseClient, pool: Pool, holder: str, timeout: float, after_first_miss) -> Lease | None:
-    """Check first, subscribe after: the order report 2 warns against."""
+    """Check first, subscribe after: the order that loses a release fired in between."""
     lease = await c.claim_any(pool.gpus, holder)
     if lease is not None:
         return lease
@@ -310,10 +304,7 @@ async def test_waiters_share_one_feed_that_survives_a_broken_connection(client: 
     pool = Pool("p", ["g0"])
     held = await client.claim("g0", "busy")
     assert held is not None
-    tasks = [
-        asyncio.create_task(client.wait_for_gpu(pool, f"w{i}", timeout=60, fallback_interval_s=LONG))
-        for i in range(10)
-    ]
+    tasks = [asyncio.create_task(client.wait_for_gpu(pool, f"w{i}", timeout=60, fallback_interval_s=LONG)) for i in range(10)]
 
     async def all_waiting() -> bool:
         return await client.redis.zcard("gpu:waiters:p") == 10

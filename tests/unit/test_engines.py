@@ -1,4 +1,4 @@
-"""Engine profiles against the real payloads in ../shared/real-world/metrics/."""
+"""Engine profiles against the real payloads in tests/data/real-world/metrics/."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm_health import engines
-from tests.conftest import REAL_METRICS, real_payloads
+from llm_health.core import engines
+from tests.fixtures.paths import REAL_METRICS, real_payloads
 
 EXPECTED_PROFILE = {
     "llamacpp-server-after-traffic-zh-doc.prom": "llamacpp",
@@ -36,7 +36,7 @@ def _reference(text: str, profile: engines.Profile, name: str) -> dict:
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == name or (fam.type == "counter" and s.name == name + "_total" and not name.endswith("_total")):
-                key = tuple(s.labels.get(lab, "") for lab in profile.unit_labels) + ("", "")
+                key = (*tuple(s.labels.get(lab, "") for lab in profile.unit_labels), "", "")
                 out[key[:2]] = out.get(key[:2], 0.0) + s.value
     return out
 

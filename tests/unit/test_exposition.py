@@ -8,13 +8,13 @@ import math
 import random
 import re
 from importlib.metadata import version
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import _parse_sample, text_string_to_metric_families
 
-from llm_health.exposition import Names, ParseError, _parse_line, compile_names, parse
-from tests.prom_reference import reference
+from llm_health.core.exposition import Names, ParseError, _parse_line, compile_names, parse
+from tests.fixtures.paths import REAL_METRICS, real_payloads
+from tests.fixtures.prom_reference import reference
 
 # exposition.py follows prometheus_client's current parser (rewritten for UTF-8 names in
 # 0.21-0.23). Older versions read odd lines differently (an exemplar as labels, a leading
@@ -22,26 +22,53 @@ from tests.prom_reference import reference
 PROM_VERSION = tuple(int(x) for x in re.findall(r"\d+", version("prometheus-client"))[:2])
 modern_only = pytest.mark.skipif(PROM_VERSION < (0, 23), reason="prometheus_client < 0.23 reads odd lines differently")
 
-METRICS_DIR = Path(__file__).resolve().parents[2] / "shared" / "real-world" / "metrics"
-REAL_FILES = sorted(METRICS_DIR.glob("*.prom")) if METRICS_DIR.is_dir() else []
+METRICS_DIR = REAL_METRICS
+REAL_FILES = real_payloads()
 
 # Names of the kind the engine profiles ask for (see engines.py and bench/bench_parse.py).
-VLLM_SET = frozenset({
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_swapped",
-    "vllm:iteration_tokens_total_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-    "vllm:request_success_total", "vllm:num_preemptions_total", "vllm:kv_cache_usage_perc",
-    "vllm:gpu_cache_usage_perc", "vllm:cpu_cache_usage_perc", "vllm:engine_sleep_state",
-    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "process_start_time_seconds",
-})
-OTHER_ENGINES = frozenset({
-    "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:prompt_tokens_total",
-    "sglang:generation_tokens_total", "sglang:token_usage", "sglang:num_used_tokens",
-    "tgi_batch_current_size", "tgi_queue_size", "tgi_batch_inference_count", "tgi_request_success",
-    "tgi_request_generated_tokens_sum", "llamacpp:requests_processing", "llamacpp:requests_deferred",
-    "llamacpp:n_decode_total", "llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total",
-    "nv_inference_pending_request_count", "nv_inference_exec_count", "nv_inference_count",
-    "nv_inference_request_success",
-})
+VLLM_SET = frozenset(
+    {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_swapped",
+        "vllm:iteration_tokens_total_count",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "vllm:num_preemptions_total",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:cpu_cache_usage_perc",
+        "vllm:engine_sleep_state",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "process_start_time_seconds",
+    }
+)
+OTHER_ENGINES = frozenset(
+    {
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:prompt_tokens_total",
+        "sglang:generation_tokens_total",
+        "sglang:token_usage",
+        "sglang:num_used_tokens",
+        "tgi_batch_current_size",
+        "tgi_queue_size",
+        "tgi_batch_inference_count",
+        "tgi_request_success",
+        "tgi_request_generated_tokens_sum",
+        "llamacpp:requests_processing",
+        "llamacpp:requests_deferred",
+        "llamacpp:n_decode_total",
+        "llamacpp:prompt_tokens_total",
+        "llamacpp:tokens_predicted_total",
+        "nv_inference_pending_request_count",
+        "nv_inference_exec_count",
+        "nv_inference_count",
+        "nv_inference_request_success",
+    }
+)
 
 
 # --- the reference -------------------------------------------------------------------------
@@ -51,10 +78,7 @@ LEGACY_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")  # the names parse() accep
 
 def norm(samples: dict) -> dict:
     """NaN compares equal to NaN; everything else exactly."""
-    return {
-        name: [(labels, "NaN" if math.isnan(v) else v) for labels, v in items]
-        for name, items in samples.items()
-    }
+    return {name: [(labels, "NaN" if math.isnan(v) else v) for labels, v in items] for name, items in samples.items()}
 
 
 def assert_agrees(text: str, names=None) -> dict:
@@ -68,7 +92,6 @@ def assert_agrees(text: str, names=None) -> dict:
 # --- real payloads -------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not REAL_FILES, reason=f"no payloads in {METRICS_DIR}")
 @pytest.mark.parametrize("path", REAL_FILES, ids=lambda p: p.name)
 def test_real_payload_every_sample(path):
     text = path.read_text(encoding="utf-8")
@@ -76,7 +99,6 @@ def test_real_payload_every_sample(path):
     assert sum(map(len, got.values())) >= 10
 
 
-@pytest.mark.skipif(not REAL_FILES, reason=f"no payloads in {METRICS_DIR}")
 @pytest.mark.parametrize("path", REAL_FILES, ids=lambda p: p.name)
 def test_real_payload_subsets(path):
     text = path.read_text(encoding="utf-8")
@@ -85,10 +107,9 @@ def test_real_payload_subsets(path):
     assert_agrees(text, VLLM_SET | OTHER_ENGINES)
     rng = random.Random(path.name)
     for _ in range(5):
-        assert_agrees(text, rng.sample(all_names, min(5, len(all_names))) + ["absent_metric_name"])
+        assert_agrees(text, [*rng.sample(all_names, min(5, len(all_names))), "absent_metric_name"])
 
 
-@pytest.mark.skipif(not REAL_FILES, reason=f"no payloads in {METRICS_DIR}")
 @pytest.mark.parametrize("path", REAL_FILES, ids=lambda p: p.name)
 def test_real_payload_crlf_and_indented(path):
     text = path.read_text(encoding="utf-8")
@@ -96,11 +117,10 @@ def test_real_payload_crlf_and_indented(path):
     assert_agrees("".join("  " + line for line in text.splitlines(keepends=True)))
 
 
-@pytest.mark.skipif(not REAL_FILES, reason=f"no payloads in {METRICS_DIR}")
 def test_real_payloads_take_the_fast_path(monkeypatch):
     """Every line of the real payloads is read by the scan regex alone: the slow path (a
     Python loop per character) is for odd lines only, or the speed is gone."""
-    import llm_health.exposition as exposition
+    import llm_health.core.exposition as exposition
 
     def slow(line):
         raise AssertionError(f"slow path taken for {line!r}")
@@ -139,15 +159,9 @@ CASES = {
     "special values": "a NaN\nb +Inf\nc -Inf\nd Inf\ne nan\nf -inf\ng +NaN\nh Infinity\n",
     "exponents": "a 1.5e+09\nb -2E-3\nc 1e3\nd .5\ne 5.\nf -0\ng +7\nh 12345678901234567890\n",
     "timestamps": 'a 1 1700000000000\nb{l="v"} 2 -5\nc 3 1.5\nd{l="v"} 4 1e3\n',
-    "created series": (
-        "# HELP a_total A counter.\n# TYPE a_total counter\na_total 3\n"
-        "# HELP a_created Created.\n# TYPE a_created gauge\na_created 1.7e+09\n"
-    ),
-    "counter without _total": "# TYPE tgi_x counter\ntgi_x 5\n# TYPE tgi_y counter\ntgi_y{m=\"d\"} 6\n",
-    "histogram": (
-        "# TYPE h histogram\n"
-        'h_bucket{le="1.0"} 1\nh_bucket{le="+Inf"} 2\nh_sum 3.5\nh_count 2\nh_created 1.7e9\n'
-    ),
+    "created series": ("# HELP a_total A counter.\n# TYPE a_total counter\na_total 3\n# HELP a_created Created.\n# TYPE a_created gauge\na_created 1.7e+09\n"),
+    "counter without _total": '# TYPE tgi_x counter\ntgi_x 5\n# TYPE tgi_y counter\ntgi_y{m="d"} 6\n',
+    "histogram": ('# TYPE h histogram\nh_bucket{le="1.0"} 1\nh_bucket{le="+Inf"} 2\nh_sum 3.5\nh_count 2\nh_created 1.7e9\n'),
     "summary": '# TYPE s summary\ns{quantile="0.5"} 1\ns_sum 2\ns_count 3\n',
     "eof": "a 1\n# EOF\n",
     "eof then more": "a 1\n# EOF\nb 2\n",
@@ -183,14 +197,18 @@ CASES = {
 
 # Cases prometheus_client < 0.23 reads differently or rejects.
 MODERN_CASES = {
-    "leading comma", "exemplar", "exemplar without labels", "quoted label name", "label without value dropped",
-    "name in braces", "vertical tab after name", "space name then brace later",
+    "leading comma",
+    "exemplar",
+    "exemplar without labels",
+    "quoted label name",
+    "label without value dropped",
+    "name in braces",
+    "vertical tab after name",
+    "space name then brace later",
 }
 
 
-@pytest.mark.parametrize(
-    "text", [pytest.param(text, id=k, marks=[modern_only] if k in MODERN_CASES else []) for k, text in CASES.items()]
-)
+@pytest.mark.parametrize("text", [pytest.param(text, id=k, marks=[modern_only] if k in MODERN_CASES else []) for k, text in CASES.items()])
 def test_hand_written_case(text):
     got = assert_agrees(text)
     assert got  # every case has at least one sample
@@ -229,7 +247,7 @@ MALFORMED = {
     'a{l="v"}': "missing value",
     "a   ": "missing value",
     "a": "missing value",
-    'a{l=v} 1': "quoted",
+    "a{l=v} 1": "quoted",
     'a{l="v" m="w"} 1': "after label value",
     'a{l="v",,m="w"} 1': "commas",
     'a{1l="v"} 1': "label name",
@@ -295,8 +313,27 @@ NAMES = ["a", "a_total", "a_created", "vllm:x", "vllm:x_count", "vllm:xy", "b_bu
 AMBIGUOUS = {n for n in NAMES if n + "_total" in NAMES}  # see reference(): no counter TYPE for these
 LABEL_NAMES = ["l", "le", "model_name", "engine", "_x", "L2"]
 VALUE_PIECES = ["a", "Z", "0", " ", "-", "/", ".", ":", "}", "{", ",", "=", "#", "é", "中", '\\"', "\\\\", "\\n", "\\t", "\t"]
-VALUES = ["0", "1", "0.0", "42.5", "1.5e+09", "-2E-3", "NaN", "+Inf", "-Inf", "Inf", "nan", "1e3", ".5", "5.", "-0", "+7",
-          "12345678901234567890", "0.000001", "3.14159265358979"]
+VALUES = [
+    "0",
+    "1",
+    "0.0",
+    "42.5",
+    "1.5e+09",
+    "-2E-3",
+    "NaN",
+    "+Inf",
+    "-Inf",
+    "Inf",
+    "nan",
+    "1e3",
+    ".5",
+    "5.",
+    "-0",
+    "+7",
+    "12345678901234567890",
+    "0.000001",
+    "3.14159265358979",
+]
 
 
 def gen_sample(rng: random.Random) -> str:
@@ -322,14 +359,16 @@ def gen_sample(rng: random.Random) -> str:
 def gen_comment(rng: random.Random) -> str:
     name = rng.choice(NAMES)
     types = ["gauge", "histogram", "summary", "untyped"] + ([] if name in AMBIGUOUS else ["counter"])
-    return rng.choice([
-        f"# HELP {name} Some help." + rng.choice(["", "   ", " \\\\n"]),
-        f"# TYPE {name} {rng.choice(types)}",
-        "# EOF",
-        "# a comment",
-        "",
-        "   ",
-    ])
+    return rng.choice(
+        [
+            f"# HELP {name} Some help." + rng.choice(["", "   ", " \\\\n"]),
+            f"# TYPE {name} {rng.choice(types)}",
+            "# EOF",
+            "# a comment",
+            "",
+            "   ",
+        ]
+    )
 
 
 def accepted_sample(rng: random.Random) -> str:
@@ -369,7 +408,7 @@ def mutate(rng: random.Random, line: str) -> str:
         elif op < 0.8 and line:
             line = line[:i] + line[i + 1 :]
         elif line:
-            line = line[:i] + line[i:i + 1] * 2 + line[i + 1 :]
+            line = line[:i] + line[i : i + 1] * 2 + line[i + 1 :]
     return line
 
 

@@ -6,8 +6,9 @@ import math
 
 import pytest
 
-from llm_health.engines import EngineReading, Reading
-from llm_health.health import Memory, Observation, Settings, after_probe, decide, exit_code, worst
+from llm_health.core.engines import EngineReading, Reading
+from llm_health.core.health import Memory, Observation, Settings, after_probe, decide
+from llm_health.core.states import State, worst
 
 NAN = math.nan
 S = Settings(hung_after_seconds=20, probe_interval=60)
@@ -37,7 +38,7 @@ def run(seq, settings=S, probes=()):
 
 
 CASES = {
-    # report 1: busy and healthy, 2 running, 107 new tokens between two reads
+    # busy and healthy: 2 running, 107 new tokens between two reads
     "busy progressing": ([(0, reading(eng(2, 0, steps=10, gen=20))), (10, reading(eng(2, 0, steps=64, gen=127)))], [], ["unknown", "busy"]),
     "saturated 12 running + waiting": (
         [(0, reading(eng(12, 3, steps=100, gen=1000, kv=0.6))), (10, reading(eng(12, 3, steps=205, gen=2260, kv=0.61)))],
@@ -73,19 +74,33 @@ CASES = {
     "idle, probe fails twice": ([(0, reading(eng())), (60, reading(eng()))], [False, False], ["unresponsive", "hung"]),
     "idle, probe fails once then answers": ([(0, reading(eng())), (60, reading(eng()))], [False, True], ["unresponsive", "idle"]),
     "restart: new start time": (
-        [(0, reading(eng(2, 0, steps=500))), (10, reading(eng(2, 0, steps=600))), (20, reading(eng(0, 0, steps=0), start=2000.0)), (30, reading(eng(), start=2000.0))],
+        [
+            (0, reading(eng(2, 0, steps=500))),
+            (10, reading(eng(2, 0, steps=600))),
+            (20, reading(eng(0, 0, steps=0), start=2000.0)),
+            (30, reading(eng(), start=2000.0)),
+        ],
         [True],
         ["unknown", "busy", "restarted", "idle"],
     ),
     # multiprocess mode: no start time; counters went backwards
     "restart without start time": (
-        [(0, reading(eng(2, 0, steps=500, gen=900), start=None)), (10, reading(eng(1, 0, steps=3, gen=4), start=None)), (20, reading(eng(1, 0, steps=9, gen=10), start=None))],
+        [
+            (0, reading(eng(2, 0, steps=500, gen=900), start=None)),
+            (10, reading(eng(1, 0, steps=3, gen=4), start=None)),
+            (20, reading(eng(1, 0, steps=9, gen=10), start=None)),
+        ],
         [],
         ["unknown", "restarted", "busy"],
     ),
     # a restarted server is never compared with the process before it: frozen after restart is a fresh count
     "restart resets the no-progress count": (
-        [(0, reading(eng(4, 0, steps=50))), (10, reading(eng(4, 0, steps=50))), (20, reading(eng(4, 0, steps=1), start=3000.0)), (30, reading(eng(4, 0, steps=1), start=3000.0))],
+        [
+            (0, reading(eng(4, 0, steps=50))),
+            (10, reading(eng(4, 0, steps=50))),
+            (20, reading(eng(4, 0, steps=1), start=3000.0)),
+            (30, reading(eng(4, 0, steps=1), start=3000.0)),
+        ],
         [],
         ["unknown", "stalled", "restarted", "stalled"],
     ),
@@ -177,7 +192,7 @@ def test_no_metrics_is_never_a_restart_verdict():
     for t in range(5):
         v = decide(mem, Observation(now=t * 10, metrics_error="HTTP 404", models_ok=True), S)
         mem = v.memory
-        assert exit_code(v.state) != 1
+        assert v.state.exit_code != 1
 
 
 def test_proxy_only_models():
@@ -187,16 +202,29 @@ def test_proxy_only_models():
 
 @pytest.mark.parametrize(
     "state,code",
-    [("idle", 0), ("busy", 0), ("sleeping", 0), ("paused", 0), ("restarted", 0), ("up", 0), ("hung", 1), ("down", 2), ("stalled", 3), ("unresponsive", 3), ("no_metrics", 3), ("unknown", 3)],
+    [
+        ("idle", 0),
+        ("busy", 0),
+        ("sleeping", 0),
+        ("paused", 0),
+        ("restarted", 0),
+        ("up", 0),
+        ("hung", 1),
+        ("down", 2),
+        ("stalled", 3),
+        ("unresponsive", 3),
+        ("no_metrics", 3),
+        ("unknown", 3),
+    ],
 )
 def test_exit_codes(state, code):
-    assert exit_code(state) == code
+    assert State(state).exit_code == code
 
 
 def test_worst():
-    assert worst(["busy", "hung", "idle"]) == "hung"
-    assert worst(["idle", "busy"]) == "busy"
-    assert worst(["sleeping", "idle"]) == "sleeping"
+    assert worst([State.BUSY, State.HUNG, State.IDLE]) == "hung"
+    assert worst([State.IDLE, State.BUSY]) == "busy"
+    assert worst([State.SLEEPING, State.IDLE]) == "sleeping"
 
 
 def test_paused_endpoint_is_never_hung():

@@ -1,10 +1,10 @@
-"""Decision quality on report 1's day (simulated time): the goals of the benchmark, as tests."""
+"""Decision quality on a day with a batch job and one real hang (simulated time): the goals of the benchmark, as tests."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from llm_health.replay import DayPlan, replay
+from llm_health.sim.replay import DayPlan, replay
 
 PLAN = DayPlan()
 

@@ -6,19 +6,20 @@ The restart command is a real process: it SIGKILLs the server's process group (w
 service manager and starts the server again on the same port. The restarter sees it come
 back through vLLM's own /metrics: a new process start time, then idle.
 """
+
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from llm_health import restarter as rs
-from tests.conftest import SHARED
+from llm_health.config.restarter import RestarterConfig, Target, Verify, default_instance
+from llm_health.restarter.app import Restarter
+from tests.fixtures.webhooks import webhook_2447
+from tests.harness import vllm as harness
 
-harness = pytest.importorskip("harness")  # tests/realvllm/conftest.py puts it on the path
 pytestmark = pytest.mark.realvllm
 
 TOKEN = "real-vllm-restarter-token"
@@ -30,27 +31,27 @@ KILL = (
 
 
 def hung_alert(backend: str) -> dict:
-    data = json.loads((SHARED / "other" / "alertmanager-0.21.0-webhook-body-firing-issue2447.json").read_text())
-    labels = {"alertname": "LLMBackendHung", "backend": backend, "severity": "critical"}
-    data["alerts"][0].update(labels=labels, fingerprint=rs.fingerprint(labels))
-    data.update(receiver="restarter", groupLabels={"alertname": "LLMBackendHung"}, commonLabels=labels)
-    return data
+    return webhook_2447(backend=backend)
 
 
 async def test_stopped_engine_with_requests_in_flight_is_restarted_once(idle_vllm_server, tmp_path):
     srv = idle_vllm_server
     old_start = harness.vllm_counters(srv.metrics_text())["process_start_time_seconds"]
     marker = tmp_path / "restarts"
-    target = rs.Target(
-        "cpu0", srv.url, rs.default_instance(srv.url),
-        restart=(sys.executable, "-c", KILL, str(srv.proc.pid), str(marker)), restart_timeout=30,
+    target = Target(
+        "cpu0",
+        srv.url,
+        default_instance(srv.url),
+        restart=(sys.executable, "-c", KILL, str(srv.proc.pid), str(marker)),
+        restart_timeout=30,
     )
-    config = rs.RestarterConfig(
+    config = RestarterConfig(
         targets=(target,),
-        verify=rs.Verify(interval=1, hung_after_seconds=2, probe_timeout=20, metrics_timeout=30),
-        recovery_interval=1, recovery_timeout=300,
+        verify=Verify(interval=1, hung_after_seconds=2, probe_timeout=20, metrics_timeout=30),
+        recovery_interval=1,
+        recovery_timeout=300,
     )
-    restarter = rs.Restarter(config, TOKEN)
+    restarter = Restarter(config, TOKEN)
     client = TestClient(TestServer(restarter.app(), host="127.0.0.1"))
     await client.start_server()
 

@@ -1,0 +1,131 @@
+"""The shape of the package, checked: the core does no I/O, no module imports its way back
+to itself, no module grows past ~500 lines without saying why, and `check` installs light.
+
+The import graph is read from the source with the standard library's `ast`: every
+`import` and `from ... import` anywhere in a module (inside functions too, so an import
+cycle cannot hide there), resolved to package modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.fixtures.paths import ROOT
+
+PACKAGE = ROOT / "exporter" / "llm_health"
+MAX_LINES = 500
+SIZE_REASON = "Longer than 500 lines because"
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Package modules `name` imports (absolute names)."""
+    is_pkg = path.name == "__init__.py"
+    package = name if is_pkg else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            # `from pkg import sub` imports the submodule when there is one.
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:  # `llm_health.core.health.decide` -> the module
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports_of(name, path, known) for name, path in mods.items()}
+
+
+def test_the_graph_is_read():
+    g = graph()
+    assert "llm_health.core.health" in g["llm_health.probe.monitor"]
+    assert "llm_health.core.states" in g["llm_health.core.health"]
+
+
+def test_no_import_cycles():
+    g = graph()
+    # Packages import nothing but their own docstrings; a cycle through one would be real.
+    cycles = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(g.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append([*stack[stack.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(g):
+        if node not in state:
+            visit(node)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_core_imports_no_io_library():
+    """`llm_health.core` is pure: neither aiohttp nor redis, even transitively."""
+    code = (
+        "import sys, pkgutil, importlib, llm_health.core as c\n"
+        "for m in pkgutil.walk_packages(c.__path__, 'llm_health.core.'): importlib.import_module(m.name)\n"
+        "print(sorted({n.split('.')[0] for n in sys.modules} & {'aiohttp', 'redis', 'yarl', 'multidict', 'uvloop', 'yaml'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_core_imports_only_core():
+    g = graph()
+    for name, deps in g.items():
+        if name.startswith("llm_health.core"):
+            outside = {d for d in deps if not d.startswith("llm_health.core")}
+            assert not outside, f"{name} imports {sorted(outside)}"
+
+
+def test_check_needs_no_redis():
+    """`llm-health check` installs light: the command's modules import no redis or uvloop."""
+    code = (
+        "import sys, llm_health.cli, llm_health.probe.check\nprint(sorted({n.split('.')[0] for n in sys.modules} & {'redis', 'hiredis', 'uvloop', 'bcrypt'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_no_module_over_500_lines_without_a_reason():
+    long = []
+    for name, path in modules().items():
+        text = path.read_text()
+        if text.count("\n") > MAX_LINES and SIZE_REASON not in text[:2000]:
+            long.append(f"{name} ({text.count(chr(10))} lines)")
+    assert not long, f"over {MAX_LINES} lines without '{SIZE_REASON} ...' at the top: {long}"
