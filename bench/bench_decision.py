@@ -1,12 +1,12 @@
-"""Decision quality: report 1's day replayed in simulated time.
+"""Decision quality: a day with a batch job and one real hang, replayed in simulated time.
 
 A naive watchdog (real request every 5 minutes, 45 s timeout, restart after 5 failures),
-the same with report 1's second watchdog that counts HTTP 500s, and llm-health at the
+the same with a second watchdog that counts HTTP 500s, and llm-health at the
 same 5-minute cadence (`llm-health check`: reads 10 s apart) and as the exporter
 (continuous 10 s rounds). Goal: 0 false restarts, 0 probes sent to a busy server, the
 hang found within 2 rounds.
 
-    python bench/bench_decision.py
+    python -m bench.bench_decision
 """
 
 from __future__ import annotations
@@ -14,13 +14,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
-
-from llm_health.replay import DayPlan, format_table, replay  # noqa: E402
+from llm_health.sim.replay import DayPlan, format_table, replay
 
 
 def main() -> None:
@@ -41,7 +37,9 @@ def main() -> None:
     print(format_table(outcomes))
     print()
     for o in outcomes[2:]:
-        print(f"{'+'.join(o.watchdogs)}: hang found {o.detection_seconds:.0f} s after it began, at the {o.hang_detected_rounds}rd read after it (first read = baseline)")
+        print(
+            f"{'+'.join(o.watchdogs)}: hang found {o.detection_seconds:.0f} s after it began, at the {o.hang_detected_rounds}rd read after it (first read = baseline)"
+        )
     print(f"\n4 simulated days in {elapsed:.1f} s of wall time")
 
 

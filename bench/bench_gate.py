@@ -11,7 +11,7 @@ whose two Redis round trips are replaced by constants (the request is admitted a
 attempt on an empty queue), so the figures show what the HTTP hop costs on its own and
 what the Redis calls add to it.
 
-    python bench/bench_gate.py [--rate 500] [--seconds 6]
+    python -m bench.bench_gate [--rate 500] [--seconds 6]
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ import os
 import platform
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "exporter"))
+import aiohttp
+from aiohttp import web
 
-import aiohttp  # noqa: E402
-from aiohttp import web  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 BODY = {"model": "m", "prompt": "x", "max_tokens": 1}
 REPLY = {"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
@@ -54,9 +53,10 @@ def upstream_proc(port: int) -> None:
 
 
 def gate_proc(port: int, upstream: str, redis_url: str, without_redis: bool = False) -> None:
-    from llm_health.cli import run_app
-    from llm_health.gate import Gate, parse_gate_config, tune_gc
-    from llm_health.queue import QueueRecord, RouteStats
+    from llm_health.config.gate import parse_gate_config
+    from llm_health.gate.app import Gate, tune_gc
+    from llm_health.store.queue import QueueRecord, RouteStats
+    from llm_health.web import run_app
 
     cfg = parse_gate_config({"gate": {"redis": redis_url, "routes": {"bench": {"upstream": upstream, "default_deadline_ms": 30000}}}}, "<bench>")
     gate = Gate(cfg)
@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=500)
     ap.add_argument("--seconds", type=float, default=6)
     args = ap.parse_args()
-    from llm_health.drills import temporary_redis
+    from llm_health.sim.drills import temporary_redis
 
     up_port, gate_port, hop_port = free_port(), free_port(), free_port()
     upstream = f"http://127.0.0.1:{up_port}"
@@ -184,12 +184,16 @@ def main() -> None:
     print(f"{'path':<8} {'requests':>8} {'errors':>6} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'max req/s':>10}")
     for key in PATHS:
         lat = r[key]["lat"]
-        print(f"{key:<8} {len(lat):>8} {r[key]['errors']:>6} {pct(lat, 50):>8.2f} {pct(lat, 99):>8.2f} {statistics.mean(lat) * 1000:>8.2f} {r[key]['throughput']:>10.0f}")
+        print(
+            f"{key:<8} {len(lat):>8} {r[key]['errors']:>6} {pct(lat, 50):>8.2f} {pct(lat, 99):>8.2f} {statistics.mean(lat) * 1000:>8.2f} {r[key]['throughput']:>10.0f}"
+        )
     d = r["direct"]["lat"]
     for key, what in (("gate", "added by the gate"), ("hop", "added by the HTTP hop alone")):
         g = r[key]["lat"]
-        print(f"{what}: p50 {pct(g, 50) - pct(d, 50):.2f} ms, p99 {pct(g, 99) - pct(d, 99):.2f} ms; "
-              f"throughput ratio {key}/direct {r[key]['throughput'] / r['direct']['throughput']:.2f}")
+        print(
+            f"{what}: p50 {pct(g, 50) - pct(d, 50):.2f} ms, p99 {pct(g, 99) - pct(d, 99):.2f} ms; "
+            f"throughput ratio {key}/direct {r[key]['throughput'] / r['direct']['throughput']:.2f}"
+        )
 
 
 if __name__ == "__main__":

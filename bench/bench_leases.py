@@ -11,7 +11,7 @@
    loop. The ceiling is GPUs / hold time; with 1 ms holds a single Python process
    running all 64 waiters is CPU-bound on the client side.
 
-    python bench/bench_leases.py [--handoffs 500] [--poll-handoffs 100] [--seconds 5]
+    python -m bench.bench_leases [--handoffs 500] [--poll-handoffs 100] [--seconds 5]
 
 Goal: hand-off p99 under 5 ms on loopback; zero double claims.
 """
@@ -25,22 +25,19 @@ import platform
 import random
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import redis
+from redis import asyncio as aioredis
+from tests.fixtures.redis_server import RedisServer
+
+from bench._machine import cpu_model
+from llm_health.store.leases import LeaseClient
+from llm_health.store.records import Pool
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "exporter"))
-sys.path.insert(0, str(ROOT))
 
-import redis  # noqa: E402
-from redis import asyncio as aioredis  # noqa: E402
-
-from llm_health.leases import LeaseClient, Pool  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import cpu_model  # noqa: E402
 
 LONG = 3600.0
 
@@ -48,15 +45,12 @@ LONG = 3600.0
 def machine() -> str:
     cpu = cpu_model()
     server = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, check=False).stdout.strip()
-    return (
-        f"machine: {platform.platform()}, {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"redis-py {redis.__version__}\n{server}"
-    )
+    return f"machine: {platform.platform()}, {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, redis-py {redis.__version__}\n{server}"
 
 
 def pct(values: list[float], p: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
 async def handoff_ours(url: str, n: int) -> tuple[list[float], list[float]]:
@@ -219,10 +213,7 @@ async def main() -> None:
             ("ours: ... wait_for_gpu returned (after cleanup)", ours_return),
             ("redis-py Lock.acquire, sleep=0.1 (polling)", poll),
         ):
-            print(
-                f"{name:<52} {len(xs):>5} {statistics.median(xs):>8.3f} {pct(xs, 90):>8.3f} "
-                f"{pct(xs, 99):>8.3f} {max(xs):>8.3f}"
-            )
+            print(f"{name:<52} {len(xs):>5} {statistics.median(xs):>8.3f} {pct(xs, 90):>8.3f} {pct(xs, 99):>8.3f} {max(xs):>8.3f}")
         print(f"goal p99 < 5 ms: {'met' if pct(ours, 99) < 5 else 'NOT met'} ({pct(ours, 99):.3f} ms)")
 
         print()

@@ -1,9 +1,9 @@
-"""Benchmark: the targeted parser (`llm_health.exposition.parse`) against prometheus_client's
+"""Benchmark: the targeted parser (`llm_health.core.exposition.parse`) against prometheus_client's
 full parse (`text_string_to_metric_families`) on the real /metrics payloads.
 
-    python bench/bench_parse.py [METRICS_DIR]
+    python -m bench.bench_parse [METRICS_DIR]
 
-METRICS_DIR defaults to ../shared/real-world/metrics beside the repository. For each payload
+METRICS_DIR defaults to tests/data/real-world/metrics. For each payload
 it first checks that both parsers give the same values for the wanted names, then times
 prometheus_client's full parse and ours with three name sets: the set of the payload's own
 engine profile, the ~20 names a vLLM profile asks for, and the union of every engine's names.
@@ -19,37 +19,39 @@ import sys
 import timeit
 from pathlib import Path
 
+from tests.fixtures.prom_reference import reference
+
+from llm_health.core import engines
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "exporter"))
-sys.path.insert(0, str(ROOT))
 
-from llm_health import engines  # noqa: E402
-from tests.prom_reference import reference  # noqa: E402
 
-DEFAULT_DIR = ROOT.parent / "shared" / "real-world" / "metrics"
+DEFAULT_DIR = ROOT / "tests" / "data" / "real-world" / "metrics"
 
-VLLM_SET = frozenset({
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:num_requests_swapped",
-    "vllm:iteration_tokens_total_count",
-    "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm:request_success_total",
-    "vllm:num_preemptions_total",
-    "vllm:kv_cache_usage_perc",
-    "vllm:gpu_cache_usage_perc",
-    "vllm:cpu_cache_usage_perc",
-    "vllm:engine_sleep_state",
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
-    "vllm:time_to_first_token_seconds_count",
-    "vllm:time_per_output_token_seconds_count",
-    "vllm:e2e_request_latency_seconds_count",
-    "vllm:request_prompt_tokens_count",
-    "vllm:request_generation_tokens_count",
-    "process_start_time_seconds",
-})
+VLLM_SET = frozenset(
+    {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_swapped",
+        "vllm:iteration_tokens_total_count",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "vllm:num_preemptions_total",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:cpu_cache_usage_perc",
+        "vllm:engine_sleep_state",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:time_per_output_token_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_prompt_tokens_count",
+        "vllm:request_generation_tokens_count",
+        "process_start_time_seconds",
+    }
+)
 # The "own" column: vLLM payloads with the set above, the others with what their engine
 # profile asks for (engines.py).
 ENGINE_SETS = {
@@ -76,7 +78,7 @@ def main(argv: list[str]) -> int:
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from llm_health.exposition import parse
+    from llm_health.core.exposition import parse
 
     directory = Path(argv[1]) if len(argv) > 1 else DEFAULT_DIR
     files = sorted(directory.glob("*.prom"))
@@ -85,10 +87,11 @@ def main(argv: list[str]) -> int:
         return 1
 
     print(f"machine: {platform.platform()} ({platform.machine()}), {os.cpu_count()} CPUs")
-    print(f"python {platform.python_version()} ({platform.python_implementation()}), "
-          f"prometheus_client {version('prometheus-client')}")
-    print(f"name sets: vllm = {len(VLLM_SET)} names, union of all engines = {len(UNION_SET)} names, "
-          "own = the set of the payload's engine; frozensets, as engines.py passes them")
+    print(f"python {platform.python_version()} ({platform.python_implementation()}), prometheus_client {version('prometheus-client')}")
+    print(
+        f"name sets: vllm = {len(VLLM_SET)} names, union of all engines = {len(UNION_SET)} names, "
+        "own = the set of the payload's engine; frozensets, as engines.py passes them"
+    )
     print("times: best of 7 repeats; ratio = prometheus_client ms / ours ms; hits = samples returned")
     print()
     width = max(len(p.name) for p in files)
@@ -111,10 +114,10 @@ def main(argv: list[str]) -> int:
                 return 2
             hits[label] = sum(map(len, got.values()))
 
-        prom = best_seconds(lambda: list(text_string_to_metric_families(text)))
+        prom = best_seconds(lambda t=text: list(text_string_to_metric_families(t)))
         row = f"{path.name:<{width}} {len(text.encode()):>6} {sum(map(len, expected.values())):>7} {prom * 1e3:>7.3f}"
         for label, names in sets.items():
-            ours = best_seconds(lambda n=names: parse(text, n))
+            ours = best_seconds(lambda n=names, t=text: parse(t, n))
             ratios[label].append(prom / ours)
             row += f" | {ours * 1e3:>8.4f} {hits[label]:>4} {prom / ours:>4.0f}x"
         print(row, flush=True)

@@ -14,7 +14,7 @@ with pools or routes read from Redis sets) while commands grow with the GPUs (on
 script per 500 GPUs, running 1 GET per GPU and PTTL + HMGET per held lease) and routes
 (6 reads + 1 bounded GC script per route), never with the queue length.
 
-    python bench/bench_redis_view.py [--gpus 10000] [--queued 100000] [--refreshes 20]
+    python -m bench.bench_redis_view [--gpus 10000] [--queued 100000] [--refreshes 20]
 """
 
 from __future__ import annotations
@@ -26,25 +26,21 @@ import platform
 import random
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import redis
+from redis import asyncio as aioredis
+from redis.asyncio.connection import Connection
+from tests.fixtures.redis_server import RedisServer
+
+from bench._machine import cpu_model
+from llm_health.config.redis import parse_redis_config
+from llm_health.exporter.redis_view import RedisView
+from llm_health.store.leases import LeaseClient
+from llm_health.store.queue import AdmissionQueue, now_ms
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "exporter"))
-sys.path.insert(0, str(ROOT))
-
-import redis  # noqa: E402
-from redis import asyncio as aioredis  # noqa: E402
-from redis.asyncio.connection import Connection  # noqa: E402
-
-from llm_health.leases import LeaseClient  # noqa: E402
-from llm_health.queue import AdmissionQueue, now_ms  # noqa: E402
-from llm_health.redis_view import RedisView, parse_redis_config  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import cpu_model  # noqa: E402
 
 
 def machine() -> str:
@@ -119,8 +115,7 @@ async def populate(url: str, gpus: int, queued: int, routes: list[str]) -> None:
                 enq = wall - rnd.randint(0, 60_000)
                 await queue._enqueue(
                     keys=[queue.keys.record(rid), *queue.keys.route_keys(route), queue.keys.routes()],
-                    args=[rid, route, f"tenant{i % 7}", wall + rnd.randint(-30_000, 60_000), enq, wall,
-                          queue.retention_ms, 200],
+                    args=[rid, route, f"tenant{i % 7}", wall + rnd.randint(-30_000, 60_000), enq, wall, queue.retention_ms, 200],
                     client=pipe,
                 )
                 if i % 10 == 0:
@@ -183,8 +178,7 @@ async def main() -> None:
         url = server.url
         t = time.perf_counter()
         await populate(url, n, args.queued, routes)
-        print(f"populated {n} GPUs (60% leased), {args.queued} queued requests on {len(routes)} routes "
-              f"in {time.perf_counter() - t:.1f} s")
+        print(f"populated {n} GPUs (60% leased), {args.queued} queued requests on {len(routes)} routes in {time.perf_counter() - t:.1f} s")
         gpu_ids = [f"gpu{i}" for i in range(n)]
         states = {f"backend{i}": ("busy" if i % 3 else "idle") for i in range(n)}
 
@@ -193,8 +187,8 @@ async def main() -> None:
             return [
                 {
                     "name": f"pool{j}",
-                    "gpus": gpu_ids[j * size:(j + 1) * size],
-                    "backends": {g: f"backend{j * size + x}" for x, g in enumerate(gpu_ids[j * size:(j + 1) * size])},
+                    "gpus": gpu_ids[j * size : (j + 1) * size],
+                    "backends": {g: f"backend{j * size + x}" for x, g in enumerate(gpu_ids[j * size : (j + 1) * size])},
                 }
                 for j in range(k)
             ]
@@ -216,10 +210,7 @@ async def main() -> None:
                 section["routes"] = route_list
             r = await measure(url, section, args.refreshes, states)
             assert r["round_trips"] == r["view_round_trips"], r
-            print(
-                f"{name:<48} {r['round_trips']:>11g} {r['client_commands']:>6} {r['server_commands']:>9.0f} "
-                f"{r['ms_p50']:>8.1f} {r['ms_max']:>8.1f}"
-            )
+            print(f"{name:<48} {r['round_trips']:>11g} {r['client_commands']:>6} {r['server_commands']:>9.0f} {r['ms_p50']:>8.1f} {r['ms_max']:>8.1f}")
             last = r["status"]
         print(
             "round trips: redis-py sends (one per pipeline); sent: commands in them; executed: commands "

@@ -5,7 +5,7 @@ busy (progressing), 5% hung, each on its own loopback port with a ~36 KB V1 payl
 The exporter runs here; we measure its CPU seconds per round (user + system, from
 getrusage) and its memory (RSS and peak), after one warm-up round.
 
-    python bench/bench_scale.py [--backends 1000] [--interval 10] [--rounds 3]
+    python -m bench.bench_scale [--backends 1000] [--interval 10] [--rounds 3]
 
 Goal: under 25% of one core for 1,000 backends at 10 s rounds.
 """
@@ -18,15 +18,12 @@ import multiprocessing as mp
 import os
 import platform
 import resource
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
-
-from llm_health import sim  # noqa: E402
-from llm_health.config import Backend, Config, Timing  # noqa: E402
-from llm_health.exporter import Exporter  # noqa: E402
+from llm_health.config.exporter import Backend, Config, Timing
+from llm_health.exporter.app import Exporter
+from llm_health.sim import servers as sim
 
 
 class CachedServer(sim.SimServer):
@@ -136,8 +133,10 @@ def main() -> None:
         proc.join(10)
     print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
     print(f"backends {r['backends']}, rounds every {r['interval_s']:g} s, measured over {r['wall_s']:.1f} s ({r['backend_rounds']} backend rounds)")
-    print(f"exporter CPU: {r['cpu_s']:.2f} s -> {r['cpu_per_round_s']:.2f} s per round = {100 * r['core_share']:.1f}% of one core "
-          f"({r['cpu_per_backend_round_ms']:.2f} ms per backend per round)")
+    print(
+        f"exporter CPU: {r['cpu_s']:.2f} s -> {r['cpu_per_round_s']:.2f} s per round = {100 * r['core_share']:.1f}% of one core "
+        f"({r['cpu_per_backend_round_ms']:.2f} ms per backend per round)"
+    )
     print(f"memory: RSS {r['rss_mib']:.0f} MiB (+{r['rss_growth_mib']:.0f} MiB for the fleet state), peak {r['peak_rss_mib']:.0f} MiB")
     print(f"one scrape of the exporter: {r['scrape_ms']:.0f} ms, {r['scrape_bytes'] / 1024:.0f} KiB")
     print(f"states: {r['states']}")

