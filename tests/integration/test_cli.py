@@ -31,3 +31,23 @@ def test_serve_refuses_bad_config(tmp_path):
     bad.write_text("global: {interval: soon}\n")
     r = _cli("serve", "--config.file", str(bad), "--web.listen-address", "127.0.0.1:0")
     assert r.returncode == 2 and "global.interval" in r.stderr
+
+
+def test_log_level_before_or_after_the_subcommand(tmp_path):
+    good = tmp_path / "good.yml"
+    good.write_text(GOOD)
+    for args in (("--log.level", "debug", "config", "check", str(good)), ("config", "check", str(good), "--log.level", "debug")):
+        r = _cli(*args)
+        assert r.returncode == 0 and "SUCCESS" in r.stdout, (args, r.stderr)
+    r = _cli("config", "check", str(good), "--log.level", "loud")
+    assert r.returncode == 2 and "--log.level" in r.stderr
+
+
+def test_config_check_tells_gate_and_restarter_configs(tmp_path):
+    gate = tmp_path / "gate.yml"
+    gate.write_text("gate:\n  routes:\n    chat: {upstream: 'http://127.0.0.1:1'}\n")
+    r = _cli("config", "check", str(gate))
+    assert r.returncode == 0 and "gate config, 1 routes" in r.stdout, r.stderr
+    gate.write_text("gate:\n  routes:\n    chat: {upstream: 'http://127.0.0.1:1'}\n  admin_token_env: LLM_HEALTH_TEST_UNSET\n")
+    r = _cli("config", "check", str(gate))
+    assert r.returncode == 1 and "gate.admin_token_env" in r.stderr, r.stderr

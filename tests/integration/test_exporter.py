@@ -10,6 +10,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llm_health.config import exporter as config_mod
 from llm_health.config.exporter import Backend, Config, Timing
 from llm_health.exporter.app import Exporter
 from llm_health.sim import servers as sim
@@ -159,3 +160,28 @@ async def test_proxy_backend_never_reads_metrics(sim_server, serve):
         assert proxy.metrics_reads == 0
     finally:
         await proxy.stop()
+
+
+async def test_reload_keeps_the_memory_of_backends_that_stay(sim_server, ticker, aiohttp_client, tmp_path):
+    busy = await sim_server("busy", scenario="saturated")
+    idle = await sim_server("idle", scenario="idle")
+    ticker.append(busy)
+    path = tmp_path / "llm-health.yml"
+    path.write_text(f"global: {{interval: 0.2s, hung_after_seconds: 0.4}}\nbackends:\n  - {{name: busy, url: '{busy.url}'}}\n")
+    exporter = Exporter(config_mod.load(path), config_file=path)
+    client = await aiohttp_client(exporter.app())
+    await wait_for(client, "busy", "busy")
+    kept = exporter.slots["busy"]
+    rounds_before = kept.monitor.rounds
+
+    path.write_text(path.read_text() + f"  - {{name: idle, url: '{idle.url}'}}\n")
+    answer = await client.post("/-/reload")
+    assert answer.status == 200 and (await answer.json())["reloaded"] is True
+    assert exporter.slots["busy"] is kept and kept.monitor.rounds >= rounds_before  # same monitor, same memory
+    await wait_for(client, "idle", "idle")
+
+    path.write_text("global: {interval: soon}\n")  # a bad file is refused, the running config kept
+    answer = await client.post("/-/reload")
+    body = await answer.json()
+    assert answer.status == 400 and body["reloaded"] is False and "global.interval" in body["detail"]
+    assert set(exporter.slots) == {"busy", "idle"}
