@@ -74,7 +74,8 @@ async def test_fleet_states_and_series(sim_server, ticker, serve):
     assert 0 < s[("llm_backend_probe_duration_seconds", (("backend", "idle"),))] < T.probe_timeout
     assert ("llm_backend_probe_duration_seconds", (("backend", "busy"),)) not in s
     assert s[("llm_backend_info", (("backend", "busy"), ("kind", "vllm"), ("profile", "vllm_v1")))] == 1
-    assert s[("llm_exporter_round_errors_total", (("backend", "dead"), ("reason", "metrics")))] >= 1
+    # a refused connection is the backend down (or restarting), not a failed round
+    assert not any(k[0] == "llm_exporter_round_errors_total" and ("backend", "dead") in k[1] for k in s)
     assert ("llm_exporter_build_info", (("version", "0.1.0"),)) in s
     # the rule: not one completion to a server with work in flight
     assert busy.received == [] and hung.received == []
@@ -144,7 +145,7 @@ async def test_probe_endpoint_multi_target(sim_server, ticker, serve):
     bad = await client.get("/probe", params={"target": "file:///etc/passwd"})
     assert bad.status == 400
     # state is bounded
-    exporter.config = Config(timing=Timing(max_probe_targets=2), backends=())
+    exporter.targets.max_targets = 2  # global.max_probe_targets
     for port in (1, 2, 3):
         await client.get("/probe", params={"target": f"http://127.0.0.1:{port}"})
     assert len(exporter.targets) == 2

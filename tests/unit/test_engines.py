@@ -8,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_health.core import engines
+from llm_health.core.exposition import parse
 from tests.fixtures.paths import REAL_METRICS, real_payloads
 
 EXPECTED_PROFILE = {
@@ -44,7 +45,7 @@ def _reference(text: str, profile: engines.Profile, name: str) -> dict:
 @pytest.mark.parametrize("path", real_payloads(), ids=lambda p: p.name)
 def test_detect_and_read(path):
     text = path.read_text()
-    profile = engines.detect(text)
+    profile = engines.detect(parse(text, engines.PAYLOAD_NAMES))
     assert profile.name == EXPECTED_PROFILE[path.name]
     r = engines.read(text)
     assert r.engines, "at least one engine unit"
@@ -99,7 +100,7 @@ def test_data_parallel_engines_and_models_kept_apart():
 
 def test_unknown_payload():
     with pytest.raises(engines.UnknownEngine, match="no known engine series"):
-        engines.detect("# HELP up x\n# TYPE up gauge\nup 1\n")
+        engines.read("# HELP up x\n# TYPE up gauge\nup 1\n")
 
 
 def test_sleep_state_gauge():
@@ -113,11 +114,11 @@ def test_sleep_state_gauge():
     assert e.sleeping
 
 
-def test_likely_profile_used_while_its_marker_is_there():
-    v1 = (REAL_METRICS / "vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom").read_text()
-    sg = (REAL_METRICS / "sglang-0.3-llama31-8b-heavy-load-docs.prom").read_text()
-    assert engines.read(v1, likely=engines.VLLM_V1) == engines.read(v1)
-    # the backend's engine changed since last round: detected again, not misread
-    r = engines.read(sg, likely=engines.VLLM_V1)
-    assert r.profile == "sglang" and r == engines.read(sg)
-    assert engines.read(v1, likely=engines.VLLM_V0).profile == "vllm_v1"
+@pytest.mark.parametrize("path", real_payloads(), ids=lambda p: p.name)
+def test_one_parse_reads_every_profile_as_its_own_names_would(path):
+    """The payload is parsed once for every profile's names; the reading is the one the
+    profile's own names give."""
+    text = path.read_text()
+    profile = engines.BY_NAME[EXPECTED_PROFILE[path.name]]
+    own = parse(text, profile.wanted | {profile.marker, "vllm:num_requests_running", "vllm:iteration_tokens_total_count"})
+    assert engines.read(text) == engines.reduce(own)

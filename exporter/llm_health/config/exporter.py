@@ -9,8 +9,15 @@ global:                      # every key optional; these are the defaults
   connect_timeout: 3s
   metrics_timeout: 30s       # a slow /metrics is load, not death: keep this generous
   models_timeout: 10s
-  max_metrics_bytes: 16777216
+  max_metrics_bytes: 16777216  # a /metrics body (after gzip is undone) past this is refused
+  max_engines: 256           # engine units (model_name x rank) one payload may hold
+  max_samples: 10000         # samples of the series llm-health reads, per payload
+  max_label_length: 512      # characters of a model_name or engine label value
   max_probe_targets: 1000    # state kept for /probe?target=... (least recently used dropped)
+probe:                       # the blackbox-style /probe endpoint
+  enabled: true
+  allowed_targets: []        # regular expressions a target URL must match in full; empty: any
+  max_engines: 10000         # engine units kept across every /probe target (least recently used dropped)
 backends:
   - name: gpu0               # the `backend` label
     url: http://10.0.0.5:8000
@@ -25,8 +32,10 @@ Durations are seconds, or strings with a unit: `500ms`, `10s`, `5m`, `1h`.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 
+from ..core.engines import Limits
 from ..core.health import Settings
 from .fields import NAME, Section
 from .load import load_yaml
@@ -45,10 +54,28 @@ class Timing:
     metrics_timeout: float = 30.0
     models_timeout: float = 10.0
     max_metrics_bytes: int = 16 * 1024 * 1024
+    max_engines: int = Limits.max_engines
+    max_samples: int = Limits.max_samples
+    max_label_length: int = Limits.max_label_length
     max_probe_targets: int = 1000
 
     def settings(self) -> Settings:
         return Settings(hung_after_seconds=self.hung_after_seconds, probe_interval=self.probe_interval)
+
+    def limits(self) -> Limits:
+        return Limits(max_engines=self.max_engines, max_samples=self.max_samples, max_label_length=self.max_label_length)
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """`/probe`: on or off, which targets it may read, and how much state it keeps."""
+
+    enabled: bool = True
+    allowed_targets: tuple[re.Pattern[str], ...] = ()  # empty: any http(s) target
+    max_engines: int = 10_000
+
+    def allows(self, target: str) -> bool:
+        return not self.allowed_targets or any(p.fullmatch(target) for p in self.allowed_targets)
 
 
 @dataclass(frozen=True)
@@ -65,6 +92,7 @@ class Config:
     timing: Timing
     backends: tuple[Backend, ...]
     redis: RedisConfig | None = None
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
     source: str = "<config>"
 
 
@@ -79,9 +107,12 @@ def _timing(s: Section, base: Timing, *, per_backend: bool = False) -> Timing:
             values[key] = s.duration(key, minimum=0.0 if key != "interval" else 0.05)
         else:
             s.raw(key)
+    values["max_metrics_bytes"] = s.integer("max_metrics_bytes", base.max_metrics_bytes, maximum=1024**3)
+    values["max_engines"] = s.integer("max_engines", base.max_engines, maximum=1_000_000)
+    values["max_samples"] = s.integer("max_samples", base.max_samples, maximum=10_000_000)
+    values["max_label_length"] = s.integer("max_label_length", base.max_label_length, maximum=1_000_000)
     if not per_backend:
-        values["max_metrics_bytes"] = s.integer("max_metrics_bytes", base.max_metrics_bytes)
-        values["max_probe_targets"] = s.integer("max_probe_targets", base.max_probe_targets)
+        values["max_probe_targets"] = s.integer("max_probe_targets", base.max_probe_targets, maximum=1_000_000)
     return replace(base, **values)  # type: ignore[arg-type]
 
 
@@ -106,8 +137,25 @@ def parse(data: object, where: str = "<config>") -> Config:
         backends.append(Backend(name=name, url=url, kind=kind, timing=backend_timing, api_key=api_key))
 
     redis = parse_redis_config(top.raw("redis"), where) if "redis" in top else None
+    probe = _probe(top.section("probe"))
     top.done()
-    return Config(timing=timing, backends=tuple(backends), redis=redis, source=where)
+    return Config(timing=timing, backends=tuple(backends), redis=redis, probe=probe, source=where)
+
+
+def _probe(s: Section) -> ProbeConfig:
+    patterns = []
+    for i, text in enumerate(s.strings("allowed_targets", (), nonempty=False)):
+        try:
+            patterns.append(re.compile(text))
+        except re.error as exc:
+            raise s.error(f"allowed_targets[{i}]", f"not a regular expression: {exc}") from None
+    probe = ProbeConfig(
+        enabled=s.boolean("enabled", True),
+        allowed_targets=tuple(patterns),
+        max_engines=s.integer("max_engines", ProbeConfig.max_engines, maximum=10_000_000),
+    )
+    s.done()
+    return probe
 
 
 def load(path: str | os.PathLike[str]) -> Config:

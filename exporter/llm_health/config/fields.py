@@ -22,8 +22,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
+from ..urls import BadTarget, parse_target
 from .errors import ConfigError
 
 T = TypeVar("T")
@@ -131,10 +131,9 @@ class Section:
         if not given:
             return value if value is None else int(value)  # type: ignore[return-value]
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
+            wanted = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
             if maximum is not None:
-                wanted = f"an integer from {minimum} to {maximum}"
-            else:
-                wanted = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
+                wanted += f" and at most {maximum}"
             raise self.error(name, f"expected {wanted}, got {value!r}")
         return value
 
@@ -176,13 +175,14 @@ class Section:
             raise self.error(name, f"must be true or false, got {value!r}")
         return value
 
-    def url(self, name: str, default: Any = REQUIRED, *, schemes: tuple[str, ...] = ("http", "https")) -> str:
+    def url(self, name: str, default: Any = REQUIRED) -> str:
+        """An http(s) URL a server is read at: scheme, host, optional port and path prefix,
+        no credentials, query or fragment (urls.parse_target)."""
         value = self.string(name, default)
-        parts = urlsplit(value.strip())
-        if parts.scheme not in schemes or (parts.scheme in ("http", "https") and not parts.hostname):
-            kind = "an http(s)" if schemes == ("http", "https") else f"a {'/'.join(schemes)}"
-            raise self.error(name, f"{value!r} is not {kind} URL")
-        return value.strip()
+        try:
+            return parse_target(value, what="url")
+        except BadTarget as exc:
+            raise self.error(name, str(exc)) from None
 
     # --- lists and mappings -------------------------------------------------------------
     def strings(self, name: str, default: Any = REQUIRED, *, unique: bool = True, nonempty: bool = True) -> tuple[str, ...]:

@@ -2,8 +2,18 @@
 start time and sleep, how to tell the engines apart from a payload, and the `Reading`
 the state machine is fed.
 
-Pure: no I/O. The payload is parsed with the targeted parser, asking only for the series
-a profile needs.
+Pure: no I/O. A payload is parsed once with the targeted parser, asking for the series
+of every profile (`PAYLOAD_NAMES`); the profile is then told by the series present.
+
+Numbers from an engine are evidence only when they can be: a running or waiting count
+that is NaN, infinite or negative, a counter or gauge that is not a finite non-negative
+number, a start time that is not a finite positive number, is read as unknown (NaN, or
+None for the start time). An unknown value never makes an engine idle, never makes it
+restarted, and never hides what the other values show.
+
+A payload past the reader's `Limits` (engine units, wanted samples, unit label length)
+is refused whole with `OverLimits`: the exporter keeps per-engine state, and one backend
+must not make it keep unbounded state.
 """
 
 from __future__ import annotations
@@ -12,7 +22,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .exposition import parse
+from .exposition import Budget, Names, Samples, TooManySamples, compile_names, parse
 
 START_TIME = "process_start_time_seconds"
 
@@ -160,8 +170,22 @@ _MARKERS = frozenset(p.marker for p in PROFILES) | {
 
 
 @dataclass(frozen=True)
+class Limits:
+    """What one payload may hold before it is refused (configurable per exporter)."""
+
+    max_engines: int = 256  # engine units (model_name x data-parallel rank)
+    max_samples: int = 50_000  # samples of the wanted series, and lines starting with `{`
+    max_label_length: int = 512  # characters of a unit label value (model_name, engine)
+
+
+class OverLimits(ValueError):
+    """The payload holds more than the reader's Limits allow."""
+
+
+@dataclass(frozen=True)
 class EngineReading:
-    """One engine unit (a data-parallel rank of one model) at one instant."""
+    """One engine unit (a data-parallel rank of one model) at one instant. `running` and
+    `waiting` are NaN where the engine's number was no evidence (NaN, infinite, negative)."""
 
     model_name: str
     engine: str
@@ -169,7 +193,7 @@ class EngineReading:
     waiting: float
     steps: float | None
     generation_tokens: float | None
-    counters: tuple[float, ...]  # in profile order, NaN where absent
+    counters: tuple[float, ...]  # in profile order, NaN where absent or no evidence
     gauges: tuple[float, ...]
     sleeping: bool = False
 
@@ -179,7 +203,13 @@ class EngineReading:
 
     @property
     def in_flight(self) -> bool:
+        """Work is surely in flight: a known running or waiting count above zero."""
         return self.running > 0 or self.waiting > 0
+
+    @property
+    def known(self) -> bool:
+        """Whether the engine's own numbers say if work is in flight."""
+        return self.in_flight or not (math.isnan(self.running) or math.isnan(self.waiting))
 
     @property
     def fingerprint(self) -> tuple[float, ...]:
@@ -199,16 +229,23 @@ class UnknownEngine(ValueError):
     """The payload is text exposition but no profile's series are in it."""
 
 
-def detect(text: str) -> Profile:
-    """Choose the profile from the payload itself."""
-    found = parse(text, _MARKERS)
+PAYLOAD_NAMES: Names = compile_names(frozenset().union(*(p.wanted for p in PROFILES), _MARKERS))
+
+
+def detect(samples: Samples) -> Profile:
+    """Choose the profile from the series present in the payload."""
     for profile in PROFILES:
-        if profile.marker in found:
+        if profile.marker in samples:
             return profile
-    if "vllm:num_requests_running" in found or "vllm:iteration_tokens_total_count" in found:
+    if "vllm:num_requests_running" in samples or "vllm:iteration_tokens_total_count" in samples:
         # Older or partial vLLM payloads without a cache-usage gauge.
         return VLLM_V0
     raise UnknownEngine("no known engine series (vllm:, sglang:, tgi_, llamacpp:, nv_inference_) in /metrics")
+
+
+def _evidence(value: float) -> float:
+    """The value, or NaN when it cannot be a count, a counter or a usage."""
+    return value if value >= 0 and math.isfinite(value) else math.nan
 
 
 def _unit(labels: dict[str, str], unit_labels: tuple[str, ...]) -> tuple[str, str]:
@@ -217,32 +254,34 @@ def _unit(labels: dict[str, str], unit_labels: tuple[str, ...]) -> tuple[str, st
 
 
 def _sum_by_unit(samples: Iterable[tuple[dict[str, str], float]], unit_labels: tuple[str, ...]) -> dict[tuple[str, str], float]:
+    """Per unit, the sum of the samples; NaN for a unit with any value that is no evidence."""
     out: dict[tuple[str, str], float] = {}
     for labels, value in samples:
         key = _unit(labels, unit_labels)
-        out[key] = out.get(key, 0.0) + value
+        out[key] = out.get(key, 0.0) + _evidence(value)
     return out
 
 
-def read(text: str, profile: Profile | None = None, *, likely: Profile | None = None) -> Reading:
-    """Reduce a payload to a `Reading`, one `EngineReading` per engine unit.
+def read(text: str, limits: Limits | None = None) -> Reading:
+    """Parse a whole payload and reduce it (for callers with the text at hand; the
+    exporter parses in pieces, see probe.reading)."""
+    limits = limits or Limits()
+    try:
+        samples = parse(text, PAYLOAD_NAMES, budget=Budget(limits.max_samples))
+    except TooManySamples as exc:
+        raise OverLimits(f"{exc}, more than max_samples") from None
+    return reduce(samples, limits)
 
-    `profile` forces one; otherwise it is detected from the payload. `likely` is the profile
-    this backend had last round: while its marker is still in the payload it is used as is,
-    one parse instead of two (detection, then reading)."""
-    samples = None
-    if profile is None and likely is not None:
-        samples = parse(text, likely.wanted)
-        if likely.marker in samples:
-            profile = likely
-        else:
-            samples = None  # the engine changed (an upgrade, another server): detect again
-    if profile is None:
-        profile = detect(text)
-    if samples is None:
-        samples = parse(text, profile.wanted)
+
+def reduce(samples: Samples, limits: Limits | None = None) -> Reading:
+    """A payload's samples (of PAYLOAD_NAMES) reduced to a `Reading`, one `EngineReading`
+    per engine unit. Raises UnknownEngine, or OverLimits."""
+    limits = limits or Limits()
+    profile = detect(samples)
     start = samples.get(START_TIME)
     start_time = start[0][1] if start else None
+    if start_time is not None and not (math.isfinite(start_time) and start_time > 0):
+        start_time = None  # no evidence of a start time, so none of a restart either
 
     sums = {name: _sum_by_unit(samples.get(name, ()), profile.unit_labels) for name in profile.wanted}
     units: set[tuple[str, str]] = set()
@@ -250,6 +289,11 @@ def read(text: str, profile: Profile | None = None, *, likely: Profile | None = 
         units.update(sums[name])
     if not units:
         raise UnknownEngine(f"{profile.name} payload has none of {sorted(profile.running + profile.waiting)}")
+    if len(units) > limits.max_engines:
+        raise OverLimits(f"{len(units)} engine units (model_name, engine), more than max_engines {limits.max_engines}")
+    longest = max(len(v) for key in units for v in key)
+    if longest > limits.max_label_length:
+        raise OverLimits(f"a unit label value of {longest} characters, more than max_label_length {limits.max_label_length}")
 
     awake: dict[tuple[str, str], float] = {}
     if profile.sleep_awake:

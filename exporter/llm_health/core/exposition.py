@@ -50,7 +50,7 @@ import re
 from collections.abc import Iterable
 from functools import lru_cache
 
-__all__ = ["Names", "ParseError", "compile_names", "parse"]
+__all__ = ["Budget", "Names", "ParseError", "TooManySamples", "compile_names", "parse", "split_lines"]
 
 Labels = dict[str, str]
 Samples = dict[str, list[tuple[Labels, float]]]
@@ -169,18 +169,39 @@ def compile_names(names: Iterable[str] | Names) -> Names:
     return _compile(frozenset(names))
 
 
-def parse(text: str, names: Iterable[str] | Names) -> Samples:
+class TooManySamples(ParseError):
+    """More wanted samples (or lines starting with `{`) than the caller allows."""
+
+
+class Budget:
+    """How many wanted lines (and lines starting with `{`) the parser may still read,
+    over every piece of one payload."""
+
+    __slots__ = ("left", "limit")
+
+    def __init__(self, limit: int):
+        self.left = self.limit = limit
+
+
+def parse(text: str, names: Iterable[str] | Names, *, first_line: int = 1, budget: Budget | None = None, into: Samples | None = None) -> Samples:
     """Samples of `text` whose name is one of `names`: {name: [(labels, value), ...]}.
 
-    Raises ParseError for a malformed line of a wanted sample.
+    Raises ParseError for a malformed line of a wanted sample, naming its line number
+    (`first_line` is the number of the text's first line, for a text that is one piece of
+    a payload). Raises TooManySamples, before any value is read, when the text has more
+    wanted lines than `budget` has left. `into` collects the samples of several pieces.
     """
     compiled = compile_names(names)
-    out: Samples = {}
+    out: Samples = {} if into is None else into
     if compiled._scan is None:
         return out
     scan = "\n" + text
     wanted = compiled.names
     matches = compiled._scan.findall(scan)  # the tuples are built in C
+    if budget is not None:
+        budget.left -= len(matches)
+        if budget.left < 0:
+            raise TooManySamples(f"more than {budget.limit} wanted samples")
     for match in matches:  # once per wanted sample (and per line starting with `{`)
         name, body, value, stamp, tail, braced = match
         try:
@@ -205,7 +226,7 @@ def parse(text: str, names: Iterable[str] | Names) -> Samples:
             # findall keeps no positions: find this match again (the first equal tuple is
             # this one, since an earlier equal line would have failed first).
             found = next(m for m, t in zip(compiled._scan.finditer(scan), matches) if t == match)
-            lineno = scan.count("\n", 0, found.start() + 1)
+            lineno = scan.count("\n", 0, found.start() + 1) + first_line - 1
             source = found.group(0).strip()[:200]
             raise ParseError(f"line {lineno}: {str(e) or 'malformed sample'}: {source!r}") from None
         if name in wanted:
@@ -332,3 +353,16 @@ def _parse_line(line: str) -> tuple[str, Labels, float]:
     elif "__name__" in labels:
         raise ValueError("metric name given twice")
     return name, labels, _value(line[end + 1 :])
+
+
+def split_lines(text: str, size: int) -> Iterable[tuple[str, int]]:
+    """`text` in pieces of about `size` characters cut at line ends, each with the number
+    of its first line: parsing the pieces one by one gives what parsing the whole gives."""
+    start, line = 0, 1
+    while start < len(text):
+        end = text.find("\n", min(start + size, len(text)) - 1)
+        end = len(text) if end < 0 else end + 1
+        piece = text[start:end]
+        yield piece, line
+        line += piece.count("\n")
+        start = end

@@ -12,8 +12,11 @@ The rules:
   consecutive rounds and at least `hung_after_seconds` since the last progress seen;
 * an idle engine is probed (one 1-token completion) at most once per `probe_interval`;
   a failed probe is `unresponsive`, two in a row `hung`;
-* a new process start time or a counter that went backwards is a `restarted` server:
-  counters of two processes are never compared, a new baseline is taken;
+* a new process start time, a counter that went backwards or another engine behind the
+  same URL is a `restarted` server: counters of two processes are never compared, a new
+  baseline is taken;
+* an engine whose running or waiting count is no evidence (NaN, infinite, negative) is
+  `unknown`: never idle (so never probed), never hung on that count alone;
 * a proxy is judged by `/v1/models` alone: behind a least-connection proxy each
   `/metrics` read may come from another backend.
 """
@@ -70,6 +73,7 @@ class Memory:
     """What is kept of one backend between rounds."""
 
     start_time: float | None = None
+    profile: str | None = None
     engines: dict[tuple[str, str], EngineMemory] = field(default_factory=dict)
     last_probe_at: float | None = None
     failed_probes: int = 0
@@ -141,6 +145,9 @@ def _remember(e: EngineReading, now: float, last_progress_at: float, rounds: int
     )
 
 
+_NO_COUNT = "{e.running:g} running, {e.waiting:g} waiting: a count that is no evidence (NaN, infinite or negative); neither idle nor hung on it"
+
+
 def _judge_engine(prev: EngineMemory | None, e: EngineReading, obs: Observation, s: Settings) -> tuple[EngineVerdict, EngineMemory]:
     now = obs.now
     if prev is None:
@@ -149,6 +156,8 @@ def _judge_engine(prev: EngineMemory | None, e: EngineReading, obs: Observation,
             return EngineVerdict(e.model_name, e.engine, State.SLEEPING, "engine reports sleep mode", e.running, e.waiting), mem
         if obs.paused:
             return EngineVerdict(e.model_name, e.engine, State.PAUSED, "engine reports paused", e.running, e.waiting), mem
+        if not e.known:
+            return EngineVerdict(e.model_name, e.engine, State.UNKNOWN, _NO_COUNT.format(e=e), e.running, e.waiting), mem
         if e.in_flight:
             reason = f"{e.running:g} running, {e.waiting:g} waiting: first reading, progress unknown until the next"
             return EngineVerdict(e.model_name, e.engine, State.UNKNOWN, reason, e.running, e.waiting), mem
@@ -166,6 +175,10 @@ def _judge_engine(prev: EngineMemory | None, e: EngineReading, obs: Observation,
         state = State.PAUSED if obs.paused and not (e.sleeping or obs.sleeping) else State.SLEEPING
         # A sleeping engine keeps its requests but takes no steps: restart the clock.
         return verdict(state, f"engine reports {state}; never hung"), _remember(e, now, now)
+    if not e.known:
+        # Neither idle (no probe) nor hung: the count that would tell is no evidence.
+        since = now if progressed else prev.last_progress_at
+        return verdict(State.UNKNOWN, _NO_COUNT.format(e=e)), _remember(e, now, since)
     if progressed:
         mem = _remember(e, now, now)
         if e.in_flight:
@@ -193,6 +206,8 @@ def _restart_reason(prev: Memory, reading: Reading) -> str | None:
     """Why this reading comes from a new process, or None."""
     if not prev.engines:
         return None
+    if prev.profile is not None and reading.profile != prev.profile:
+        return f"another engine answers: {prev.profile} before, {reading.profile} now"
     if reading.start_time is not None and prev.start_time is not None and reading.start_time != prev.start_time:
         return "process start time changed"
     for key, e in reading.engines.items():
@@ -228,6 +243,7 @@ def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "vllm
         all_idle = not any(e.in_flight for e in reading.engines.values())
         mem = Memory(
             start_time=reading.start_time,
+            profile=reading.profile,
             engines=engines,
             last_probe_at=prev.last_probe_at,
             failed_probes=0,
@@ -244,7 +260,7 @@ def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "vllm
         evs.append(ev)
         engines[key] = emem
     state = worst(ev.state for ev in evs)
-    mem = replace(prev, start_time=reading.start_time, engines=engines)
+    mem = replace(prev, start_time=reading.start_time, profile=reading.profile, engines=engines)
 
     if state is State.IDLE:
         # Only an engine with nothing in flight is ever sent a request.

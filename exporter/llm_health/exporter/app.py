@@ -18,21 +18,21 @@ import logging
 import math
 import os
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from ..config import exporter as config_mod
-from ..config.exporter import Backend, Config, Timing
+from ..config.exporter import KINDS, Backend, Config, Timing
 from ..core.states import State
+from ..urls import BadTarget, parse_target
 from ..web import add_reload, healthy, metrics_handler
 from .collectors import BackendsCollector, BuildInfoCollector
-from .slots import Slot, make_monitor, run_round
+from .probe_targets import ProbeTargets
+from .slots import Slot, make_slot, run_round
 
 log = logging.getLogger("llm_health.exporter")
 
@@ -42,8 +42,7 @@ class Exporter:
         self.config = config
         self.config_file = config_file
         self.slots: dict[str, Slot] = {}
-        self.targets: OrderedDict[tuple[str, str], Slot] = OrderedDict()
-        self.session: aiohttp.ClientSession | None = None
+        self.targets = ProbeTargets(config.timing.max_probe_targets, config.probe.max_engines)
         self.redis_view: Any = None  # exporter.redis_view.RedisView when configured
         self._redis_task: asyncio.Task[None] | None = None
         self.registry = CollectorRegistry(auto_describe=True)
@@ -53,16 +52,13 @@ class Exporter:
 
     # --- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
-        # One connection per backend at most, no shared limit that a slow backend could exhaust.
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=4, enable_cleanup_closed=True)
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
         for b in self.config.backends:
             self._add_backend(b)
         await self._start_redis()
 
     def _add_backend(self, b: Backend) -> None:
-        assert self.session is not None
-        slot = Slot(b, make_monitor(self.session, b))
+        # Each backend has its own session and connection pool (see probe.client).
+        slot = make_slot(b)
         self.slots[b.name] = slot
         slot.task = asyncio.create_task(self._loop(slot), name=f"round-{b.name}")
 
@@ -90,13 +86,10 @@ class Exporter:
             self.redis_view = self._redis_collector = None
 
     async def stop(self) -> None:
-        tasks = [s.task for s in self.slots.values() if s.task]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for slot in self.slots.values():
+            await slot.close()
+        await self.targets.close()
         await self._stop_redis()
-        if self.session:
-            await self.session.close()
 
     async def _loop(self, slot: Slot) -> None:
         interval = slot.backend.timing.interval
@@ -125,13 +118,11 @@ class Exporter:
         wanted = {b.name: b for b in new.backends}
         removed = [n for n in old if n not in wanted or old[n] != wanted[n]]
         for name in removed:
-            slot = self.slots.pop(name)
-            if slot.task:
-                slot.task.cancel()
-                await asyncio.gather(slot.task, return_exceptions=True)
+            await self.slots.pop(name).close()
         added = [n for n in wanted if n not in self.slots]
         redis_changed = new.redis != self.config.redis
         self.config = new
+        self.targets.max_targets, self.targets.max_engines = new.timing.max_probe_targets, new.probe.max_engines
         for name in added:
             self._add_backend(wanted[name])
         if redis_changed:
@@ -150,37 +141,28 @@ class Exporter:
         return web.json_response(body, dumps=_dumps)
 
     async def handle_probe(self, request: web.Request) -> web.Response:
-        target = request.query.get("target", "")
+        """Blackbox style: Prometheus' service discovery says what to read. Refused with
+        400 (the reason in the body): a target that is not a plain http(s) URL, a bad
+        kind; 403: one the allowlist does not match; 404 when /probe is disabled."""
+        probe = self.config.probe
+        if not probe.enabled:
+            return web.Response(status=404, text="/probe is disabled in this exporter's configuration (probe.enabled: false)\n")
         kind = request.query.get("kind", "vllm")
-        if not target.startswith(("http://", "https://")):
-            return web.Response(status=400, text=f"target must be an http(s) URL, got {target!r}\n")
-        if kind not in ("vllm", "proxy"):
-            return web.Response(status=400, text=f"kind must be vllm or proxy, got {kind!r}\n")
+        try:
+            target = parse_target(request.query.get("target", ""))
+        except BadTarget as exc:
+            return web.Response(status=400, text=f"{exc}\n")
+        if kind not in KINDS:
+            return web.Response(status=400, text=f"kind must be one of {', '.join(KINDS)}, got {kind[:100]!r}\n")
+        if not probe.allows(target):
+            return web.Response(status=403, text=f"target {target!r} is not in this exporter's probe.allowed_targets\n")
         timing: Timing = self.config.timing
-        scrape_timeout = request.headers.get("X-Prometheus-Scrape-Timeout-Seconds")
-        if scrape_timeout:
-            try:
-                budget = max(0.5, float(scrape_timeout) - 0.5)
-            except ValueError:
-                budget = math.inf
-            if math.isfinite(budget):
-                timing = replace(timing, metrics_timeout=min(timing.metrics_timeout, budget), probe_timeout=min(timing.probe_timeout, budget / 2))
-        key = (target, kind)
-        slot = self.targets.get(key)
-        if slot is None:
-            assert self.session is not None
-            backend = Backend(name=target, url=target, kind=kind, timing=timing)
-            slot = Slot(backend, make_monitor(self.session, backend))
-            self.targets[key] = slot
-            while len(self.targets) > timing.max_probe_targets:
-                self.targets.popitem(last=False)
-        self.targets.move_to_end(key)
-        asked = time.monotonic()
-        async with slot.lock:
-            # Two scrapers at once (an HA pair): the second takes the round the first ran.
-            if slot.round_started is None or slot.round_started < asked:
-                slot.round_started = time.monotonic()
-                await run_round(slot)
+        budget = _scrape_budget(request.headers.get("X-Prometheus-Scrape-Timeout-Seconds"))
+        if budget is not None:
+            timing = replace(timing, metrics_timeout=min(timing.metrics_timeout, budget), probe_timeout=min(timing.probe_timeout, budget / 2))
+        slot = self.targets.slot(target, kind, timing)
+        await self.targets.round(slot)
+        await self.targets.trim(keep=slot)
         registry = CollectorRegistry(auto_describe=True)
         registry.register(BackendsCollector(lambda: (slot,)))
         return await metrics_handler(registry)(request)
@@ -215,6 +197,16 @@ class Exporter:
 
         app.cleanup_ctx.append(lifecycle)
         return app
+
+
+def _scrape_budget(header: str | None) -> float | None:
+    """What a scraper's `X-Prometheus-Scrape-Timeout-Seconds` leaves for the reads: half a
+    second less, at least half a second; None without a usable header."""
+    try:
+        seconds = float(header) if header else math.nan
+    except ValueError:
+        return None
+    return max(0.5, seconds - 0.5) if math.isfinite(seconds) and seconds > 0 else None
 
 
 def _esc(text: str) -> str:

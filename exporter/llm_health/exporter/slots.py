@@ -15,6 +15,7 @@ from ..core.health import Verdict
 from ..core.states import State
 from ..probe.client import BackendClient
 from ..probe.monitor import BackendMonitor
+from ..urls import redact_url
 
 log = logging.getLogger("llm_health.exporter")
 
@@ -33,11 +34,24 @@ class Slot:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     round_started: float | None = None
 
+    async def close(self) -> None:
+        """Stop the slot's task and close its session."""
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        await self.monitor.client.session.close()
+
+    @property
+    def engine_units(self) -> int:
+        """Engine units the slot keeps state for (the /probe budget counts these)."""
+        memory = self.monitor.memory
+        return len(memory.engines) if memory else 0
+
     def status(self) -> dict[str, Any]:
         v, stats, m = self.verdict, self.monitor.stats, self.monitor
         out = {
             "backend": self.backend.name,
-            "url": m.client.url,
+            "url": redact_url(m.client.url),
             "kind": self.backend.kind,
             "state": v.state if v else State.UNKNOWN,
             "reason": v.reason if v else "no round yet",
@@ -71,6 +85,17 @@ class Slot:
         return out
 
 
+def new_session() -> aiohttp.ClientSession:
+    """A backend's own HTTP session: its own small connection pool, so no backend (or
+    /probe caller) can use up connections another one waits for."""
+    connector = aiohttp.TCPConnector(limit=4, limit_per_host=4, enable_cleanup_closed=True)
+    return aiohttp.ClientSession(connector=connector, auto_decompress=True)
+
+
+def make_slot(b: Backend) -> Slot:
+    return Slot(b, make_monitor(new_session(), b))
+
+
 def make_monitor(session: aiohttp.ClientSession, b: Backend) -> BackendMonitor:
     t = b.timing
     client = BackendClient(
@@ -83,7 +108,7 @@ def make_monitor(session: aiohttp.ClientSession, b: Backend) -> BackendMonitor:
         probe_timeout=t.probe_timeout,
         max_bytes=t.max_metrics_bytes,
     )
-    return BackendMonitor(client, kind=b.kind, settings=t.settings())
+    return BackendMonitor(client, kind=b.kind, settings=t.settings(), limits=t.limits())
 
 
 async def run_round(slot: Slot) -> None:

@@ -1,22 +1,49 @@
 """HTTP calls to one backend: `/metrics`, `/v1/models`, the 1-token probe, sleep flags.
 
-Every call has a connect timeout and a total timeout of its own; `/metrics` bodies are
-capped in size (after gzip is undone, so a small compressed bomb is caught too). Errors
-come back as values that say what happened (refused, timeout, HTTP status, not
-exposition), never as exceptions, and never carry the API key.
+Every call has a connect timeout and a total timeout of its own; every body is capped in
+size (`/metrics` at `max_bytes`, the small JSON answers at `SMALL_BODY`), after gzip is
+undone, so a small compressed bomb is caught too. No redirect is ever followed: a 3xx is
+an answer like any other error status, so no server can send llm-health's requests (a
+probe's POST included) to a path or host of its choosing. Errors come back as values
+that say what happened (refused, timeout, HTTP status, not exposition), never as
+exceptions, and never carry the API key.
+
+The connect timeout covers the TCP connect alone (`sock_connect`), never a wait for a
+pooled connection: the exporter gives each backend a session of its own, so one backend's
+slow or trickling answers never hold a connection another backend waits for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
 from ..urls import base_url
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+SMALL_BODY = 1024 * 1024  # /v1/models, the probe's answer, /is_sleeping: JSON of a few KB
+
+
+class TooLarge(Exception):
+    """A body past its cap."""
+
+
+async def _body(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(65536):
+        body += chunk
+        if len(body) > limit:
+            raise TooLarge(f"body larger than {limit} bytes")
+    return bytes(body)
+
+
+async def _json(resp: aiohttp.ClientResponse) -> Any:
+    return json.loads(await _body(resp, SMALL_BODY))
 
 
 @dataclass(frozen=True)
@@ -52,6 +79,8 @@ def _describe(exc: BaseException, timeout: float) -> tuple[str, bool, bool]:
         return "server closed the connection", False, False
     if isinstance(exc, aiohttp.ClientPayloadError):
         return f"broken response body ({exc})", False, False
+    if isinstance(exc, TooLarge):
+        return str(exc), False, False
     if isinstance(exc, aiohttp.ClientError):
         return f"{type(exc).__name__}: {exc}", False, False
     return f"{type(exc).__name__}: {exc}", False, False
@@ -79,7 +108,7 @@ class BackendClient:
         self.max_bytes = max_bytes
 
     def _timeout(self, total: float) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=total, connect=min(self.connect_timeout, total))
+        return aiohttp.ClientTimeout(total=total, sock_connect=min(self.connect_timeout, total))
 
     async def metrics(self) -> Fetched:
         start = time.monotonic()
@@ -88,14 +117,14 @@ class BackendClient:
                 self.url + "/metrics",
                 headers={**self._headers, "Accept": "text/plain;version=0.0.4", "Accept-Encoding": "gzip"},
                 timeout=self._timeout(self.metrics_timeout),
+                allow_redirects=False,
             ) as resp:
                 if resp.status != 200:
                     return Fetched(error=f"HTTP {resp.status}", seconds=time.monotonic() - start)
-                body = bytearray()
-                async for chunk in resp.content.iter_chunked(65536):
-                    body += chunk
-                    if len(body) > self.max_bytes:
-                        return Fetched(error=f"payload larger than {self.max_bytes} bytes", seconds=time.monotonic() - start)
+                try:
+                    body = await _body(resp, self.max_bytes)
+                except TooLarge:
+                    return Fetched(error=f"payload larger than {self.max_bytes} bytes", seconds=time.monotonic() - start)
                 ctype = resp.headers.get("Content-Type", "")
         except Exception as exc:
             msg, timed_out, refused = _describe(exc, self.metrics_timeout)
@@ -112,16 +141,20 @@ class BackendClient:
     async def models(self) -> tuple[bool, str | None, str | None]:
         """(answered, first model id, error)."""
         try:
-            async with self.session.get(self.url + "/v1/models", headers=self._headers, timeout=self._timeout(self.models_timeout)) as resp:
+            async with self.session.get(
+                self.url + "/v1/models", headers=self._headers, timeout=self._timeout(self.models_timeout), allow_redirects=False
+            ) as resp:
                 if resp.status != 200:
                     return False, None, f"HTTP {resp.status}"
-                data = await resp.json(content_type=None)
+                data = await _json(resp)
         except Exception as exc:
             return False, None, _describe(exc, self.models_timeout)[0]
         try:
-            return True, data["data"][0]["id"], None
+            model = data["data"][0]["id"]
         except (KeyError, IndexError, TypeError):
             return True, None, None
+        # A model name goes into the probe's body only: a string of sane length, or none.
+        return True, (model if isinstance(model, str) and 0 < len(model) <= 1024 else None), None
 
     async def probe(self, model: str | None) -> ProbeResult:
         """One 1-token completion. Only ever sent to an engine with nothing in flight."""
@@ -130,8 +163,10 @@ class BackendClient:
             return ProbeResult(None, 0.0, "no served model listed by /v1/models")
         payload = {"model": model, "prompt": "ok", "max_tokens": 1, "temperature": 0}
         try:
-            async with self.session.post(self.url + "/v1/completions", json=payload, headers=self._headers, timeout=self._timeout(self.probe_timeout)) as resp:
-                await resp.read()
+            async with self.session.post(
+                self.url + "/v1/completions", json=payload, headers=self._headers, timeout=self._timeout(self.probe_timeout), allow_redirects=False
+            ) as resp:
+                await _body(resp, SMALL_BODY)
                 seconds = time.monotonic() - start
                 if resp.status == 200:
                     return ProbeResult(True, seconds, f"in {seconds * 1000:.0f} ms")
@@ -145,10 +180,10 @@ class BackendClient:
     async def flag(self, path: str) -> bool:
         """vLLM's `/is_sleeping` and `/is_paused`: True only on a clear yes."""
         try:
-            async with self.session.get(self.url + path, headers=self._headers, timeout=self._timeout(2.0)) as resp:
+            async with self.session.get(self.url + path, headers=self._headers, timeout=self._timeout(2.0), allow_redirects=False) as resp:
                 if resp.status != 200:
                     return False
-                data = await resp.json(content_type=None)
+                data = await _json(resp)
         except Exception:
             return False
         if isinstance(data, dict):

@@ -10,10 +10,11 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..core import engines
-from ..core.engines import Profile, UnknownEngine
+from ..core.engines import Limits, OverLimits, UnknownEngine
 from ..core.exposition import ParseError
 from ..core.health import Memory, Observation, Settings, Verdict, after_probe, decide, same_fingerprint
 from .client import BackendClient, Fetched, ProbeResult
+from .reading import read_payload
 
 
 @dataclass
@@ -24,18 +25,18 @@ class RoundStats:
     probe: ProbeResult | None = None
     profile: str | None = None
     seconds: float = 0.0
-    error: str | None = None  # the reason label of llm_exporter_round_errors_total
+    error: str | None = None  # the reason label of llm_exporter_round_errors_total: metrics, timeout, limits, models
     probes: dict[str, int] = field(default_factory=lambda: {"ok": 0, "timeout": 0, "error": 0})
 
 
 class BackendMonitor:
-    def __init__(self, client: BackendClient, kind: str = "vllm", settings: Settings | None = None, profile: Profile | None = None):
+    def __init__(self, client: BackendClient, kind: str = "vllm", settings: Settings | None = None, limits: Limits | None = None):
         if kind not in ("vllm", "proxy"):
             raise ValueError(f"kind must be vllm or proxy, not {kind!r}")
         self.client = client
         self.kind = kind
         self.settings = settings or Settings()
-        self.profile = profile
+        self.limits = limits or Limits()
         self.memory: Memory | None = None
         self.model: str | None = None
         self.verdict: Verdict | None = None
@@ -77,14 +78,17 @@ class BackendMonitor:
         error = fetched.error
         if fetched.text is not None:
             try:
-                likely = engines.BY_NAME.get(self.stats.profile) if self.stats.profile else None
-                reading = engines.read(fetched.text, self.profile, likely=likely)
+                reading = await read_payload(fetched.text, self.limits)
                 stats.profile = reading.profile
+            except OverLimits as exc:
+                error, stats.error = f"/metrics over limits: {exc}", "limits"
             except (ParseError, UnknownEngine) as exc:
                 error = f"/metrics unusable: {exc}"
         obs = Observation(now=now, reading=reading, metrics_error=error, metrics_timed_out=fetched.timed_out, metrics_refused=fetched.refused)
         if reading is None:
-            stats.error = "metrics"
+            # A refused connection is the backend down (or restarting), not a failed round.
+            if stats.error is None and not fetched.refused:
+                stats.error = "timeout" if fetched.timed_out else "metrics"
             ok, model, merr = await self.client.models()
             self.model = model or self.model
             obs = Observation(
