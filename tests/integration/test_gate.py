@@ -102,14 +102,14 @@ async def stack(redis_url, tmp_path):
         await r.cleanup()
 
 
-async def recorded(redis_url, prefix, request_id, attempts=1, timeout=10.0):
+async def recorded(redis_url, prefix, request_id, attempts=1, timeout=10.0, tenant="default"):
     """The id's record once the gate has written its attempt (it does so just after the
-    response, off the client's path)."""
+    response, off the client's path). Ids are kept per tenant: `<tenant>/<id>`."""
     q = AdmissionQueue.from_url(redis_url, prefix=prefix)
     try:
         deadline = time.monotonic() + timeout
         while True:
-            rec = await q.read(request_id)
+            rec = await q.read(f"{tenant}/{request_id}")
             if (rec and rec.attempts >= attempts and rec.state == "done") or time.monotonic() > deadline:
                 return rec
             await asyncio.sleep(0.01)
@@ -131,7 +131,7 @@ async def test_admit_records_queue_state(stack, redis_url):
     status, body, _headers = await post(url, {"X-Request-Id": "r1", **deadline_in(5000), "X-Tenant": "acme"})
     assert status == 200 and json.loads(body)["usage"]["total_tokens"] == 272
     assert up.calls[0][0] == "r1"
-    rec = await recorded(redis_url, gate.cfg.queue_prefix, "r1")
+    rec = await recorded(redis_url, gate.cfg.queue_prefix, "r1", tenant="acme")
     assert (rec.route, rec.tenant, rec.attempts, rec.token_units, rec.http_status, rec.state) == ("chat", "acme", 1, 272, 200, "done")
 
 
@@ -185,8 +185,8 @@ async def test_age_beats_slack_uses_route_queue_age(stack, redis_url):
     "headers,fragment",
     [
         ({"X-Request-Deadline-Ms": "soon"}, "X-Request-Deadline-Ms must be"),
-        ({"X-Request-Deadline-Ms": "1700000000"}, "13 digits"),
-        ({"X-Request-Timeout-Ms": "-5"}, "must not be negative"),
+        ({"X-Request-Deadline-Ms": "1700000000"}, "Unix time in milliseconds within a week"),
+        ({"X-Request-Timeout-Ms": "-5"}, "X-Request-Timeout-Ms must be the milliseconds left, an integer from 0"),
         ({"X-Request-Timeout-Ms": "3000", "X-Retry-Count": "two"}, "X-Retry-Count must be"),
     ],
 )

@@ -60,6 +60,8 @@ async def test_every_panel_has_data_and_only_the_hung_backend_alerts(tmp_path, r
     restarting = await sim_server("restarting", scenario="batch")
     ticker.extend([busy, hung, restarting])
     dead = sim.dead_url()
+    broken = await sim_server("broken", scenario="idle")  # answers /metrics with an HTML error page
+    broken.metrics_mode = "html"
 
     # --- Redis: leases (drift both ways, an expiry, a release, a waiter) -----------------
     leases = LeaseClient.from_url(redis_url, fallback_interval_s=0.5)
@@ -88,6 +90,7 @@ async def test_every_panel_has_data_and_only_the_hung_backend_alerts(tmp_path, r
     timing = Timing(interval=1.0, hung_after_seconds=2.0, probe_interval=60, probe_timeout=1.0, metrics_timeout=2.0, models_timeout=2.0)
     backends = [Backend(n, s.url, "vllm", timing) for n, s in (("idle", idle), ("busy", busy), ("hung", hung), ("restarting", restarting))]
     backends.append(Backend("dead", dead, "vllm", timing))
+    backends.append(Backend("broken", broken.url, "vllm", timing))  # round errors: /metrics unusable
     redis_cfg = {
         "url": redis_url,
         "pools": [
@@ -158,7 +161,7 @@ async def test_every_panel_has_data_and_only_the_hung_backend_alerts(tmp_path, r
         hung_alerts = {x for x in fired if x[0] in ("LLMBackendHung", "VLLMEngineHung")}
         assert hung_alerts == {("LLMBackendHung", "hung"), ("VLLMEngineHung", hung.url.removeprefix("http://"))}
         states = {r["metric"]["backend"]: r["metric"]["state"] for r in await query("llm_backend_state == 1")}
-        assert states["busy"] == "busy" and states["idle"] == "idle" and states["dead"] == "down"
+        assert states["busy"] == "busy" and states["idle"] == "idle" and states["dead"] == "down" and states["broken"] == "no_metrics"
         drift = {r["metric"]["kind"]: float(r["value"][1]) for r in await query('llm_gpu_lease_drift{pool="a100"}')}
         assert drift == {"lease_on_idle_backend": 1.0, "busy_without_lease": 1.0}
         assert busy.received == [] and hung.received == []

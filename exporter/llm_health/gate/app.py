@@ -33,16 +33,27 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis import asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..config.gate import GateConfig, Route, parse_gate_config
 from ..config.load import load_yaml
 from ..core import admission
 from ..store.queue import ROUTE_STATS_COMMANDS, AdmissionQueue, QueueRecord, RouteStats, add_route_stats_commands, now_ms, parse_route_stats
 from ..web import BearerToken, add_reload, healthy, metrics_handler
-from .headers import ID_HEADERS, BadRequest, first_header, read_deadline_ms, read_retry_count, token_units
+from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant, token_units
 
 log = logging.getLogger("llm_health.gate")
+
+# Redis is down or unreachable: the route's redis_down policy applies. Any other Redis
+# error (a refused script, a bad value) means Redis is up and answered.
+REDIS_DOWN: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class UpstreamBroke(Exception):
+    """The upstream failed after the answer to the client had begun."""
+
 
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers", "transfer-encoding", "upgrade", "host", "content-length"}
 
@@ -134,8 +145,11 @@ class Gate:
             for route in self.cfg.routes.values():
                 try:
                     stats = await self.queue.route_stats(route.name)
-                except RedisError:
+                except REDIS_DOWN:
                     self._redis(False)
+                    continue
+                except RedisError as exc:
+                    log.error("redis refused the queue read of route %s: %s", route.name, exc)
                     continue
                 self._redis(True)
                 age = stats.oldest_age_ms or 0
@@ -238,20 +252,22 @@ class Gate:
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         body = await request.read()
-        request_id = first_header(request.headers, ID_HEADERS) or f"gate-{uuid.uuid4()}"
         now = now_ms()
         try:
+            request_id = read_request_id(request.headers) or f"gate-{uuid.uuid4()}"
             route = self._route(request, body)
-            tenant = request.headers.get("X-Tenant", "default")
+            tenant = read_tenant(request.headers)
             deadline_ms = read_deadline_ms(request.headers, now, route.policy.default_deadline_ms)
             header_retries = read_retry_count(request.headers)
         except BadRequest as exc:
-            return web.json_response({"error": {"type": "bad_request", "message": str(exc), "request_id": request_id}}, status=400)
+            return web.json_response({"error": {"type": "bad_request", "message": str(exc)}}, status=400)
+        # Ids are the client's, scoped by tenant: two tenants' `order-1001` are two requests.
+        queue_id = f"{tenant}/{request_id}"
 
         fields: dict[str, Any] = {"request_id": request_id}
         recorded = True
         try:
-            record, stats, budget = await self._enqueue_and_read(request_id, route.name, tenant, deadline_ms, now)
+            record, stats, budget = await self._enqueue_and_read(queue_id, route.name, tenant, deadline_ms, now)
             self._redis(True)
             retry_count = max(header_retries, record.retry_count)
             deadline_ms = record.deadline_ms  # a resent id keeps the deadline of its first copy
@@ -267,7 +283,7 @@ class Gate:
             )
             decision = admission.decide(req, route.policy)
             fields.update(queue_age_ms=queue_age_ms, deadline_slack_ms=deadline_ms - now, retry_count=retry_count)
-        except RedisError as exc:
+        except REDIS_DOWN as exc:
             self._redis(False)
             recorded = False
             log.warning("redis unreachable for route %s (%s): failing %s", route.name, type(exc).__name__, route.policy.redis_down)
@@ -283,9 +299,14 @@ class Gate:
                 decision = replace(decision, decision=admission.ADMIT_UNRECORDED, reason=f"{decision.reason}; Redis unreachable, failing open")
             fields.update(deadline_slack_ms=slack, retry_count=header_retries)
 
+        except RedisError as exc:
+            # Redis answered, and refused: a value of this request, or a bug; Redis is up.
+            log.error("redis refused the request record for route %s: %s", route.name, exc)
+            return web.json_response({"error": {"type": "internal", "message": "the request could not be recorded", "request_id": request_id}}, status=500)
+
         if not decision.admitted:
             if recorded:
-                await self._quiet(self.queue.complete(request_id, decision.status, route=route.name))
+                await self._quiet(self.queue.complete(queue_id, decision.status, route=route.name))
             return self._reject(route.name, decision, request_id, fields)
 
         self.m_decisions.labels(route.name, decision.decision).inc()
@@ -296,8 +317,18 @@ class Gate:
             # Record the attempt (status 499, as nginx names it) without holding up the cancellation.
             self.m_upstream.labels(route.name, "499").inc()
             if recorded:
-                self._background(self._quiet(self.queue.complete(request_id, 499, route=route.name)))
+                self._background(self._quiet(self.queue.complete(queue_id, 499, route=route.name)))
             raise
+        except UpstreamBroke as exc:
+            # The upstream reset or spoke no HTTP after the answer began: the client's
+            # connection is cut (a truncated answer must not look whole), the attempt is 502.
+            self.m_upstream.labels(route.name, "502").inc()
+            if recorded:
+                self._background(self._quiet(self._finish(queue_id, route.name, tenant, 0, 502, fields.get("retry_count"))))
+            log.warning("upstream of route %s broke mid-answer: %s", route.name, exc)
+            if request.transport is not None:
+                request.transport.close()
+            raise ConnectionResetError(str(exc)) from None
         self.m_upstream.labels(route.name, str(status)).inc()
         self.m_tokens.labels(route.name).inc(units)
         self.m_duration.labels(route.name).observe(time.monotonic() - started)
@@ -306,7 +337,7 @@ class Gate:
             await response.write_eof()  # the client has its whole answer: Redis is not on its path
         if recorded:
             # Recorded in the background: the connection is free for the client's next request.
-            self._background(self._quiet(self._finish(request_id, route.name, tenant, units, status, fields.get("retry_count"))))
+            self._background(self._quiet(self._finish(queue_id, route.name, tenant, units, status, fields.get("retry_count"))))
         return response
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -316,11 +347,14 @@ class Gate:
         task.add_done_callback(self._pending.discard)
 
     async def _quiet(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run a write off the client's path; only an unreachable Redis counts as down."""
         try:
             await coro
             self._redis(True)
-        except RedisError:
+        except REDIS_DOWN:
             self._redis(False)
+        except RedisError as exc:
+            log.error("redis refused a queue write: %s", exc)
 
     async def _forward(self, request: web.Request, route: Route, body: bytes, request_id: str) -> tuple[int, int]:
         """Stream the upstream response through, chunk by chunk; (status, token units)."""
@@ -330,7 +364,7 @@ class Gate:
         tail = b""
         assert self.session is not None  # started
         try:
-            async with self.session.request(request.method, url, data=body, headers=headers) as up:
+            async with self.session.request(request.method, url, data=body, headers=headers, allow_redirects=False) as up:
                 out = web.StreamResponse(status=up.status, headers={k: v for k, v in up.headers.items() if k.lower() not in _HOP})
                 out.headers["X-Request-Id"] = request_id
                 request["llm_health_response"] = out
@@ -340,9 +374,11 @@ class Gate:
                     tail = (tail + chunk)[-16384:]
                 # write_eof is left to the caller, which then records the attempt.
                 return up.status, token_units(tail)
-        except (TimeoutError, aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectionResetError):
+                raise  # the client went away (a write to it failed), not the upstream
             if "llm_health_response" in request:
-                raise
+                raise UpstreamBroke(f"{type(exc).__name__}: {exc}") from None
             resp = web.json_response(
                 {"error": {"type": "upstream_unavailable", "message": f"upstream {route.name}: {type(exc).__name__}", "request_id": request_id}},
                 status=502,

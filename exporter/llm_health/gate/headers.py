@@ -5,12 +5,15 @@ Headers read (first one present wins):
 
 | what | headers |
 |---|---|
-| request id | `X-Request-Id`, `Idempotency-Key` (none: a fresh id, never a retry) |
-| deadline, absolute | `X-Request-Deadline-Ms` (Unix ms) |
-| deadline, remaining budget | `X-Request-Timeout-Ms`, `X-Envoy-Expected-Rq-Timeout-Ms` |
-| retry count | `X-Retry-Count`, `X-Stainless-Retry-Count` (the OpenAI SDKs), `X-Retry-Attempt` |
+| request id | `X-Request-Id`, `Idempotency-Key`: 1-256 printable ASCII characters (none: a fresh id, never a retry); ids are scoped by tenant |
+| deadline, absolute | `X-Request-Deadline-Ms`: Unix ms, from a day ago to a week ahead |
+| deadline, remaining budget | `X-Request-Timeout-Ms`, `X-Envoy-Expected-Rq-Timeout-Ms`: 0 to 604800000 ms |
+| retry count | `X-Retry-Count`, `X-Stainless-Retry-Count` (the OpenAI SDKs), `X-Retry-Attempt`: 0 to 1000 |
 | route | `X-Route` (else the route whose `models` has the body's model, else the first) |
-| tenant | `X-Tenant` (else `default`) |
+| tenant | `X-Tenant`: 1-64 of letters, digits and `_ . : -` (else `default`) |
+
+Numbers are decimal integers; anything else (`1e20`, `inf`, `3.5`, out of range) is refused
+with a 400 that names the header, before anything is written to Redis.
 """
 
 from __future__ import annotations
@@ -22,6 +25,16 @@ from collections.abc import Iterable, Mapping
 ID_HEADERS = ("X-Request-Id", "Idempotency-Key")
 RETRY_HEADERS = ("X-Retry-Count", "X-Stainless-Retry-Count", "X-Retry-Attempt")
 _USAGE = re.compile(rb'"usage"\s*:\s*(\{[^{}]*\})')
+
+
+# Documented ranges: a header outside them is refused with a 400 that names it.
+MAX_TIMEOUT_MS = 7 * 86400 * 1000  # a week: any longer is a unit mistake
+DEADLINE_PAST_MS = 86400 * 1000  # an absolute deadline may lie up to a day in the past
+MAX_RETRY_COUNT = 1000
+MAX_ID_LENGTH = 256
+_INTEGER = re.compile(r"^\s*\+?[0-9]{1,16}\s*$")
+_TENANT = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_ID = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII, no spaces
 
 
 class BadRequest(ValueError):
@@ -36,27 +49,41 @@ def first_header(headers: Mapping[str, str], names: Iterable[str]) -> str | None
     return None
 
 
+def _integer(name: str, raw: str, low: int, high: int, what: str) -> int:
+    """A decimal integer in [low, high], or BadRequest naming the header."""
+    if not _INTEGER.match(raw) or not low <= int(raw) <= high:
+        raise BadRequest(f"{name} must be {what}, an integer from {low} to {high}, got {raw[:64]!r}")
+    return int(raw)
+
+
+def read_request_id(headers: Mapping[str, str]) -> str | None:
+    """The client's request id (None: the gate makes one up, never a retry)."""
+    for name in ID_HEADERS:
+        value = headers.get(name)
+        if value is not None and value.strip():
+            value = value.strip()
+            if len(value) > MAX_ID_LENGTH or not _ID.match(value):
+                raise BadRequest(f"{name} must be 1 to {MAX_ID_LENGTH} printable ASCII characters without spaces")
+            return value
+    return None
+
+
+def read_tenant(headers: Mapping[str, str]) -> str:
+    tenant = headers.get("X-Tenant", "default").strip()
+    if not _TENANT.match(tenant):
+        raise BadRequest(f"X-Tenant must be 1 to 64 of letters, digits and _ . : -, got {tenant[:64]!r}")
+    return tenant
+
+
 def read_deadline_ms(headers: Mapping[str, str], now: int, default_ms: float | None) -> int:
     """The absolute deadline in Unix ms, from the headers or the route's default."""
     absolute = headers.get("X-Request-Deadline-Ms")
     if absolute is not None:
-        try:
-            value = float(absolute)
-        except ValueError:
-            raise BadRequest(f"X-Request-Deadline-Ms must be Unix time in milliseconds, got {absolute!r}") from None
-        if not 1e12 <= value <= 1e14:
-            raise BadRequest(f"X-Request-Deadline-Ms {absolute!r} is not Unix time in milliseconds (expected 13 digits)")
-        return int(value)
+        return _integer("X-Request-Deadline-Ms", absolute, now - DEADLINE_PAST_MS, now + MAX_TIMEOUT_MS, "Unix time in milliseconds within a week")
     for name in ("X-Request-Timeout-Ms", "X-Envoy-Expected-Rq-Timeout-Ms"):
         budget = headers.get(name)
         if budget is not None:
-            try:
-                ms = float(budget)
-            except ValueError:
-                raise BadRequest(f"{name} must be a number of milliseconds, got {budget!r}") from None
-            if ms < 0 or ms != ms:
-                raise BadRequest(f"{name} must not be negative, got {budget!r}")
-            return now + int(ms)
+            return now + _integer(name, budget, 0, MAX_TIMEOUT_MS, "the milliseconds left")
     if default_ms is None:
         raise BadRequest("no deadline: send X-Request-Deadline-Ms (Unix ms) or X-Request-Timeout-Ms (remaining ms), or set the route's default_deadline_ms")
     return now + int(default_ms)
@@ -64,15 +91,9 @@ def read_deadline_ms(headers: Mapping[str, str], now: int, default_ms: float | N
 
 def read_retry_count(headers: Mapping[str, str]) -> int:
     for name in RETRY_HEADERS:
-        v = headers.get(name)
-        if v is not None:
-            try:
-                n = int(v)
-            except ValueError:
-                raise BadRequest(f"{name} must be a non-negative integer, got {v!r}") from None
-            if n < 0:
-                raise BadRequest(f"{name} must be a non-negative integer, got {v!r}")
-            return n
+        value = headers.get(name)
+        if value is not None:
+            return _integer(name, value, 0, MAX_RETRY_COUNT, "the attempts before this one")
     return 0
 
 
