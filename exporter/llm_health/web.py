@@ -1,5 +1,6 @@
 """What the three servers (exporter, gate, restarter) share over HTTP: running the app,
-the `/metrics` handler, bearer-token checks, `/-/healthy` and `/-/reload`.
+the `/metrics` handler, bearer-token checks, TLS and basic auth from `--web.config.file`
+(config.web), `/-/healthy` and `/-/reload`.
 
 `/metrics` negotiates the exposition format with the scraper (`Accept`), as
 prometheus_client's own handlers do. `/-/reload` (POST) and SIGHUP re-read the
@@ -10,11 +11,14 @@ configuration is kept.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hashlib
 import hmac
 import logging
 import signal
 import ssl
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,6 +27,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
 from .config.errors import ConfigError
+from .config.web import WebConfig
 
 log = logging.getLogger("llm_health.web")
 
@@ -57,6 +62,70 @@ class BearerToken:
         scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
         offered = hashlib.sha256(credentials.strip().encode()).digest()
         return hmac.compare_digest(offered, self._digest) and scheme.lower() == "bearer"
+
+
+# Paths an orchestrator's probes call without credentials: they tell nothing but "alive".
+OPEN_PATHS = frozenset({"/-/healthy", "/-/live"})
+USER_KEY = "llm_health_basic_auth_user"  # set on a request that passed basic auth
+_DUMMY_HASH = b"$2b$10$" + b"." * 53  # checked against for unknown users: same cost either way
+
+
+class BasicAuth:
+    """basic_auth_users of a web config: bcrypt checks off the event loop, at most two at
+    a time (each costs tens of milliseconds of CPU by design), successful ones remembered
+    by a digest of user and password so a scraper pays once."""
+
+    def __init__(self, users: dict[str, bytes]):
+        self.users = users
+        self._ok: OrderedDict[bytes, None] = OrderedDict()
+        self._slots = asyncio.Semaphore(2)
+
+    async def user(self, request: web.Request) -> str | None:
+        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "basic":
+            return None
+        try:
+            user, sep, password = base64.b64decode(credentials.strip(), validate=True).decode().partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        if not sep:
+            return None
+        hashed = self.users.get(user)
+        key = hashlib.sha256(b"\0".join((user.encode(), password.encode(), hashed or b""))).digest()
+        if hashed is not None and key in self._ok:
+            self._ok.move_to_end(key)
+            return user
+        import bcrypt  # the `auth` extra; config.web checked it is installed
+
+        async with self._slots:
+            ok = await asyncio.to_thread(bcrypt.checkpw, password.encode(), hashed or _DUMMY_HASH)
+        if not ok or hashed is None:
+            return None
+        self._ok[key] = None
+        while len(self._ok) > 1024:
+            self._ok.popitem(last=False)
+        return user
+
+
+def secure(app: web.Application, config: WebConfig, protected: Callable[[web.Request], bool] | None = None) -> None:
+    """Basic auth (when the web config has users) on every request `protected` says needs
+    it (default: all but OPEN_PATHS), and the web config's response headers."""
+    auth = BasicAuth(config.users) if config.users else None
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        needs = protected(request) if protected is not None else request.path not in OPEN_PATHS
+        if auth is not None and needs:
+            user = await auth.user(request)
+            if user is None:
+                return web.Response(status=401, text="unauthorised\n", headers={"WWW-Authenticate": 'Basic realm="llm-health"'})
+            request[USER_KEY] = user
+        response = await handler(request)
+        for name, value in config.headers.items():
+            response.headers.setdefault(name, value)
+        return response
+
+    app.middlewares.append(middleware)
 
 
 def add_reload(app: web.Application, reload: Reload) -> None:

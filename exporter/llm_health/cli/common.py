@@ -49,6 +49,14 @@ def positive_int(value: str) -> int:
     return n
 
 
+def add_web_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--web.config.file",
+        dest="web_config_file",
+        help="TLS and basic auth, in the exporter-toolkit format (tls_server_config, basic_auth_users)",
+    )
+
+
 def add_log_level(p: argparse.ArgumentParser, default: object = argparse.SUPPRESS) -> None:
     """`--log.level`, before or after the subcommand (the subcommand's copy sets nothing
     unless given, so it never hides the top-level one)."""

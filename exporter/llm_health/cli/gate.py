@@ -9,12 +9,14 @@ from typing import Any
 from ..config.errors import ConfigError
 from ..config.gate import parse_gate_config
 from ..config.load import load_yaml
-from .common import add_log_level, listen_address
+from ..config.web import load_web_config
+from .common import add_log_level, add_web_config, listen_address
 
 
 def cmd(args: argparse.Namespace) -> int:
     try:
         cfg = parse_gate_config(load_yaml(args.config_file), args.config_file)
+        web_config = load_web_config(args.web_config_file)
     except ConfigError as exc:
         print(f"llm-health: bad config: {exc}", file=sys.stderr)
         return 2
@@ -24,7 +26,9 @@ def cmd(args: argparse.Namespace) -> int:
     host, port = args.web_listen_address
     gate = Gate(cfg, config_file=args.config_file)
     tune_gc()
-    run_app(gate.app(), host, port, handler_cancellation=True)  # a client that disconnects cancels its upstream request
+    run_app(
+        gate.app(web_config), host, port, ssl_context=web_config.ssl_context, handler_cancellation=True
+    )  # a client that disconnects cancels its upstream request
     return 0
 
 
@@ -32,5 +36,6 @@ def add(sub: Any) -> None:
     g = sub.add_parser("gate", help="the age-first admission gate: a reverse proxy in front of OpenAI-compatible backends")
     g.add_argument("--config.file", dest="config_file", required=True)
     g.add_argument("--web.listen-address", dest="web_listen_address", type=listen_address, default=listen_address("127.0.0.1:9119"))
+    add_web_config(g)
     add_log_level(g)
     g.set_defaults(func=cmd)

@@ -10,7 +10,8 @@ from typing import Any
 
 from ..config.errors import ConfigError
 from ..config.restarter import TOKEN_ENV, load_config, read_token
-from .common import add_log_level, listen_address
+from ..config.web import load_web_config
+from .common import add_log_level, add_web_config, listen_address
 
 log = logging.getLogger("llm_health.restarter")
 
@@ -19,6 +20,7 @@ def cmd(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config_file)
         token = read_token(args.token_file, args.token_env)
+        web_config = load_web_config(args.web_config_file)
     except ConfigError as exc:
         print(f"llm-health restarter: {exc}", file=sys.stderr)
         return 2
@@ -34,7 +36,7 @@ def cmd(args: argparse.Namespace) -> int:
         len(cfg.targets),
         " (DRY RUN: restart commands are only reported)" if args.dry_run else "",
     )
-    run_app(restarter.app(), host, port)
+    run_app(restarter.app(web_config), host, port, ssl_context=web_config.ssl_context)
     return 0
 
 
@@ -45,5 +47,6 @@ def add(sub: Any) -> None:
     r.add_argument("--web.token-file", dest="token_file", help="file holding the bearer token Alertmanager sends (credentials_file)")
     r.add_argument("--web.token-env", dest="token_env", default=TOKEN_ENV, help="environment variable holding the token when no file is given")
     r.add_argument("--dry-run", action="store_true", help="verify and report what would be restarted; run no restart command")
+    add_web_config(r)
     add_log_level(r)
     r.set_defaults(func=cmd)

@@ -12,12 +12,14 @@ from ..config.errors import ConfigError
 from ..config.gate import parse_gate_config
 from ..config.load import load_yaml
 from ..config.restarter import parse_config as parse_restarter_config
-from .common import add_log_level, listen_address
+from ..config.web import load_web_config
+from .common import add_log_level, add_web_config, listen_address
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         cfg = exporter_config.load(args.config_file)
+        web_config = load_web_config(args.web_config_file)
     except ConfigError as exc:
         print(f"llm-health: bad config: {exc}", file=sys.stderr)
         return 2
@@ -28,7 +30,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, port = args.web_listen_address
     exporter = Exporter(cfg, config_file=args.config_file)
     logging.getLogger("llm_health").info("listening on %s:%d with %d backends", host, port, len(cfg.backends))
-    run_app(exporter.app(), host, port)
+    run_app(exporter.app(web_config), host, port, ssl_context=web_config.ssl_context)
     return 0
 
 
@@ -60,6 +62,7 @@ def add(sub: Any) -> None:
     s = sub.add_parser("serve", help="run the Prometheus exporter")
     s.add_argument("--config.file", dest="config_file", required=True)
     s.add_argument("--web.listen-address", dest="web_listen_address", type=listen_address, default=listen_address("127.0.0.1:9118"))
+    add_web_config(s)
     add_log_level(s)
     s.set_defaults(func=cmd_serve)
 

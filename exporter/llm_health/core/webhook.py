@@ -7,6 +7,11 @@ import json
 from dataclasses import dataclass
 
 WEBHOOK_VERSION = "4"
+# What one notification may hold: Alertmanager groups a handful of alerts per call; a body
+# past these is refused whole (a 4xx, which Alertmanager does not retry).
+MAX_ALERTS = 1000
+MAX_LABELS_BYTES = 64 * 1024  # of one alert's label names and values
+MAX_FIELD = 1024  # characters of startsAt and fingerprint
 
 
 class Malformed(ValueError):
@@ -52,6 +57,8 @@ def parse_webhook(body: bytes | str) -> Webhook:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise Malformed(f"not JSON: {exc}") from None
+    except RecursionError:
+        raise Malformed("not a webhook: JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise Malformed(f"expected a JSON object, got {type(data).__name__}")
     version = data.get("version")
@@ -63,6 +70,8 @@ def parse_webhook(body: bytes | str) -> Webhook:
     raw = data.get("alerts")
     if not isinstance(raw, list) or not raw:
         raise Malformed("alerts: expected a non-empty list")
+    if len(raw) > MAX_ALERTS:
+        raise Malformed(f"alerts: {len(raw)} in one notification, more than {MAX_ALERTS}")
     alerts = []
     for i, a in enumerate(raw):
         if not isinstance(a, dict):
@@ -70,17 +79,19 @@ def parse_webhook(body: bytes | str) -> Webhook:
         labels = a.get("labels")
         if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
             raise Malformed(f"alerts[{i}].labels: expected an object of strings")
+        if sum(len(k) + len(v) for k, v in labels.items()) > MAX_LABELS_BYTES:
+            raise Malformed(f"alerts[{i}].labels: more than {MAX_LABELS_BYTES} characters")
         if not labels.get("alertname"):
             raise Malformed(f"alerts[{i}].labels.alertname: missing")
         starts_at = a.get("startsAt")
-        if not isinstance(starts_at, str) or not starts_at:
-            raise Malformed(f"alerts[{i}].startsAt: missing")
+        if not isinstance(starts_at, str) or not starts_at or len(starts_at) > MAX_FIELD:
+            raise Malformed(f"alerts[{i}].startsAt: missing or longer than {MAX_FIELD} characters")
         status = a.get("status", group_status)  # older bodies carry only the group's status
         if status not in ("firing", "resolved"):
             raise Malformed(f"alerts[{i}].status {status!r}: expected firing or resolved")
         fp = a.get("fingerprint")
-        if fp is not None and (not isinstance(fp, str) or not fp):
-            raise Malformed(f"alerts[{i}].fingerprint: expected a non-empty string")
+        if fp is not None and (not isinstance(fp, str) or not fp or len(fp) > MAX_FIELD):
+            raise Malformed(f"alerts[{i}].fingerprint: expected a non-empty string of at most {MAX_FIELD} characters")
         alerts.append(Alert(labels["alertname"], status, dict(labels), starts_at, fp or fingerprint(labels)))
     truncated = data.get("truncatedAlerts", 0)
     return Webhook(str(data.get("receiver", "")), group_status, tuple(alerts), truncated if isinstance(truncated, int) else 0)

@@ -27,9 +27,10 @@ from prometheus_client import CollectorRegistry
 
 from ..config import exporter as config_mod
 from ..config.exporter import KINDS, Backend, Config, Timing
+from ..config.web import WebConfig
 from ..core.states import State
 from ..urls import BadTarget, parse_target
-from ..web import add_reload, healthy, metrics_handler
+from ..web import add_reload, healthy, metrics_handler, secure
 from .collectors import BackendsCollector, BuildInfoCollector
 from .probe_targets import ProbeTargets
 from .slots import Slot, make_slot, run_round
@@ -181,8 +182,9 @@ class Exporter:
         )
         return web.Response(text=html, content_type="text/html")
 
-    def app(self) -> web.Application:
+    def app(self, web_config: WebConfig | None = None) -> web.Application:
         app = web.Application()
+        secure(app, web_config or WebConfig())
         app.router.add_get("/", self.handle_index)
         app.router.add_get("/metrics", metrics_handler(self.registry))
         app.router.add_get("/status", self.handle_status)

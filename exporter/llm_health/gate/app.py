@@ -39,9 +39,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..config.gate import GateConfig, Route, parse_gate_config
 from ..config.load import load_yaml
+from ..config.web import WebConfig
 from ..core import admission
 from ..store.queue import ROUTE_STATS_COMMANDS, AdmissionQueue, QueueRecord, RouteStats, add_route_stats_commands, now_ms, parse_route_stats
-from ..web import BearerToken, add_reload, healthy, metrics_handler
+from ..web import OPEN_PATHS, BearerToken, add_reload, healthy, metrics_handler, secure
 from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant, token_units
 
 log = logging.getLogger("llm_health.gate")
@@ -429,8 +430,11 @@ class Gate:
             await self.queue.complete(str(rid), 499, route=route)
         return len(ids)
 
-    def app(self) -> web.Application:
+    def app(self, web_config: WebConfig | None = None) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
+        # Basic auth guards the gate's own endpoints; proxied requests carry the clients'
+        # own credentials for the upstream and pass through.
+        secure(app, web_config or WebConfig(), protected=lambda r: r.path == "/metrics" or (r.path.startswith("/-/") and r.path not in OPEN_PATHS))
         app.router.add_get("/metrics", metrics_handler(self.registry))
         app.router.add_post("/-/routes/{route}/{action}", self.handle_admin)
         app.router.add_get("/-/healthy", healthy)

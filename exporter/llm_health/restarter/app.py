@@ -46,6 +46,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from ..config.restarter import TOKEN_ENV, RestarterConfig, Target, load_config
+from ..config.web import WebConfig
 from ..core.health import Settings
 from ..core.restart_policy import OUTCOMES, REFUSALS, Policy
 from ..core.states import State
@@ -53,7 +54,7 @@ from ..core.webhook import Malformed, parse_webhook
 from ..probe.check import run_check
 from ..probe.client import BackendClient
 from ..probe.monitor import BackendMonitor
-from ..web import BearerToken, add_reload, healthy, metrics_handler
+from ..web import OPEN_PATHS, USER_KEY, BearerToken, add_reload, healthy, metrics_handler, secure
 from .collector import RestarterCollector
 from .runner import run_command
 
@@ -280,7 +281,8 @@ class Restarter:
 
     # --- HTTP -----------------------------------------------------------------------------
     def authorised(self, request: web.Request) -> bool:
-        return self._token.check(request)
+        """The bearer token Alertmanager sends, or a user of the web config's basic_auth_users."""
+        return self._token.check(request) or bool(request.get(USER_KEY))
 
     def _unauthorised(self, request: web.Request) -> web.Response:
         self._refuse("unauthorised")
@@ -400,8 +402,10 @@ class Restarter:
         self.config = new
         return f"{len(new.targets)} backends"
 
-    def app(self) -> web.Application:
+    def app(self, web_config: WebConfig | None = None) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
+        # /alerts and /status check the bearer token themselves (and accept basic auth users).
+        secure(app, web_config or WebConfig(), protected=lambda r: r.path not in OPEN_PATHS and not (r.path in ("/alerts", "/status") and _bearer(r)))
         app.router.add_get("/", self.handle_index)
         app.router.add_post("/alerts", self.handle_alerts)
         app.router.add_get("/status", self.handle_status)
@@ -414,3 +418,7 @@ class Restarter:
 
         app.on_cleanup.append(on_cleanup)
         return app
+
+
+def _bearer(request: web.Request) -> bool:
+    return request.headers.get("Authorization", "").lower().startswith("bearer ")

@@ -1,11 +1,21 @@
-"""Keeping a lease alive while its job runs: renew before the TTL runs out, and tell the
-job the moment the lease can no longer be trusted."""
+"""Keeping a lease alive while its job runs, and telling the job the moment the lease can
+no longer be trusted: before its TTL can run out, never after.
+
+The lease is surely valid until (local time the claim or the last confirmed renewal was
+*sent*) + TTL: Redis counts the TTL from when it ran the command, which is later. Every
+renewal call is bounded by that validity less a safety margin (5% of the TTL, at least
+100 ms, for scheduling and for the two clocks' drift); when no renewal is confirmed in
+time (Redis down, the connection black-holed, a renewal refused), the lease counts as
+lost at once: `lost` is set and `on_lost` is called (e.g. `job_task.cancel`), while Redis
+still holds it for us, so no other holder can have it yet.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,15 +26,17 @@ from .records import Lease
 
 log = logging.getLogger(__name__)
 
+Renew = Callable[[Lease], Awaitable[bool]]
 RENEW_ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT, RedisError)
 
-Renew = Callable[[Lease], Awaitable[bool]]
+
+def safety_margin(ttl_ms: int) -> float:
+    """Seconds before the lease could expire at which it counts as lost."""
+    return max(0.05 * ttl_ms / 1000, 0.1)
 
 
 class Heartbeat:
-    """Renews a lease every ``interval_s`` until stopped. When a renewal is refused, or
-    no renewal could be confirmed within the TTL (Redis unreachable), the lease counts
-    as lost: ``lost`` is set and ``on_lost`` is called (e.g. ``job_task.cancel``)."""
+    """Renews a lease every ``interval_s`` until stopped (see the module's docstring)."""
 
     def __init__(
         self,
@@ -37,27 +49,42 @@ class Heartbeat:
         self.lost = asyncio.Event()
         self.reason: str | None = None
         self.renewals = 0
+        ttl = lease.ttl_ms / 1000
+        # From the claim's send time; a lease made without one is trusted from now.
+        self.valid_until = (lease.sent_at or time.monotonic()) + ttl
+        self.margin = safety_margin(lease.ttl_ms)
         self.task = asyncio.create_task(self._run(), name=f"lease-heartbeat-{lease.gpu}")
 
+    @property
+    def trusted_until(self) -> float:
+        """Monotonic time at which the lease is given up unless renewed before."""
+        return self.valid_until - self.margin
+
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        # Renewals are sent before the TTL runs out; the lease is surely valid until
-        # (time the last confirmed renewal was *sent*) + TTL.
-        valid_until = loop.time() + self.lease.ttl_ms / 1000
+        ttl = self.lease.ttl_ms / 1000
+        last_sent = self.valid_until - ttl
         while True:
-            await asyncio.sleep(self.interval_s)
-            sent = loop.time()
-            try:
-                ok = await self.renew(self.lease)
-            except RENEW_ERRORS as e:
-                if loop.time() >= valid_until:
-                    return self._lose(f"no renewal confirmed within the TTL ({e!r})")
-                log.warning("lease %s: renewal failed, retrying: %r", self.lease.gpu, e)
-                continue
+            await asyncio.sleep(max(0.0, min(last_sent + self.interval_s, self.trusted_until) - time.monotonic()))
+            while True:  # renew until confirmed or until the lease can no longer be trusted
+                left = self.trusted_until - time.monotonic()
+                if left <= 0:
+                    return self._lose("no renewal confirmed before the lease could expire")
+                sent = time.monotonic()
+                try:
+                    async with asyncio.timeout(left):
+                        ok = await self.renew(self.lease)
+                except TimeoutError:
+                    return self._lose("no renewal confirmed before the lease could expire (Redis did not answer in time)")
+                except RENEW_ERRORS as e:
+                    log.warning("lease %s: renewal failed, retrying: %r", self.lease.gpu, e)
+                    await asyncio.sleep(min(0.05, max(0.0, self.trusted_until - time.monotonic())))
+                    continue
+                break
             if not ok:
                 return self._lose("renewal refused: the lease expired or another holder has it")
             self.renewals += 1
-            valid_until = sent + self.lease.ttl_ms / 1000
+            last_sent = sent
+            self.valid_until = sent + ttl
 
     def _lose(self, reason: str) -> None:
         self.reason = reason

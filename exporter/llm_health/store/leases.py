@@ -77,8 +77,12 @@ class LeaseClient:
         self._feed = KeyeventFeed(redis, self.keys, self.db)
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> LeaseClient:
-        return cls(aioredis.Redis.from_url(url, decode_responses=True), **kwargs)
+    def from_url(cls, url: str, *, socket_timeout: float = 5.0, **kwargs: Any) -> LeaseClient:
+        """A client with read and connect timeouts on its connections: a black-holed
+        connection fails a call instead of blocking it (the heartbeat also bounds each
+        renewal by the lease's validity)."""
+        redis = aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+        return cls(redis, **kwargs)
 
     async def aclose(self) -> None:
         await self._feed.aclose()
@@ -109,11 +113,12 @@ class LeaseClient:
         if start is None:
             start = random.randrange(len(gpus))
         keys = [self.keys.lease(g) for g in gpus] + [self.keys.info(g) for g in gpus] + [self.keys.fence(g) for g in gpus]
+        sent = time.monotonic()  # the lease is surely valid until sent + TTL (heartbeat)
         got = await self._claim(keys=keys, args=[holder, ttl, job_id, start])
         if not got:
             return None
         index, token, now = int(got[0]), int(got[1]), int(got[2])
-        return Lease(gpus[index], holder, token, ttl, now, job_id, via)
+        return Lease(gpus[index], holder, token, ttl, now, job_id, via, sent_at=sent)
 
     async def renew(self, lease: Lease, ttl_ms: int | None = None) -> bool:
         """Extend the lease; refused (False) unless this claim still holds it."""

@@ -25,7 +25,9 @@ class Pool:
 class Lease:
     """A lease this process holds. ``token`` is the fencing token of this claim.
     ``via`` says how it was obtained: ``claim`` (first try), ``del`` or ``expired``
-    (woken by that keyspace event), ``fallback`` (slow re-check) or ``resubscribe``."""
+    (woken by that keyspace event), ``fallback`` (slow re-check) or ``resubscribe``.
+    ``sent_at`` is this process's monotonic clock when the claim was sent: the lease is
+    surely valid until ``sent_at`` plus its TTL, whatever the network did afterwards."""
 
     gpu: str
     holder: str
@@ -34,6 +36,7 @@ class Lease:
     claimed_ms: int
     job_id: str = ""
     via: str = "claim"
+    sent_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -12,18 +12,27 @@ from __future__ import annotations
 
 # KEYS: n lease keys, then n info keys, then n fence keys.
 # ARGV: holder, ttl_ms, job_id, first index to try (0-based).
-# Claims the first free GPU, trying from ARGV[4] round the list. The fencing token is
-# INCR'd and the side hash written in the same script, so no reader ever sees a lease
-# of ours without its token. Time comes from the Redis clock, the same for every claimer.
+# Claims the first free GPU, trying from ARGV[4] round the list. The side hash is written
+# in the same script, so no reader ever sees a lease of ours without its token. Time comes
+# from the Redis clock, the same for every claimer.
+#
+# The fencing token is max(last token + 1, the Redis clock in microseconds): it grows with
+# every claim, and it never goes backwards when the fence key is lost (a Redis restarted
+# without persistence, a failover to a replica that had not received it), because the
+# clock has moved on since the last token was issued. It relies on the Redis server's
+# clock not stepping back by more than the time the data was lost for (docs/redis-schema.md).
 CLAIM_LUA = """
 local n = #KEYS / 3
 local start = tonumber(ARGV[4]) or 0
 local t = redis.call('TIME')
 local now = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 for i = 0, n - 1 do
   local j = ((i + start) % n) + 1
   if redis.call('SET', KEYS[j], ARGV[1], 'NX', 'PX', ARGV[2]) then
-    local token = redis.call('INCR', KEYS[2 * n + j])
+    local last = tonumber(redis.call('GET', KEYS[2 * n + j]) or '0') or 0
+    local token = string.format('%d', math.max(last + 1, now_us))
+    redis.call('SET', KEYS[2 * n + j], token)
     redis.call('HSET', KEYS[n + j], 'holder', ARGV[1], 'token', token, 'job_id', ARGV[3],
                'claimed_ms', now, 'ttl_ms', ARGV[2])
     redis.call('PEXPIRE', KEYS[n + j], ARGV[2])
