@@ -319,9 +319,9 @@ async def test_tenant_budget(stack, redis_url):
     url, _, gate = await stack(tenants={"small": {"token_units_per_minute": 300}})
     h = {"X-Tenant": "small", "X-Request-Timeout-Ms": "5000"}
     assert (await post(url, {**h, "X-Request-Id": "t1"}))[0] == 200  # 272 units spent
-    await recorded(redis_url, gate.cfg.queue_prefix, "t1")
+    await recorded(redis_url, gate.cfg.queue_prefix, "t1", tenant="small")
     assert (await post(url, {**h, "X-Request-Id": "t2"}))[0] == 200  # 28 left: admitted
-    await recorded(redis_url, gate.cfg.queue_prefix, "t2")
+    await recorded(redis_url, gate.cfg.queue_prefix, "t2", tenant="small")
     status, body, headers = await post(url, {**h, "X-Request-Id": "t3"})
     assert status == 429 and json.loads(body)["error"]["code"] == "reject_tenant_budget" and "Retry-After" in headers
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 from .. import __version__
+from ..core.states import ExitCode
 from . import check, demo, drill, gate, restarter, serve
 from .common import Parser, add_log_level, setup_logging
 
@@ -29,7 +30,12 @@ def parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    if extra:
+        # A flag no subcommand knows: `check`'s usage errors exit 4, never a verdict.
+        p.usage_error_code = ExitCode.CANNOT_RUN if args.command == "check" else 2
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     setup_logging(args.log_level)
     try:
         return int(args.func(args))

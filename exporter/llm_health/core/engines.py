@@ -174,7 +174,7 @@ class Limits:
     """What one payload may hold before it is refused (configurable per exporter)."""
 
     max_engines: int = 256  # engine units (model_name x data-parallel rank)
-    max_samples: int = 50_000  # samples of the wanted series, and lines starting with `{`
+    max_samples: int = 10_000  # samples of the wanted series, and lines starting with `{`
     max_label_length: int = 512  # characters of a unit label value (model_name, engine)
 
 

@@ -50,7 +50,7 @@ import re
 from collections.abc import Iterable
 from functools import lru_cache
 
-__all__ = ["Budget", "Names", "ParseError", "TooManySamples", "compile_names", "parse", "split_lines"]
+__all__ = ["Budget", "Names", "ParseError", "TooManySamples", "compile_names", "parse"]
 
 Labels = dict[str, str]
 Samples = dict[str, list[tuple[Labels, float]]]
@@ -353,16 +353,3 @@ def _parse_line(line: str) -> tuple[str, Labels, float]:
     elif "__name__" in labels:
         raise ValueError("metric name given twice")
     return name, labels, _value(line[end + 1 :])
-
-
-def split_lines(text: str, size: int) -> Iterable[tuple[str, int]]:
-    """`text` in pieces of about `size` characters cut at line ends, each with the number
-    of its first line: parsing the pieces one by one gives what parsing the whole gives."""
-    start, line = 0, 1
-    while start < len(text):
-        end = text.find("\n", min(start + size, len(text)) - 1)
-        end = len(text) if end < 0 else end + 1
-        piece = text[start:end]
-        yield piece, line
-        line += piece.count("\n")
-        start = end

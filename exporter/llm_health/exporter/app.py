@@ -136,7 +136,19 @@ class Exporter:
 
     # --- HTTP -------------------------------------------------------------------------------
     async def handle_status(self, request: web.Request) -> web.Response:
-        body: dict[str, Any] = {"backends": [s.status() for s in self.slots.values()]}
+        probe = self.config.probe
+        body: dict[str, Any] = {
+            "backends": [s.status() for s in self.slots.values()],
+            "probe": {
+                "enabled": probe.enabled,
+                "allowed_targets": [p.pattern for p in probe.allowed_targets],
+                "targets": len(self.targets),
+                "engine_units": self.targets.engine_units,
+                "evicted": self.targets.evicted,
+                "max_targets": self.targets.max_targets,
+                "max_engines": self.targets.max_engines,
+            },
+        }
         if self._redis_collector is not None:
             body["redis"] = self._redis_collector.status()
         return web.json_response(body, dumps=_dumps)

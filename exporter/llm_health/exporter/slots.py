@@ -62,6 +62,7 @@ class Slot:
             "generation_tokens_per_second": v.total("generation_tokens_per_second") if v else None,
             "restarts": m.memory.restarts if m.memory else 0,
             "probes_sent": m.probes_sent,
+            "rounds": m.rounds,
             "probe_sent": stats.probe is not None,
             "last_round_at": self.last_round_at,
             "round_seconds": stats.seconds,

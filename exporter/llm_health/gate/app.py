@@ -60,10 +60,9 @@ _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
 
 
 def tune_gc() -> None:
-    """For a process that runs the gate: collect the youngest generation less often and keep
-    what start-up allocated out of every collection, to cut the tail latency that
-    collections add (measured in bench/bench_gate.py)."""
-    gc.freeze()
+    """For a process that runs the gate: collect the youngest generation less often, to cut
+    the tail latency that collections add (measured in bench/bench_gate.py); run_app also
+    keeps what start-up allocated out of every collection."""
     gc.set_threshold(100_000, 50, 50)
 
 

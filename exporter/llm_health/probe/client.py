@@ -16,6 +16,7 @@ slow or trickling answers never hold a connection another backend waits for.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 from dataclasses import dataclass
@@ -42,18 +43,40 @@ async def _body(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     return bytes(body)
 
 
+async def _text(resp: aiohttp.ClientResponse, limit: int) -> tuple[tuple[str, ...], int]:
+    """The body as text pieces, decoded as they arrive (no single decode or copy of a
+    large body holds the event loop), and its size in bytes."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    parts: list[str] = []
+    size = 0
+    async for chunk in resp.content.iter_chunked(65536):
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"body larger than {limit} bytes")
+        parts.append(decoder.decode(chunk))
+    parts.append(decoder.decode(b"", final=True))
+    return tuple(p for p in parts if p), size
+
+
 async def _json(resp: aiohttp.ClientResponse) -> Any:
     return json.loads(await _body(resp, SMALL_BODY))
 
 
 @dataclass(frozen=True)
 class Fetched:
-    text: str | None = None
+    """A /metrics read: the body as the text pieces it arrived in (a large body is never
+    copied into one string: the reader parses piece by piece), or what went wrong."""
+
+    parts: tuple[str, ...] | None = None
     error: str | None = None
     timed_out: bool = False
     refused: bool = False
     seconds: float = 0.0
     size: int = 0
+
+    @property
+    def text(self) -> str | None:
+        return None if self.parts is None else "".join(self.parts)
 
 
 @dataclass(frozen=True)
@@ -122,7 +145,7 @@ class BackendClient:
                 if resp.status != 200:
                     return Fetched(error=f"HTTP {resp.status}", seconds=time.monotonic() - start)
                 try:
-                    body = await _body(resp, self.max_bytes)
+                    parts, size = await _text(resp, self.max_bytes)
                 except TooLarge:
                     return Fetched(error=f"payload larger than {self.max_bytes} bytes", seconds=time.monotonic() - start)
                 ctype = resp.headers.get("Content-Type", "")
@@ -130,13 +153,12 @@ class BackendClient:
             msg, timed_out, refused = _describe(exc, self.metrics_timeout)
             return Fetched(error=msg, timed_out=timed_out, refused=refused, seconds=time.monotonic() - start)
         seconds = time.monotonic() - start
-        text = body.decode("utf-8", errors="replace")
-        head = text.lstrip()[:64].lower()
+        head = (parts[0] if parts else "")[:4096].lstrip()[:64].lower()
         if "html" in ctype or head.startswith("<"):
-            return Fetched(error=f"HTML page, not Prometheus text (Content-Type {ctype or 'missing'})", seconds=seconds, size=len(body))
+            return Fetched(error=f"HTML page, not Prometheus text (Content-Type {ctype or 'missing'})", seconds=seconds, size=size)
         if "json" in ctype or head.startswith("{"):
-            return Fetched(error=f"JSON, not Prometheus text (Content-Type {ctype or 'missing'})", seconds=seconds, size=len(body))
-        return Fetched(text=text, seconds=seconds, size=len(body))
+            return Fetched(error=f"JSON, not Prometheus text (Content-Type {ctype or 'missing'})", seconds=seconds, size=size)
+        return Fetched(parts=parts, seconds=seconds, size=size)
 
     async def models(self) -> tuple[bool, str | None, str | None]:
         """(answered, first model id, error)."""

@@ -76,9 +76,9 @@ class BackendMonitor:
         stats.metrics = fetched
         reading = None
         error = fetched.error
-        if fetched.text is not None:
+        if fetched.parts is not None:
             try:
-                reading = await read_payload(fetched.text, self.limits)
+                reading = await read_payload(fetched.parts, self.limits)
                 stats.profile = reading.profile
             except OverLimits as exc:
                 error, stats.error = f"/metrics over limits: {exc}", "limits"

@@ -9,26 +9,44 @@ samples parsed by `Limits.max_samples`, the engines kept by `Limits.max_engines`
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator, Sequence
 
 from ..core import engines
 from ..core.engines import Limits, Reading
-from ..core.exposition import Budget, Samples, TooManySamples, parse, split_lines
+from ..core.exposition import Budget, Samples, TooManySamples, parse
 
 # Characters parsed between two turns of the event loop: about a millisecond of work on a
 # regular payload, a few on a payload made of lines the parser reads the slow way.
 PIECE = 16 * 1024
 
 
-async def read_payload(text: str, limits: Limits, piece: int = PIECE) -> Reading:
+def pieces(parts: Sequence[str], size: int = PIECE) -> Iterator[tuple[str, int]]:
+    """The text of `parts` (a body as it arrived) in pieces of about `size` characters
+    cut at line ends, each with the number of its first line; never one big copy."""
+    carry, line = "", 1
+    for part in parts:
+        for start in range(0, len(part), size):
+            text = carry + part[start : start + size]
+            cut = text.rfind("\n") + 1
+            if cut:
+                piece, carry = text[:cut], text[cut:]
+                yield piece, line
+                line += piece.count("\n")
+            else:
+                carry = text  # no line end yet: a long line grows until it has one
+    if carry:
+        yield carry, line
+
+
+async def read_payload(parts: Sequence[str], limits: Limits, size: int = PIECE) -> Reading:
     """The payload's Reading; ParseError, UnknownEngine or OverLimits as `engines.read`."""
-    if len(text) <= piece:
-        return engines.read(text, limits)
     samples: Samples = {}
     budget = Budget(limits.max_samples)
-    for chunk, first_line in split_lines(text, piece):
+    for n, (piece, first_line) in enumerate(pieces(parts, size)):
+        if n:
+            await asyncio.sleep(0)
         try:
-            parse(chunk, engines.PAYLOAD_NAMES, first_line=first_line, budget=budget, into=samples)
+            parse(piece, engines.PAYLOAD_NAMES, first_line=first_line, budget=budget, into=samples)
         except TooManySamples as exc:
             raise engines.OverLimits(f"{exc}, more than max_samples") from None
-        await asyncio.sleep(0)
     return engines.reduce(samples, limits)

@@ -1,0 +1,173 @@
+"""One hostile backend beside 100 healthy ones: does anyone else notice?
+
+The hostile backend answers `/metrics` with about 36,000 distinct `engine` label values
+(inside the 16 MB body cap), every round. The 100 healthy simulated vLLM backends and the
+hostile one run in a separate process (their CPU is not counted); the exporter runs here,
+and the same exporter is measured twice in one run, without the hostile backend and with
+it (a reload adds it), so the two columns compare on the same machine at the same time:
+
+- the healthy backends' round interval (the configured interval is the goal; within 10%);
+- the time `/metrics` takes to render (goal: under 1 s);
+- the event loop's lag: how late a 10 ms timer fires, measured while only the rounds run
+  (the longest any one step of any backend's round holds the loop; goal: a few
+  milliseconds).
+
+    python -m bench.bench_hostile [--backends 100] [--interval 2] [--seconds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import generate_latest
+from tests.fixtures.hostile import HostileServer, vllm_payload
+
+from bench._machine import cpu_model
+from bench.bench_scale import CachedServer
+from llm_health.config import exporter as config_mod
+from llm_health.exporter.app import Exporter
+from llm_health.sim import servers as sim
+
+HOSTILE_ENGINES = 36_000
+
+
+def fleet_process(n: int, conn: Any) -> None:
+    async def main() -> None:
+        servers = []
+        for i in range(n):
+            s = CachedServer(f"b{i}")
+            if i % 4 == 1:
+                sim.saturated(s, running=8, waiting=0)
+            await s.start()
+            servers.append(s)
+        hostile = HostileServer()
+        payload = vllm_payload(engines=HOSTILE_ENGINES, running=1)
+        hostile.text("GET", "/metrics", payload)
+        hostile.text("GET", "/v1/models", '{"data": [{"id": "m"}]}', content_type="application/json")
+        await hostile.start()
+        conn.send(([s.url for s in servers], hostile.url, len(payload.encode())))
+        while not conn.poll():
+            await asyncio.sleep(1.0)
+            for s in servers:
+                s.advance(1.0)
+
+    asyncio.run(main())
+
+
+async def lag_probe(samples: list[float], stop: asyncio.Event) -> None:
+    """How late a 10 ms sleep wakes up, again and again."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        t = loop.time()
+        await asyncio.sleep(0.01)
+        samples.append(loop.time() - t - 0.01)
+
+
+async def measure(exporter: Exporter, names: list[str], seconds: float) -> dict:
+    """Rounds and loop lag over `seconds` with nothing else running here; then /metrics
+    rendered ten times (a render holds the loop itself, so it is kept out of the lag)."""
+    lags: list[float] = []
+    stop = asyncio.Event()
+    prober = asyncio.create_task(lag_probe(lags, stop))
+    r0 = {n: exporter.slots[n].monitor.rounds for n in names}
+    t0 = time.monotonic()
+    await asyncio.sleep(seconds)
+    wall = time.monotonic() - t0
+    stop.set()
+    await prober
+    intervals = [wall / (exporter.slots[n].monitor.rounds - r0[n]) for n in names if exporter.slots[n].monitor.rounds > r0[n]]
+    renders: list[float] = []
+    for _ in range(10):
+        s = time.perf_counter()
+        body = generate_latest(exporter.registry)
+        renders.append(time.perf_counter() - s)
+        await asyncio.sleep(0.2)
+    lags.sort()
+    return {
+        "interval_mean": statistics.mean(intervals),
+        "interval_worst": max(intervals),
+        "render_p50": statistics.median(renders),
+        "render_max": max(renders),
+        "metrics_bytes": len(body),
+        "lag_p99": lags[int(0.99 * (len(lags) - 1))],
+        "lag_max": lags[-1],
+    }
+
+
+def write_config(path: Path, urls: list[str], interval: float, hostile: str | None) -> None:
+    lines = [f"global: {{interval: {interval}s, hung_after_seconds: {4 * interval}, metrics_timeout: {interval}s, models_timeout: {interval}s}}", "backends:"]
+    lines += [f"  - {{name: b{i}, url: '{u}'}}" for i, u in enumerate(urls)]
+    if hostile:
+        lines.append(f"  - {{name: hostile, url: '{hostile}'}}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+async def run(urls: list[str], hostile: str, interval: float, seconds: float, tmp: Path) -> tuple[dict, dict, str]:
+    path = tmp / "bench-hostile.yml"
+    write_config(path, urls, interval, None)
+    exporter = Exporter(config_mod.load(path), config_file=path)
+    await exporter.start()
+    gc.freeze()  # as web.run_app does once the exporter has started
+    names = [f"b{i}" for i in range(len(urls))]
+    await asyncio.sleep(interval * 2)  # warm-up: connections, first readings
+    calm = await measure(exporter, names, seconds)
+    write_config(path, urls, interval, hostile)
+    await exporter.reload()
+    await asyncio.sleep(interval * 2)
+    attacked = await measure(exporter, names, seconds)
+    verdict = exporter.slots["hostile"].verdict
+    reason = f"{verdict.state}: {verdict.reason}" if verdict else "no round"
+    await exporter.stop()
+    return calm, attacked, reason
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backends", type=int, default=100)
+    ap.add_argument("--interval", type=float, default=2.0)
+    ap.add_argument("--seconds", type=float, default=20.0)
+    args = ap.parse_args()
+    parent, child = mp.Pipe()
+    proc = mp.Process(target=fleet_process, args=(args.backends, child), daemon=True)
+    proc.start()
+    urls, hostile, size = parent.recv()
+    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+    try:
+        calm, attacked, reason = asyncio.run(run(urls, hostile, args.interval, args.seconds, tmp))
+    finally:
+        parent.send("stop")
+        proc.join(10)
+    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}")
+    print(f"{args.backends} healthy backends, {args.interval:g} s rounds, {args.seconds:g} s measured per column")
+    print(f"hostile backend: {HOSTILE_ENGINES} engine label values, {size / 1e6:.1f} MB /metrics body, read every round")
+    print(f"hostile backend's verdict: {reason}")
+    print(f"{'':<34} {'without':>10} {'with':>10} {'ratio':>7}")
+    rows = (
+        ("healthy round interval, mean (s)", "interval_mean", 3),
+        ("healthy round interval, worst (s)", "interval_worst", 3),
+        ("/metrics render p50 (ms)", "render_p50", 1000),
+        ("/metrics render max (ms)", "render_max", 1000),
+        ("/metrics size (KiB)", "metrics_bytes", 1 / 1024),
+        ("event loop lag p99 (ms)", "lag_p99", 1000),
+        ("event loop lag max (ms)", "lag_max", 1000),
+    )
+    for label, key, scale in rows:
+        a, b = calm[key], attacked[key]
+        digits = 3 if scale == 3 else 1
+        a, b = (a, b) if scale == 3 else (a * scale, b * scale)
+        print(f"{label:<34} {a:>10.{digits}f} {b:>10.{digits}f} {b / a if a else float('nan'):>7.2f}")
+    goal = attacked["interval_worst"] <= 1.1 * args.interval and attacked["render_max"] < 1.0
+    print(f"goal (healthy rounds within 10% of {args.interval:g} s, /metrics under 1 s): {'met' if goal else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
