@@ -10,4 +10,5 @@ pytest_plugins = [
     "tests.fixtures.procs",
     "tests.fixtures.tcpproxy",
     "tests.fixtures.hostile",
+    "tests.fixtures.restarter",
 ]

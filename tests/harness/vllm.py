@@ -305,6 +305,28 @@ class Throttle:
         self.frozen = True
 
 
+class _Adopted:
+    """A process this one did not start (and so cannot wait for): what `close()` and
+    `wait_ready()` need of a Popen, by its pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if proc_state(self.pid) in ("", "Z"):
+            self.returncode = -1
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.1)
+        return -1
+
+
 class VLLMServer:
     """One vLLM OpenAI-compatible server subprocess in its own process group."""
 
@@ -383,14 +405,7 @@ class VLLMServer:
             argv += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         return argv + self.extra_args
 
-    def launch(self) -> None:
-        problem = venv_problem()
-        if problem:
-            raise RuntimeError(problem)
-        if self.model is None:
-            self.model = ensure_model()
-        self.generation += 1
-        self.log_path = self.log_dir / f"vllm-{self.port}-{self.generation}.log"
+    def launch_env(self) -> dict[str, str]:
         env = {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_gb),
@@ -402,6 +417,17 @@ class VLLMServer:
             "PYTHONUNBUFFERED": "1",
         }
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        return env
+
+    def launch(self) -> None:
+        problem = venv_problem()
+        if problem:
+            raise RuntimeError(problem)
+        if self.model is None:
+            self.model = ensure_model()
+        self.generation += 1
+        self.log_path = self.log_dir / f"vllm-{self.port}-{self.generation}.log"
+        env = self.launch_env()
         log = open(self.log_path, "wb")
         try:
             self.proc = subprocess.Popen(
@@ -415,6 +441,19 @@ class VLLMServer:
             )
         finally:
             log.close()
+        self._launched = time.monotonic()
+        _LIVE.add(self)
+
+    def launch_spec(self) -> dict:
+        """What a restart script needs to start this server again the same way."""
+        if self.model is None:
+            self.model = ensure_model()
+        return {"argv": self.argv(), "env": self.launch_env(), "cwd": str(self.log_dir), "host": self.host, "port": self.port}
+
+    def adopt(self, pid: int) -> None:
+        """Take over a server that something else started (a restart script) in its own
+        session: `close()` and the engine controls act on it from now on."""
+        self.proc = _Adopted(pid)  # type: ignore[assignment]
         self._launched = time.monotonic()
         _LIVE.add(self)
 

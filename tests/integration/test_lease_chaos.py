@@ -19,6 +19,7 @@ It prints the counts. No wall-clock time is asserted: the schedule only places f
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -93,13 +94,17 @@ async def test_lease_chaos(tmp_path):
         # The partitioned worker's jobs outlast the lease's TTL: the partition must meet a job.
         workers[name] = start_worker(url, name, resource_url, logs / f"{name}.jsonl", "120,140" if via_proxy else "3,12")
 
-    async def holding(name: str, timeout: float = 20.0) -> None:
-        """Until the worker's last event is a claim or a write: it holds a GPU now."""
+    async def holding(name: str, timeout: float = 20.0, fresh: bool = False) -> None:
+        """Until the worker's last event is a claim or a write: it holds a GPU now. With
+        `fresh`, until it has just claimed one: its whole job is still ahead (a last write
+        may be the job's last, the lease about to be released)."""
         path = logs / f"{name}.jsonl"
+        seen = len(path.read_text().splitlines()) if fresh and path.exists() else 0
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             lines = path.read_text().splitlines() if path.exists() else []
-            if lines and json.loads(lines[-1])["event"] in ("claim", "act"):
+            last = json.loads(lines[-1])["event"] if len(lines) > seen else None
+            if last == "claim" or (last == "act" and not fresh):
                 return
             await asyncio.sleep(0.01)
         raise AssertionError(f"{name} never held a GPU")
@@ -123,7 +128,7 @@ async def test_lease_chaos(tmp_path):
             await asyncio.sleep(2)
         await fault("redis killed, restarted with its data", lambda: restart_redis(server, keep_data=True))
         await asyncio.sleep(2)
-        await holding("partitioned")
+        await holding("partitioned", timeout=60, fresh=True)  # a job of 6-7 s (longer than the TTL) has just begun
         partition.append(time.monotonic())
         await fault("partition: one holder's Redis connection black-holed", proxy.blackhole)
         await asyncio.sleep(7)
@@ -171,7 +176,7 @@ async def test_lease_chaos(tmp_path):
         by_gpu[gpu].append((start, end, token))
     for spans in by_gpu.values():
         spans.sort()
-        for (s1, e1, t1), (s2, _e2, t2) in zip(spans, spans[1:]):
+        for (_s1, e1, _t1), (s2, _e2, _t2) in itertools.pairwise(spans):
             if s2 < e1:  # the next holder began before the previous one stopped
                 if any(lost_at <= s2 <= lost_at + TTL_MS / 1000 for lost_at in data_lost_at):
                     overlaps_after_loss += 1

@@ -25,122 +25,14 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm_health.config.restarter import TOKEN_ENV, RestarterConfig, Target, Verify, default_instance
+from llm_health.config.restarter import TOKEN_ENV, Target, default_instance
 from llm_health.core.restart_policy import Budget
-from llm_health.restarter.app import Restarter
-from llm_health.restarter.runner import run_command
+from llm_health.restarter.runner import OutputFiles, run_command
 from llm_health.sim import servers as sim
+from tests.fixtures.restarter import AUTH, MARK, TOKEN, RestartEffect, make_config, marker_target, metrics, post, post_json, sample, status, wait_done
 from tests.fixtures.webhooks import BODY_2447, MALFORMED, webhook_1051, webhook_2447, webhook_msteams
-
-TOKEN = "test-token-5f2c9a0e71d4"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-FAST_VERIFY = Verify(interval=0.2, hung_after_seconds=0.4, probe_timeout=0.5, metrics_timeout=2.0)
-# Appends a line to the marker file (argv[1]) and says what it did, as systemctl would.
-MARK = "import os, sys; open(sys.argv[1], 'a').write('restart\\n'); print('restarting', os.environ.get('LLM_HEALTH_BACKEND'))"
-
-
-# --- helpers ------------------------------------------------------------------------------
-
-
-def marker_target(name: str, server, marker: Path, **kw) -> Target:
-    return Target(name, server.url, default_instance(server.url), restart=(sys.executable, "-c", MARK, str(marker)), **kw)
-
-
-def make_config(*targets: Target, **kw) -> RestarterConfig:
-    kw.setdefault("verify", FAST_VERIFY)
-    kw.setdefault("recovery_interval", 0.1)
-    kw.setdefault("recovery_timeout", 10.0)
-    kw.setdefault("kill_grace", 0.5)
-    return RestarterConfig(targets=tuple(targets), **kw)
-
-
-@pytest.fixture
-async def restarter_client():
-    """Factory: a Restarter app served on 127.0.0.1 with a real TCP socket, and its client."""
-    made = []
-
-    async def make(config: RestarterConfig, **kw):
-        r = Restarter(config, TOKEN, **kw)
-        client = TestClient(TestServer(r.app(), host="127.0.0.1"))
-        await client.start_server()
-        made.append(client)
-        return r, client
-
-    yield make
-    for c in made:
-        await c.close()
-
-
-class RestartEffect:
-    """Applies each restart the marker file records to a simulated server."""
-
-    def __init__(self, marker: Path, server: sim.SimServer):
-        self.marker, self.server, self.applied = marker, server, 0
-        self.task = asyncio.create_task(self._run())
-
-    def lines(self) -> int:
-        return len(self.marker.read_text().splitlines()) if self.marker.exists() else 0
-
-    async def _run(self):
-        while True:
-            while self.applied < self.lines():
-                self.applied += 1
-                self.server.restart()
-                sim.idle(self.server)
-            await asyncio.sleep(0.02)
-
-    async def stop(self):
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-
-
-async def post(client, body, headers=AUTH):
-    data = body if isinstance(body, bytes | str) else json.dumps(body)
-    return await client.post("/alerts", data=data, headers={**headers, "Content-Type": "application/json"})
-
-
-async def post_json(client, body) -> dict:
-    resp = await post(client, body)
-    assert resp.status in (200, 202), await resp.text()
-    return await resp.json()
-
-
-async def status(client) -> dict:
-    resp = await client.get("/status", headers=AUTH)
-    assert resp.status == 200
-    return await resp.json()
-
-
-async def wait_done(client, action_id: int, timeout: float = 30.0) -> dict:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        action = next(a for a in (await status(client))["actions"] if a["id"] == action_id)
-        if action["phase"] == "done":
-            return action
-        if loop.time() > deadline:
-            raise AssertionError(f"action {action_id} did not finish: {action}")
-        await asyncio.sleep(0.05)
-
-
-async def metrics(client) -> dict:
-    resp = await client.get("/metrics")
-    assert resp.status == 200
-    out = {}
-    for family in text_string_to_metric_families(await resp.text()):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def sample(m: dict, name: str, **labels) -> float | None:
-    return m.get((name, tuple(sorted(labels.items()))))
-
-
-# --- the receiver on loopback, against the simulated fleet ----------------------------------
 
 
 async def test_hung_backend_is_restarted_once_and_comes_back(sim_server, ticker, restarter_client, tmp_path, monkeypatch):
@@ -325,7 +217,7 @@ async def test_hanging_restart_command_is_killed_at_its_timeout(sim_server, tick
     _, client = await restarter_client(make_config(target))
     (a,) = (await post_json(client, webhook_2447(backend="gpu0")))["alerts"]
     action = await wait_done(client, a["action"])
-    assert action["outcome"] == "timeout" and "killed after 0.3s (SIGTERM to process group" in action["detail"]
+    assert action["outcome"] == "timeout" and "did not exit within 0.3s: killed (SIGTERM to pid" in action["detail"]
     pid = action["command_result"]["pid"]
     assert not Path(f"/proc/{pid}").exists()  # killed and reaped
     m = await metrics(client)
@@ -340,30 +232,92 @@ def _gone(pid: int) -> bool:
     return stat[stat.rfind(")") + 2] == "Z"  # killed; waiting for its new parent to reap it
 
 
-async def test_whole_process_group_is_killed_even_if_it_ignores_sigterm(tmp_path):
-    pids = tmp_path / "pids"
-    # sh starts in milliseconds (the timeout must not pass before the child exists); an
-    # ignored SIGTERM is inherited by the child too, so only SIGKILL ends either.
-    script = f'trap "" TERM; sleep 60 & echo $$ $! > {pids}; echo waiting; wait'
-    result = await run_command(["sh", "-c", script], timeout=1.0, kill_grace=0.2)
-    assert result.outcome == "timeout" and "waiting" in result.output
-    assert "SIGKILL after 0.2s" in result.detail
-    leader, child = map(int, pids.read_text().split())
-    assert leader == result.pid
+async def _until(predicate, timeout: float = 20.0) -> bool:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + 10
-    while not (_gone(leader) and _gone(child)) and loop.time() < deadline:
+    deadline = loop.time() + timeout
+    while not predicate() and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    assert _gone(leader) and _gone(child)
+    return predicate()
 
 
-async def test_command_output_is_bounded_and_failures_reported():
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+
+
+async def test_command_that_ignores_sigterm_is_killed_but_what_it_started_is_left_alone(tmp_path):
+    pids = tmp_path / "pids"
+    # sh starts in milliseconds (the timeout must not pass before the child exists). The
+    # command itself ignores SIGTERM, so only SIGKILL ends it; its child may be the server
+    # it was asked to start, and is never signalled.
+    script = f'trap "" TERM; sleep 300 & echo $$ $! > {pids}; echo waiting; wait'
+    result = await run_command(["sh", "-c", script], timeout=1.0, output_file=tmp_path / "out.log", kill_grace=0.2)
+    leader, child = map(int, pids.read_text().split())
+    try:
+        assert result.outcome == "timeout" and "waiting" in result.output
+        assert "SIGTERM, then SIGKILL after 0.2s" in result.detail and leader == result.pid
+        assert await _until(lambda: _gone(leader))
+        assert not _gone(child)  # still running
+    finally:
+        _kill(child)
+
+
+@pytest.mark.parametrize("detach", ["", "setsid "])
+async def test_a_server_started_in_the_background_is_the_command_exiting_0(tmp_path, detach):
+    """`nohup vllm serve ... &`: the command exits at once, its server keeps the command's
+    stdout. The restart is that exit (not a timeout), and the server is never killed, not
+    even when it writes to the output after the command is gone (no pipe, no SIGPIPE)."""
+    pids = tmp_path / "pids"
+    server = "sleep 0.5; echo late-line; exec sleep 300"
+    script = f"{detach}nohup sh -c '{server}' & echo $! > {pids}; echo started server"
+    out = tmp_path / "restart.log"
+    result = await run_command(["sh", "-c", script], timeout=30.0, output_file=out, kill_grace=0.2)
+    child = int(pids.read_text())
+    try:
+        assert (result.outcome, result.exit_code) == ("ok", 0)
+        assert result.seconds < 30.0  # its own exit, not the timeout
+        assert "started server" in result.output and result.output_file == str(out)
+        assert await _until(lambda: "late-line" in out.read_text())
+        await asyncio.sleep(0.3)
+        assert not _gone(child)  # wrote after the command ended, and lives on
+    finally:
+        _kill(child)
+
+
+def test_a_background_server_survives_on_uvloop_too(tmp_path):
+    """The restarter runs on uvloop where it is installed; a pipe there was closed as soon
+    as the command exited, and the server it left died of SIGPIPE at its next write."""
+    uvloop = pytest.importorskip("uvloop")
+    loop = uvloop.new_event_loop()
+    try:
+        loop.run_until_complete(test_a_server_started_in_the_background_is_the_command_exiting_0(tmp_path, ""))
+    finally:
+        loop.close()
+
+
+async def test_command_output_is_bounded_and_failures_reported(tmp_path):
     loud = "import sys; sys.stdout.write('x' * 100000); sys.stdout.write('\\nunit vllm@gpu0 not found\\n'); sys.exit(5)"
-    result = await run_command([sys.executable, "-c", loud], timeout=10, max_output_bytes=1000)
+    result = await run_command([sys.executable, "-c", loud], timeout=10, output_file=tmp_path / "o.log", max_output_bytes=1000)
     assert (result.outcome, result.exit_code, result.truncated, result.output_bytes) == ("failed", 5, True, 100026)
     assert len(result.output) == 1000 and result.output.endswith("unit vllm@gpu0 not found\n")
-    missing = await run_command(["/nonexistent/restart-vllm"], timeout=10)
+    assert (tmp_path / "o.log").stat().st_mode & 0o077 == 0  # the output file is private
+    missing = await run_command(["/nonexistent/restart-vllm"], timeout=10, output_file=tmp_path / "m.log")
     assert missing.outcome == "error" and "cannot start" in missing.detail
+
+
+def test_output_files_are_kept_bounded_in_number_and_size(tmp_path):
+    files = OutputFiles(tmp_path / "out", keep=2, max_bytes=1000)
+    made = [files.new("gpu/0 x", i) for i in range(3)]
+    for p in made[1:]:
+        p.write_bytes(b"x" * 10)
+    assert not made[0].exists() or made[0] not in files.files  # the oldest is forgotten
+    assert all("/" not in p.name and " " not in p.name for p in made)
+    made[2].write_bytes(b"y" * 5000)  # a server left running writes on
+    files.enforce()
+    assert made[2].stat().st_size == 0 and made[1].stat().st_size == 10
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o700
 
 
 async def test_failed_restart_command_is_reported(sim_server, ticker, restarter_client):

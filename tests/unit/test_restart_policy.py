@@ -176,6 +176,21 @@ def test_config_from_the_issue(tmp_path, monkeypatch):
     assert (gpu1.instance, gpu1.api_key, gpu1.restart_timeout) == ("gpu1.internal:80", "k-123", 120)
     assert "k-123" not in repr(cfg)
     assert (lb.kind, lb.restart) == ("proxy", ())
+    # what the issue's file leaves out: the quick confirmation, the hold, memory state
+    assert (cfg.confirm_interval, cfg.raw_alert_hold, cfg.recovery_interval, cfg.redis, cfg.output_dir) == (1.0, 45.0, 1.0, None, None)
+
+
+def test_config_shared_state_and_outputs(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESTARTER_TEST_KEY", "k-123")
+    f = tmp_path / "restarter.yml"
+    f.write_text(
+        ISSUE_CONFIG.replace("  recovery_timeout: 10m\n", "  recovery_timeout: 10m\n  raw_alert_hold: 0s\n  output_dir: /var/lib/x\n")
+        + "redis: {url: 'redis://:hunter2@10.0.0.7:6379/2', key_prefix: 'r:', lease_ttl: 10s}\n"
+    )
+    cfg = rs_config.load_config(f)
+    assert (cfg.raw_alert_hold, cfg.output_dir) == (0.0, "/var/lib/x")
+    assert cfg.redis is not None and (cfg.redis.url, cfg.redis.key_prefix, cfg.redis.lease_ttl) == ("redis://:hunter2@10.0.0.7:6379/2", "r:", 10.0)
+    assert "hunter2" not in repr(cfg)  # the URL may carry a password
 
 
 @pytest.mark.parametrize(
@@ -192,6 +207,9 @@ def test_config_from_the_issue(tmp_path, monkeypatch):
         (("instance: 10.0.0.5:8000", "instance: gpu1.internal:80"), "backends[1].instance", "could not tell them apart"),
         (("kind: proxy}", "kind: proxy, restart: [/bin/true]}"), "backends[2].restart", "never restarted"),
         (("api_key_env: RESTARTER_TEST_KEY", "api_key_env: RESTARTER_TEST_UNSET_VAR"), "backends[1].api_key_env", "not set"),
+        (("recovery_timeout: 10m", "recovery_timeout: 10m\n  confirm_interval: 0s"), "restarter.confirm_interval", "greater than"),
+        (("recovery_timeout: 10m", "recovery_timeout: 10m\nredis: {url: http://x}"), "redis.url", "redis://"),
+        (("recovery_timeout: 10m", "recovery_timeout: 10m\nredis: {url: redis://x, ttl: 5}"), "redis.ttl", "unknown key"),
     ],
 )
 def test_config_errors_name_file_and_key(tmp_path, monkeypatch, edit, key, problem):

@@ -111,8 +111,9 @@ class Section:
             raise self.error(unknown[0], f"unknown key (expected one of {expected})")
 
     # --- scalars ------------------------------------------------------------------------
-    def duration(self, name: str, default: Any = REQUIRED, *, minimum: float = 0.0, maximum: float = 7 * 86400.0) -> float:
-        """Seconds, strictly above `minimum` (0 by default) and at most `maximum`."""
+    def duration(self, name: str, default: Any = REQUIRED, *, minimum: float = 0.0, maximum: float = 7 * 86400.0, zero: bool = False) -> float:
+        """Seconds, strictly above `minimum` (0 by default) and at most `maximum`; exactly 0
+        too where `zero` (an off switch)."""
         given, value = self._get(name, default)
         if not given:
             return value if value is None else float(value)  # type: ignore[return-value]
@@ -120,8 +121,8 @@ class Section:
             seconds = parse_duration(value)
         except ValueError as exc:
             raise self.error(name, str(exc)) from None
-        if not seconds > minimum:
-            raise self.error(name, f"must be greater than {minimum:g}s, got {value!r}")
+        if not (seconds > minimum or (zero and seconds == 0)):
+            raise self.error(name, f"must be greater than {minimum:g}s{' (or 0s)' if zero else ''}, got {value!r}")
         if seconds > maximum:
             raise self.error(name, f"must be at most {maximum:g}s, got {value!r}")
         return seconds

@@ -4,7 +4,12 @@ values; and its bearer token.
 ```yaml
 restarter:
   budget: {max_restarts: 3, window: 1h, cooldown: 5m, backoff: 2}
-  verify: {interval: 10s, hung_after_seconds: 20}
+  verify: {interval: 10s, hung_after_seconds: 60}   # the full check, when there is no evidence
+  confirm_interval: 1s        # between the two reads that confirm an alert's evidence
+  raw_alert_hold: 45s         # a VLLMEngineHung waits this long for the exporter's LLMBackendHung
+  output_dir: /var/lib/llm-health/restarter   # restart commands' output files
+redis:                        # optional: budget, cooldown, de-duplication shared and kept
+  url: redis://127.0.0.1:6379/0
 backends:
   - name: gpu0                       # the `backend` label of LLMBackendHung
     url: http://10.0.0.5:8000
@@ -27,6 +32,7 @@ from ..core.restart_policy import Budget
 from .errors import ConfigError
 from .fields import Section
 from .load import load_yaml
+from .redis import redis_url
 
 log = logging.getLogger("llm_health.restarter")
 
@@ -38,7 +44,7 @@ class Verify:
     """The re-verification: `llm-health check` with these settings."""
 
     interval: float = 10.0
-    hung_after_seconds: float = 20.0
+    hung_after_seconds: float = 60.0
     probe_timeout: float = 5.0
     metrics_timeout: float = 30.0
     rounds: int | None = None  # None: enough for hung_after_seconds, as `check` does
@@ -58,15 +64,31 @@ class Target:
 
 
 @dataclass(frozen=True)
+class SharedState:
+    """`redis:`: where replicas of the restarter share (and a restarted one finds again)
+    budgets, cooldowns, alerts acted on and the one action per backend."""
+
+    url: str = field(default="redis://127.0.0.1:6379/0", repr=False)  # may hold a password
+    key_prefix: str = "llm-health:restarter:"
+    lease_ttl: float = 30.0  # the per-backend action lease, renewed while the action runs
+    timeout: float = 5.0
+
+
+@dataclass(frozen=True)
 class RestarterConfig:
     targets: tuple[Target, ...]
     budget: Budget = field(default_factory=Budget)
     verify: Verify = field(default_factory=Verify)
+    confirm_interval: float = 1.0
+    raw_alert_hold: float = 45.0  # 0: act on VLLMEngineHung at once (no exporter layer)
     recovery_timeout: float = 600.0
-    recovery_interval: float | None = None  # None: verify.interval
+    recovery_interval: float = 1.0
     kill_grace: float = 5.0  # SIGTERM to SIGKILL when a restart command passes its timeout
     max_output_bytes: int = 16384  # the tail of a restart command's output kept
+    output_dir: str | None = None  # None: a private directory under the system's temp dir
+    max_output_file_bytes: int = 16 * 1024 * 1024
     history: int = 100  # recent actions and refusals shown on /status
+    redis: SharedState | None = None
     source: str = "<config>"
 
 
@@ -106,12 +128,28 @@ def parse_config(data: object, where: str = "<config>") -> RestarterConfig:
     v.done()
 
     defaults = RestarterConfig(targets=())
+    confirm_interval = section.duration("confirm_interval", defaults.confirm_interval, minimum=0.05, maximum=60.0)
+    raw_alert_hold = section.duration("raw_alert_hold", defaults.raw_alert_hold, maximum=3600.0, zero=True)
     recovery_timeout = section.duration("recovery_timeout", defaults.recovery_timeout)
-    recovery_interval = section.duration("recovery_interval", None)
+    recovery_interval = section.duration("recovery_interval", defaults.recovery_interval, minimum=0.05)
     kill_grace = section.duration("kill_grace", defaults.kill_grace)
     max_output = section.integer("max_output_bytes", defaults.max_output_bytes, maximum=16 * 1024 * 1024)
+    output_dir = section.string("output_dir", None)
+    max_output_file = section.integer("max_output_file_bytes", defaults.max_output_file_bytes, minimum=max_output, maximum=1 << 40)
     history = section.integer("history", defaults.history, maximum=100_000)
     section.done()
+
+    shared = None
+    if "redis" in top:
+        r = top.section("redis")
+        ds = SharedState()
+        shared = SharedState(
+            url=redis_url(r, "url", ds.url),
+            key_prefix=r.string("key_prefix", ds.key_prefix),
+            lease_ttl=r.duration("lease_ttl", ds.lease_ttl, minimum=1.0, maximum=3600.0),
+            timeout=r.duration("timeout", ds.timeout, minimum=0.1, maximum=600.0),
+        )
+        r.done()
 
     if not isinstance(top.raw("backends"), list) or not top.raw("backends"):
         raise top.error("backends", "expected a non-empty list of backends (name, url, restart)")
@@ -146,11 +184,16 @@ def parse_config(data: object, where: str = "<config>") -> RestarterConfig:
         targets=tuple(targets),
         budget=budget,
         verify=verify,
+        confirm_interval=confirm_interval,
+        raw_alert_hold=raw_alert_hold,
         recovery_timeout=recovery_timeout,
         recovery_interval=recovery_interval,
         kill_grace=kill_grace,
         max_output_bytes=max_output,
+        output_dir=output_dir,
+        max_output_file_bytes=max_output_file,
         history=history,
+        redis=shared,
         source=where,
     )
 

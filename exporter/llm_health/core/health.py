@@ -18,7 +18,11 @@ The rules:
 * an engine whose running or waiting count is no evidence (NaN, infinite, negative) is
   `unknown`: never idle (so never probed), never hung on that count alone;
 * a proxy is judged by `/v1/models` alone: behind a least-connection proxy each
-  `/metrics` read may come from another backend.
+  `/metrics` read may come from another backend;
+* a slow or timed-out `/metrics` is load, not death, except on llama.cpp: its `/metrics`
+  is a task on the inference loop's own queue, answered within milliseconds under any
+  load, so a timeout while `/health` answers is a loop that takes no task: a failed
+  probe (`unresponsive`, then `hung` after two in a row spanning `hung_after_seconds`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from .engines import EngineReading, Reading
+from .evidence import progress_digest
 from .states import State, worst
 
 STATES: tuple[State, ...] = tuple(State)
@@ -92,6 +97,7 @@ class EngineVerdict:
     steps_per_second: float | None = None
     generation_tokens_per_second: float | None = None
     seconds_since_progress: float = 0.0
+    digest: int = 0  # core.evidence.progress_digest of what this round read
 
 
 @dataclass(frozen=True)
@@ -148,20 +154,23 @@ def _remember(e: EngineReading, now: float, last_progress_at: float, rounds: int
 _NO_COUNT = "{e.running:g} running, {e.waiting:g} waiting: a count that is no evidence (NaN, infinite or negative); neither idle nor hung on it"
 
 
-def _judge_engine(prev: EngineMemory | None, e: EngineReading, obs: Observation, s: Settings) -> tuple[EngineVerdict, EngineMemory]:
+def _judge_engine(prev: EngineMemory | None, e: EngineReading, obs: Observation, s: Settings, digest: int) -> tuple[EngineVerdict, EngineMemory]:
     now = obs.now
     if prev is None:
         mem = _remember(e, now, now)
+
+        def first(state: State, reason: str) -> EngineVerdict:
+            return EngineVerdict(e.model_name, e.engine, state, reason, e.running, e.waiting, digest=digest)
+
         if e.sleeping or obs.sleeping:
-            return EngineVerdict(e.model_name, e.engine, State.SLEEPING, "engine reports sleep mode", e.running, e.waiting), mem
+            return first(State.SLEEPING, "engine reports sleep mode"), mem
         if obs.paused:
-            return EngineVerdict(e.model_name, e.engine, State.PAUSED, "engine reports paused", e.running, e.waiting), mem
+            return first(State.PAUSED, "engine reports paused"), mem
         if not e.known:
-            return EngineVerdict(e.model_name, e.engine, State.UNKNOWN, _NO_COUNT.format(e=e), e.running, e.waiting), mem
+            return first(State.UNKNOWN, _NO_COUNT.format(e=e)), mem
         if e.in_flight:
-            reason = f"{e.running:g} running, {e.waiting:g} waiting: first reading, progress unknown until the next"
-            return EngineVerdict(e.model_name, e.engine, State.UNKNOWN, reason, e.running, e.waiting), mem
-        return EngineVerdict(e.model_name, e.engine, State.IDLE, "nothing running or waiting", e.running, e.waiting), mem
+            return first(State.UNKNOWN, f"{e.running:g} running, {e.waiting:g} waiting: first reading, progress unknown until the next"), mem
+        return first(State.IDLE, "nothing running or waiting"), mem
 
     dt = now - prev.at
     steps_ps = _rate(e.steps, prev.steps, dt)
@@ -169,7 +178,7 @@ def _judge_engine(prev: EngineMemory | None, e: EngineReading, obs: Observation,
     progressed = not same_fingerprint(prev.fingerprint, e.fingerprint)
 
     def verdict(state: State, reason: str, since: float = 0.0) -> EngineVerdict:
-        return EngineVerdict(e.model_name, e.engine, state, reason, e.running, e.waiting, steps_ps, gen_ps, since)
+        return EngineVerdict(e.model_name, e.engine, state, reason, e.running, e.waiting, steps_ps, gen_ps, since, digest)
 
     if e.sleeping or obs.sleeping or obs.paused:
         state = State.PAUSED if obs.paused and not (e.sleeping or obs.sleeping) else State.SLEEPING
@@ -228,6 +237,21 @@ def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "vllm
     reading = obs.reading
     if reading is None:
         if obs.models_ok:
+            if obs.metrics_timed_out and prev.profile == "llamacpp" and prev.engines:
+                # llama.cpp answers /metrics from its inference loop's own task queue (the
+                # queue's worker answers during a decode, within milliseconds under any load):
+                # a /metrics that times out while /health answers is a loop that takes no
+                # task, a failed probe. Hung after `hung_probe_failures` in a row and at least
+                # `hung_after_seconds` since /metrics last answered; the probe is due as soon
+                # as /metrics answers idle again, to confirm the loop is back.
+                failed = prev.failed_probes + 1
+                silent = obs.now - max(e.at for e in prev.engines.values())
+                state = State.HUNG if failed >= s.hung_probe_failures and silent >= s.hung_after_seconds else State.UNRESPONSIVE
+                reason = (
+                    f"llama.cpp /metrics {obs.metrics_error} while its /health answers: the inference loop takes no task "
+                    f"({failed} failed read(s) in a row, {silent:.0f}s since /metrics last answered)"
+                )
+                return Verdict(state, reason, replace(prev, failed_probes=failed, last_probe_at=None, last_state=state))
             if obs.metrics_timed_out:
                 state, reason = State.UNKNOWN, f"/metrics {obs.metrics_error}; /v1/models answered: a slow read is load, not death"
             else:
@@ -239,7 +263,12 @@ def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "vllm
     restart_reason = _restart_reason(prev, reading)
     if restart_reason is not None:
         engines = {key: _remember(e, obs.now, obs.now) for key, e in reading.engines.items()}
-        restarted = tuple(EngineVerdict(e.model_name, e.engine, State.RESTARTED, restart_reason, e.running, e.waiting) for e in reading.engines.values())
+        restarted = tuple(
+            EngineVerdict(
+                e.model_name, e.engine, State.RESTARTED, restart_reason, e.running, e.waiting, digest=progress_digest(reading.profile, reading.start_time, e)
+            )
+            for e in reading.engines.values()
+        )
         all_idle = not any(e.in_flight for e in reading.engines.values())
         mem = Memory(
             start_time=reading.start_time,
@@ -256,7 +285,7 @@ def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "vllm
     evs: list[EngineVerdict] = []
     engines = {}
     for key, e in reading.engines.items():
-        ev, emem = _judge_engine(prev.engines.get(key), e, obs, s)
+        ev, emem = _judge_engine(prev.engines.get(key), e, obs, s, progress_digest(reading.profile, reading.start_time, e))
         evs.append(ev)
         engines[key] = emem
     state = worst(ev.state for ev in evs)

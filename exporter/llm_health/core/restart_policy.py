@@ -22,7 +22,18 @@ from typing import Generic, Protocol, TypeVar
 from .webhook import Alert
 
 ACTED_ON = ("LLMBackendHung", "VLLMEngineHung")
-REFUSALS = ("not_hung", "budget_spent", "cooldown", "duplicate", "unauthorised", "unknown_backend", "malformed", "proxy", "resolved")
+REFUSALS = (
+    "not_hung",
+    "budget_spent",
+    "cooldown",
+    "duplicate",
+    "unauthorised",
+    "unknown_backend",
+    "malformed",
+    "proxy",
+    "resolved",
+    "state_unavailable",  # shared state (Redis) could not be read or written: acting could double a restart
+)
 OUTCOMES = ("recovered", "not_recovered", "failed", "timeout", "error", "dry_run")
 KEY_TTL = 24 * 3600.0  # how long an acted-on (fingerprint, startsAt) is remembered
 MAX_KEYS = 10000
@@ -128,8 +139,8 @@ class Policy(Generic[T]):
         while self.done and (len(self.done) > self.max_keys or now - next(iter(self.done.values())) > self.key_ttl):
             self.done.popitem(last=False)
 
-    def admit(self, alert: Alert, now: float) -> Admission:
-        self._prune(now)
+    def classify(self, alert: Alert) -> Admission | T:
+        """The target an alert is about, or why it is not one to act on (no state read)."""
         if alert.alertname not in ACTED_ON:
             return Admission(alert, "ignored", None, f"{alert.alertname} is not an alert the restarter acts on")
         if alert.status != "firing":
@@ -140,6 +151,13 @@ class Policy(Generic[T]):
             return Admission(alert, "unknown_backend", None, f"no configured backend with {label}={alert.labels.get(label, '')!r}")
         if target.kind == "proxy":
             return Admission(alert, "proxy", target.name, "a proxy is never restarted: its backends are checked and restarted directly")
+        return target
+
+    def admit(self, alert: Alert, now: float) -> Admission:
+        self._prune(now)
+        target = self.classify(alert)
+        if isinstance(target, Admission):
+            return target
         if alert.key in self.done:
             return Admission(alert, "duplicate", target.name, "this alert (fingerprint, startsAt) was already acted on")
         if target.name in self.in_flight:

@@ -4,13 +4,13 @@ any of it. Pure: no I/O."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 WEBHOOK_VERSION = "4"
 # What one notification may hold: Alertmanager groups a handful of alerts per call; a body
 # past these is refused whole (a 4xx, which Alertmanager does not retry).
 MAX_ALERTS = 1000
-MAX_LABELS_BYTES = 64 * 1024  # of one alert's label names and values
+MAX_LABELS_BYTES = 64 * 1024  # of one alert's label (and of its annotation) names and values
 MAX_FIELD = 1024  # characters of startsAt and fingerprint
 
 
@@ -36,6 +36,7 @@ class Alert:
     labels: dict[str, str]
     starts_at: str
     fingerprint: str
+    annotations: dict[str, str] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -81,6 +82,11 @@ def parse_webhook(body: bytes | str) -> Webhook:
             raise Malformed(f"alerts[{i}].labels: expected an object of strings")
         if sum(len(k) + len(v) for k, v in labels.items()) > MAX_LABELS_BYTES:
             raise Malformed(f"alerts[{i}].labels: more than {MAX_LABELS_BYTES} characters")
+        annotations = a.get("annotations", {})
+        if not isinstance(annotations, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in annotations.items()):
+            raise Malformed(f"alerts[{i}].annotations: expected an object of strings")
+        if sum(len(k) + len(v) for k, v in annotations.items()) > MAX_LABELS_BYTES:
+            raise Malformed(f"alerts[{i}].annotations: more than {MAX_LABELS_BYTES} characters")
         if not labels.get("alertname"):
             raise Malformed(f"alerts[{i}].labels.alertname: missing")
         starts_at = a.get("startsAt")
@@ -92,6 +98,6 @@ def parse_webhook(body: bytes | str) -> Webhook:
         fp = a.get("fingerprint")
         if fp is not None and (not isinstance(fp, str) or not fp or len(fp) > MAX_FIELD):
             raise Malformed(f"alerts[{i}].fingerprint: expected a non-empty string of at most {MAX_FIELD} characters")
-        alerts.append(Alert(labels["alertname"], status, dict(labels), starts_at, fp or fingerprint(labels)))
+        alerts.append(Alert(labels["alertname"], status, dict(labels), starts_at, fp or fingerprint(labels), dict(annotations)))
     truncated = data.get("truncatedAlerts", 0)
     return Webhook(str(data.get("receiver", "")), group_status, tuple(alerts), truncated if isinstance(truncated, int) else 0)

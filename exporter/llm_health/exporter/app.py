@@ -7,6 +7,7 @@ its own task.
 
 Routes: `/metrics`, `/status` (JSON per backend), `/probe?target=URL&kind=vllm`
 (multi-target, blackbox-exporter style, state kept per target, bounded), `/-/healthy`,
+`/-/live?backend=NAME` (a kubelet liveness probe: 503 only for a proven hang),
 `/-/reload` (POST; or SIGHUP) and a landing page.
 """
 
@@ -33,7 +34,7 @@ from ..urls import BadTarget, parse_target
 from ..web import add_reload, healthy, metrics_handler, secure
 from .collectors import BackendsCollector, BuildInfoCollector
 from .probe_targets import ProbeTargets
-from .slots import Slot, make_slot, run_round
+from .slots import Slot, make_slot, next_delay, run_round
 
 log = logging.getLogger("llm_health.exporter")
 
@@ -93,11 +94,11 @@ class Exporter:
         await self._stop_redis()
 
     async def _loop(self, slot: Slot) -> None:
-        interval = slot.backend.timing.interval
+        timing = slot.backend.timing
         while True:
             started = time.monotonic()
             await run_round(slot)
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+            await asyncio.sleep(next_delay(slot.verdict, timing.interval, timing.hung_after_seconds, time.monotonic() - started))
 
     async def _redis_loop(self) -> None:
         while True:
@@ -180,6 +181,25 @@ class Exporter:
         registry.register(BackendsCollector(lambda: (slot,)))
         return await metrics_handler(registry)(request)
 
+    async def handle_live(self, request: web.Request) -> web.Response:
+        """For a kubelet's `livenessProbe`: `?backend=NAME` is 503 only when that backend's
+        last round proved it `hung`, 200 in every other state (busy, stalled, down,
+        restarting, ...), 404 for a backend this exporter does not watch. Answered from
+        memory: the call sends nothing to the backend. Without `backend`, 200: the exporter
+        itself is alive."""
+        name = request.query.get("backend")
+        if name is None:
+            return web.Response(text="ok: exporter alive\n")
+        slot = self.slots.get(name)
+        if slot is None:
+            return web.Response(status=404, text=f"no backend {name[:100]!r} in this exporter's configuration\n")
+        v = slot.verdict
+        state = v.state if v else State.UNKNOWN
+        if state is State.HUNG:
+            assert v is not None
+            return web.Response(status=503, text=f"{name}: hung: {v.reason}\n")
+        return web.Response(text=f"{name}: {state}\n")
+
     async def handle_index(self, request: web.Request) -> web.Response:
         rows = "".join(
             f"<tr><td>{_esc(s.backend.name)}</td><td>{_esc(s.verdict.state if s.verdict else 'unknown')}</td>"
@@ -202,6 +222,7 @@ class Exporter:
         app.router.add_get("/status", self.handle_status)
         app.router.add_get("/probe", self.handle_probe)
         app.router.add_get("/-/healthy", healthy)
+        app.router.add_get("/-/live", self.handle_live)
         add_reload(app, self.reload)
 
         async def lifecycle(app: web.Application) -> AsyncIterator[None]:

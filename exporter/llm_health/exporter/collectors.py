@@ -34,6 +34,13 @@ def backend_families(slots: Iterable[Slot]) -> list[Metric]:
     since = GaugeMetricFamily(
         "llm_backend_seconds_since_progress", "Seconds since the engine fingerprint last changed while work was in flight.", labels=elabels
     )
+    digest = GaugeMetricFamily(
+        "llm_backend_engine_progress_digest",
+        "A 48-bit digest of the engine's progress fingerprint (every progress series, the start time, the engine unit) in the last round: "
+        "it changes whenever the engine makes progress or restarts. LLMBackendHung carries the digests of its hung engines as evidence, "
+        "so the restarter can confirm that nothing moved since.",
+        labels=elabels,
+    )
     restarts = CounterMetricFamily("llm_backend_restarts", "Restarts seen: a new process start time or counters that went backwards.", labels=["backend"])
     probes = CounterMetricFamily("llm_backend_probes", "1-token probes sent to idle engines, by result.", labels=["backend", "result"])
     probe_s = GaugeMetricFamily("llm_backend_probe_duration_seconds", "Duration of the last probe sent, kept until the next one.", labels=["backend"])
@@ -59,6 +66,8 @@ def backend_families(slots: Iterable[Slot]) -> list[Metric]:
             if e.generation_tokens_per_second is not None:
                 tokens.add_metric(lab, e.generation_tokens_per_second)
             since.add_metric(lab, e.seconds_since_progress)
+            if e.digest:
+                digest.add_metric(lab, float(e.digest))
         restarts.add_metric([name], m.memory.restarts if m.memory else 0)
         for result in ("ok", "timeout", "error"):
             probes.add_metric([name, result], stats.probes.get(result, 0))
@@ -70,7 +79,7 @@ def backend_families(slots: Iterable[Slot]) -> list[Metric]:
         round_s.add_metric([name], stats.seconds)
         for reason, count in sorted(slot.errors.items()):
             errors.add_metric([name, reason], count)
-    return [up, state, estate, running, waiting, steps, tokens, since, restarts, probes, probe_s, fetch_s, info, round_s, errors]
+    return [up, state, estate, running, waiting, steps, tokens, since, digest, restarts, probes, probe_s, fetch_s, info, round_s, errors]
 
 
 class BackendsCollector(SnapshotCollector):

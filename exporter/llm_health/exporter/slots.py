@@ -86,6 +86,17 @@ class Slot:
         return out
 
 
+def next_delay(verdict: Verdict | None, interval: float, hung_after: float, elapsed: float) -> float:
+    """Seconds to wait before the backend's next round: `interval` from the start of the
+    last one, or less where an engine that stalled becomes due for `hung` sooner: the round
+    that can prove the hang runs when it can, not up to an interval later."""
+    wait = interval
+    for e in verdict.engines if verdict else ():
+        if e.state is State.STALLED:
+            wait = min(wait, max(0.0, hung_after - e.seconds_since_progress) + 0.01)
+    return max(0.0, wait - elapsed)
+
+
 def new_session() -> aiohttp.ClientSession:
     """A backend's own HTTP session: its own small connection pool, so no backend (or
     /probe caller) can use up connections another one waits for."""

@@ -11,6 +11,16 @@ exceptions, and never carry the API key.
 The connect timeout covers the TCP connect alone (`sock_connect`), never a wait for a
 pooled connection: the exporter gives each backend a session of its own, so one backend's
 slow or trickling answers never hold a connection another backend waits for.
+
+llama.cpp's `llama-server` has no start-time series; it sends its start as the
+`Process-Start-Time-Unix` header of `/metrics` (CLOCK_MONOTONIC microseconds at start,
+despite the name). `Fetched.start_header` carries it (seconds) and the reader uses it
+where the payload has no start time (`probe.reading.read_fetched`), so a restart is seen
+even when the new process's counters are already past the old ones. It is compared for
+equality only, never read as a time. A llama.cpp `/metrics` is a task on the inference
+loop's own queue: when it times out, the monitor asks `/health` (`BackendClient.health`),
+which llama.cpp answers on its HTTP thread without touching that queue (`/v1/models`
+takes the queue's lock).
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +39,15 @@ from ..urls import base_url
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 SMALL_BODY = 1024 * 1024  # /v1/models, the probe's answer, /is_sleeping: JSON of a few KB
+LLAMACPP_START_HEADER = "Process-Start-Time-Unix"
+_START_HEADER_VALUE = re.compile(r"[1-9][0-9]{0,18}")
+
+
+def _start_header(header: str | None) -> float | None:
+    """llama.cpp's start header (microseconds) in seconds, or None."""
+    if header is None or not _START_HEADER_VALUE.fullmatch(header.strip()):
+        return None
+    return int(header.strip()) / 1e6
 
 
 class TooLarge(Exception):
@@ -73,6 +93,7 @@ class Fetched:
     refused: bool = False
     seconds: float = 0.0
     size: int = 0
+    start_header: float | None = None  # llama.cpp's Process-Start-Time-Unix, in seconds
 
     @property
     def text(self) -> str | None:
@@ -129,6 +150,7 @@ class BackendClient:
         self.models_timeout = models_timeout
         self.probe_timeout = probe_timeout
         self.max_bytes = max_bytes
+        self.llamacpp = False  # the last /metrics that answered carried llama.cpp's start header
 
     def _timeout(self, total: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total, sock_connect=min(self.connect_timeout, total))
@@ -149,6 +171,7 @@ class BackendClient:
                 except TooLarge:
                     return Fetched(error=f"payload larger than {self.max_bytes} bytes", seconds=time.monotonic() - start)
                 ctype = resp.headers.get("Content-Type", "")
+                start_header = _start_header(resp.headers.get(LLAMACPP_START_HEADER))
         except Exception as exc:
             msg, timed_out, refused = _describe(exc, self.metrics_timeout)
             return Fetched(error=msg, timed_out=timed_out, refused=refused, seconds=time.monotonic() - start)
@@ -158,7 +181,8 @@ class BackendClient:
             return Fetched(error=f"HTML page, not Prometheus text (Content-Type {ctype or 'missing'})", seconds=seconds, size=size)
         if "json" in ctype or head.startswith("{"):
             return Fetched(error=f"JSON, not Prometheus text (Content-Type {ctype or 'missing'})", seconds=seconds, size=size)
-        return Fetched(parts=parts, seconds=seconds, size=size)
+        self.llamacpp = start_header is not None
+        return Fetched(parts=parts, seconds=seconds, size=size, start_header=start_header)
 
     async def models(self) -> tuple[bool, str | None, str | None]:
         """(answered, first model id, error)."""
@@ -177,6 +201,17 @@ class BackendClient:
             return True, None, None
         # A model name goes into the probe's body only: a string of sane length, or none.
         return True, (model if isinstance(model, str) and 0 < len(model) <= 1024 else None), None
+
+    async def health(self) -> tuple[bool, str | None, str | None]:
+        """`/health` answered 200: (answered, None, error), the shape of `models()`."""
+        try:
+            async with self.session.get(self.url + "/health", headers=self._headers, timeout=self._timeout(self.models_timeout), allow_redirects=False) as resp:
+                await _body(resp, SMALL_BODY)
+                if resp.status != 200:
+                    return False, None, f"/health HTTP {resp.status}"
+        except Exception as exc:
+            return False, None, f"/health {_describe(exc, self.models_timeout)[0]}"
+        return True, None, None
 
     async def probe(self, model: str | None) -> ProbeResult:
         """One 1-token completion. Only ever sent to an engine with nothing in flight."""

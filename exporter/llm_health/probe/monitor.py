@@ -14,7 +14,7 @@ from ..core.engines import Limits, OverLimits, UnknownEngine
 from ..core.exposition import ParseError
 from ..core.health import Memory, Observation, Settings, Verdict, after_probe, decide, same_fingerprint
 from .client import BackendClient, Fetched, ProbeResult
-from .reading import read_payload
+from .reading import read_fetched
 
 
 @dataclass
@@ -78,7 +78,7 @@ class BackendMonitor:
         error = fetched.error
         if fetched.parts is not None:
             try:
-                reading = await read_payload(fetched.parts, self.limits)
+                reading = await read_fetched(fetched.parts, fetched.start_header, self.limits)
                 stats.profile = reading.profile
             except OverLimits as exc:
                 error, stats.error = f"/metrics over limits: {exc}", "limits"
@@ -89,7 +89,12 @@ class BackendMonitor:
             # A refused connection is the backend down (or restarting), not a failed round.
             if stats.error is None and not fetched.refused:
                 stats.error = "timeout" if fetched.timed_out else "metrics"
-            ok, model, merr = await self.client.models()
+            if fetched.timed_out and self.client.llamacpp:
+                # llama.cpp serves /metrics from its inference loop's queue; /health is
+                # answered beside it (/v1/models would wait on the same loop).
+                ok, model, merr = await self.client.health()
+            else:
+                ok, model, merr = await self.client.models()
             self.model = model or self.model
             obs = Observation(
                 now=now, metrics_error=error, metrics_timed_out=fetched.timed_out, metrics_refused=fetched.refused, models_ok=ok, models_error=merr

@@ -9,7 +9,9 @@ samples parsed by `Limits.max_samples`, the engines kept by `Limits.max_engines`
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 from ..core import engines
 from ..core.engines import Limits, Reading
@@ -50,3 +52,12 @@ async def read_payload(parts: Sequence[str], limits: Limits, size: int = PIECE) 
         except TooManySamples as exc:
             raise engines.OverLimits(f"{exc}, more than max_samples") from None
     return engines.reduce(samples, limits)
+
+
+async def read_fetched(parts: Sequence[str], start_header: float | None, limits: Limits) -> Reading:
+    """`read_payload`, with the start time of the response header (llama.cpp's
+    Process-Start-Time-Unix) where the payload has none."""
+    reading = await read_payload(parts, limits)
+    if reading.start_time is None and start_header is not None and math.isfinite(start_header) and start_header > 0:
+        return replace(reading, start_time=start_header)
+    return reading

@@ -1,16 +1,21 @@
 """`llm-health restarter`: the restart authority, an Alertmanager webhook receiver.
 
 ```
-Alertmanager ──POST /alerts (webhook v4, Bearer token)──▶ validate ──▶ admit (Policy: pure) ──▶ 202
-                                                                         │ background task
-         re-verify: `llm-health check`'s own code (probe.check) ◀────────┘
-              │ still `hung`?  no: refuse `not_hung`
+Alertmanager ──POST /alerts (webhook v4, Bearer token)──▶ validate ──▶ admit (state) ──▶ 202
+                                                                     │ background task
+  VLLMEngineHung: hold up to raw_alert_hold for the exporter's ◀─────┘
+  LLMBackendHung and its evidence (when the exporter layer runs)
               ▼
-         claim the budget (Policy: window, cooldown, backoff) ── spent: refuse, budget_exhausted 1
+  confirm: the alert's evidence (progress digests of the hung engines) against two
+  fresh reads `confirm_interval` apart (restarter.confirm; core.confirm decides);
+  no usable evidence: the full check, `llm-health check`'s own code (probe.check)
+              │ moved, restarted, asleep, answered a probe: refuse `not_hung`
               ▼
-         restart argv (no shell; own process group; killed at its timeout; output kept)
+  claim the budget (window, cooldown, backoff) ── spent: refuse, budget_exhausted 1
               ▼
-         wait for the backend: `restarted`, then `idle` or `busy` (BackendMonitor rounds)
+  restart argv (no shell; own session; only its own exit waited for; output to a file)
+              ▼
+  wait for the backend: `restarted`, then `idle` or `busy` (read every recovery_interval)
 ```
 
 Acts only on `LLMBackendHung` (matched on its `backend` label) and `VLLMEngineHung`
@@ -18,10 +23,11 @@ Acts only on `LLMBackendHung` (matched on its `backend` label) and `VLLMEngineHu
 the request is answered as soon as the body is validated and de-duplicated; the work
 runs in the background and its progress is on `/status`.
 
-The decision core (`core.restart_policy`, `core.webhook`) is pure: no I/O, time passed
-in. The I/O around it (`Restarter`: HTTP, the check, the subprocess) is thin. Routes:
-`POST /alerts` and `GET /status` (bearer token), `/metrics`, `/-/healthy`, `/-/reload`,
-a landing page.
+What the authority remembers (the one action per backend, the alerts acted on, the
+budget) is in `state.MemoryState`, or with a `redis:` section in
+`shared_state.RedisState`, shared by replicas and kept across restarts. The decision core
+(`core.restart_policy`, `core.confirm`, `core.webhook`) is pure. Routes: `POST /alerts`
+and `GET /status` (bearer token), `/metrics`, `/-/healthy`, `/-/reload`, a landing page.
 
 Series (`restarter.collector`): `llm_restarter_restarts_total{backend,outcome}`
 (outcome: recovered, not_recovered, failed, timeout, error, dry_run),
@@ -32,66 +38,49 @@ Series (`restarter.collector`): `llm_restarter_restarts_total{backend,outcome}`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from ..config.errors import ConfigError
 from ..config.restarter import TOKEN_ENV, RestarterConfig, Target, load_config
 from ..config.web import WebConfig
-from ..core.health import Settings
-from ..core.restart_policy import OUTCOMES, REFUSALS, Policy
+from ..core.evidence import BadEvidence, parse_evidence
+from ..core.restart_policy import OUTCOMES, REFUSALS
 from ..core.states import State
-from ..core.webhook import Malformed, parse_webhook
+from ..core.webhook import Alert, Malformed, parse_webhook
 from ..probe.check import run_check
 from ..probe.client import BackendClient
-from ..probe.monitor import BackendMonitor
 from ..web import OPEN_PATHS, USER_KEY, BearerToken, add_reload, healthy, metrics_handler, secure
+from .action import Action, restart_and_recover
 from .collector import RestarterCollector
-from .runner import run_command
+from .confirm import confirm
+from .runner import OutputFiles
+from .state import MemoryState, RestartState
 
 log = logging.getLogger("llm_health.restarter")
 
 MAX_BODY = 1024 * 1024
-
-
-@dataclass
-class Action:
-    """One accepted alert and what became of it, for /status."""
-
-    id: int
-    backend: str
-    alertname: str
-    fingerprint: str
-    starts_at: str
-    received_at: float  # wall clock
-    labels: dict[str, str]
-    dry_run: bool = False
-    phase: str = "queued"  # queued, verifying, restarting, recovering, done
-    verification: dict[str, Any] | None = None
-    refusal: str | None = None
-    outcome: str | None = None
-    detail: str = ""
-    command: list[str] = field(default_factory=list)
-    command_result: dict[str, Any] | None = None
-    recovery_seconds: float | None = None
-    recovery_state: str | None = None
-    restart_seen: bool | None = None
-    finished_at: float | None = None
-
-    def status(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
+JANITOR_INTERVAL = 10.0  # seconds between checks of the restart commands' output files
 
 Verifier = Callable[[Target], Awaitable[dict[str, Any]]]
+
+
+def make_state(config: RestarterConfig, clock: Callable[[], float]) -> RestartState:
+    if config.redis is None:
+        return MemoryState(config.targets, config.budget, clock)
+    from .shared_state import RedisState  # needs the `redis` extra only with a `redis:` section
+
+    return RedisState(config.targets, config.budget, config.redis)
 
 
 class Restarter:
@@ -106,6 +95,7 @@ class Restarter:
         child_env: dict[str, str] | None = None,
         token_env: str = TOKEN_ENV,
         config_file: str | os.PathLike[str] | None = None,
+        state: RestartState | None = None,
     ):
         if not token:
             raise ValueError("the restarter needs a bearer token")
@@ -113,26 +103,28 @@ class Restarter:
         self.config_file = config_file
         self.dry_run = dry_run
         self.clock = clock
-        self.policy: Policy[Target] = Policy(config.targets, config.budget)
+        self.state = state or make_state(config, clock)
         self.verifier = verifier or self._check
         self._token = BearerToken(token)
         env = dict(os.environ if child_env is None else child_env)
         env.pop(token_env, None)  # the token is never handed to a restart command
         self.child_env = env
+        self.outputs = OutputFiles(config.output_dir, keep=config.history, max_bytes=config.max_output_file_bytes)
         self.refusals = dict.fromkeys(REFUSALS, 0)
         self.outcomes: dict[tuple[str, str], int] = {(t.name, o): 0 for t in config.targets if t.kind != "proxy" for o in OUTCOMES}
         self.recovery_seconds: dict[str, float] = {}
         self.actions: deque[Action] = deque(maxlen=config.history)
         self.refused: deque[dict[str, Any]] = deque(maxlen=config.history)
         self.tasks: set[asyncio.Task[None]] = set()
+        self._janitor: asyncio.Task[None] | None = None
         self._next_id = 1
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(RestarterCollector(self))
 
-    # --- verification and recovery: the same code as `llm-health check` ------------------
+    # --- verification: the alert's evidence, or the same code as `llm-health check` ------------
     async def _check(self, target: Target) -> dict[str, Any]:
         v = self.config.verify
-        return await run_check(
+        result = await run_check(
             target.url,
             kind=target.kind,
             interval=v.interval,
@@ -142,19 +134,47 @@ class Restarter:
             metrics_timeout=v.metrics_timeout,
             api_key=target.api_key,
         )
+        return {"method": "full_check", **result}
 
-    def _monitor(self, session: aiohttp.ClientSession, target: Target) -> BackendMonitor:
+    async def _confirm(self, target: Target, evidence_text: str) -> dict[str, Any] | None:
+        """The quick confirmation against the alert's evidence; None when it cannot tell."""
+        try:
+            evidence = parse_evidence(evidence_text)
+        except BadEvidence as exc:
+            log.warning("%s: %s; running the full check", target.name, exc)
+            return None
         v = self.config.verify
-        client = BackendClient(
-            session,
-            target.url,
-            api_key=target.api_key,
-            probe_timeout=v.probe_timeout,
-            metrics_timeout=v.metrics_timeout,
-            models_timeout=min(10.0, v.metrics_timeout),
-        )
-        # As in `check`, each idle round may probe: the recovery wait is short and ends at idle.
-        return BackendMonitor(client, kind=target.kind, settings=Settings(hung_after_seconds=v.hung_after_seconds, probe_interval=0.0))
+        async with aiohttp.ClientSession() as session:
+            client = BackendClient(
+                session,
+                target.url,
+                api_key=target.api_key,
+                probe_timeout=v.probe_timeout,
+                metrics_timeout=v.metrics_timeout,
+                models_timeout=min(10.0, v.metrics_timeout),
+            )
+            result = await confirm(client, evidence, self.config.confirm_interval)
+        if result["state"] is None:
+            log.info("%s: evidence gave no answer (%s); running the full check", target.name, result["reason"])
+            return None
+        return result
+
+    async def _verify(self, action: Action, target: Target, alert: Alert) -> dict[str, Any]:
+        evidence = alert.annotations.get("evidence") if alert.alertname == "LLMBackendHung" else None
+        if evidence is not None:
+            action.evidence = "alert"
+        elif alert.alertname == "VLLMEngineHung" and self.config.raw_alert_hold > 0:
+            # The raw layer's alert carries no evidence; the exporter's, for the same hang,
+            # follows within seconds. Wait for it rather than watch the engine all over again.
+            action.phase = "holding"
+            evidence = await self.state.wait_evidence(target.name, self.config.raw_alert_hold)
+            if evidence is not None:
+                action.evidence = "handed over by LLMBackendHung"
+        action.phase = "verifying"
+        result = await self._confirm(target, evidence) if evidence is not None else None
+        if result is None:
+            result = await self.verifier(target)
+        return result
 
     # --- the background action ----------------------------------------------------------
     def _refuse(self, reason: str, detail: str = "", **about: Any) -> None:
@@ -162,38 +182,54 @@ class Restarter:
         if reason not in ("unauthorised", "malformed"):
             self.refused.appendleft({"reason": reason, "detail": detail, "at": time.time(), **about})
 
-    async def _act(self, action: Action, target: Target, key: tuple[str, str]) -> None:
+    async def _act(self, action: Action, target: Target, alert: Alert) -> None:
         restarted = False
+        about = {"backend": target.name, "action": action.id, "alertname": action.alertname}
         try:
-            action.phase = "verifying"
             try:
-                result = await self.verifier(target)
+                result = await self._verify(action, target, alert)
             except Exception as exc:
                 log.exception("%s: re-verification failed", target.name)
                 result = {"state": State.UNKNOWN, "reason": f"re-verification failed: {type(exc).__name__}: {exc}"}
-            action.verification = {
-                k: result.get(k) for k in ("state", "reason", "running", "waiting", "rounds", "probes_sent", "steps_per_second", "generation_tokens_per_second")
-            }
+            action.verified_at = time.time()
+            keep = (
+                "method",
+                "state",
+                "reason",
+                "running",
+                "waiting",
+                "rounds",
+                "reads",
+                "digests",
+                "probes_sent",
+                "steps_per_second",
+                "generation_tokens_per_second",
+                "seconds",
+            )
+            action.verification = {k: result[k] for k in keep if k in result}
             if result.get("state") != State.HUNG:
                 action.refusal = "not_hung"
                 action.detail = f"re-verified {result.get('state')}: {result.get('reason')}"
-                self._refuse("not_hung", action.detail, backend=target.name, action=action.id)
+                self._refuse("not_hung", action.detail, **about)
                 log.info("%s: %s not acted on: %s", target.name, action.alertname, action.detail)
                 return
-            refusal, wait = self.policy.claim(target.name, self.clock())
+            refusal, wait = await self.state.claim(target.name)
             if refusal:
                 action.refusal = refusal
-                done = self.policy.restarts_in_window(target.name, self.clock())
                 if refusal == "budget_spent":
+                    view = await self.state.budget(target.name)
                     action.detail = (
-                        f"hung, but {done} restarts in the last {self.config.budget.window:g}s spent the budget "
+                        f"hung, but {view.restarts_in_window} restarts in the last {self.config.budget.window:g}s spent the budget "
                         f"({self.config.budget.max_restarts}); not restarting (llm_restarter_budget_exhausted 1), room again in {wait:.0f}s"
                     )
                     log.warning("%s: %s", target.name, action.detail)
-                else:
+                elif refusal == "cooldown":
                     action.detail = f"hung, but in cooldown after the last restart: {wait:.0f}s left"
                     log.info("%s: %s", target.name, action.detail)
-                self._refuse(refusal, action.detail, backend=target.name, action=action.id)
+                else:
+                    action.detail = "hung, but the shared state (Redis) cannot be read or written, or this replica lost the backend's lease"
+                    log.warning("%s: %s", target.name, action.detail)
+                self._refuse(refusal, action.detail, **about)
                 return
             restarted = True
             action.command = list(target.restart)
@@ -205,7 +241,16 @@ class Restarter:
                 )
                 log.info("%s: %s", target.name, action.detail)
                 return
-            await self._restart(action, target)
+            if not await self.state.still_ours(target.name):
+                restarted = False
+                action.refusal = "state_unavailable"
+                action.detail = "hung, but this replica lost the backend's lease before the restart: another one may act"
+                self._refuse("state_unavailable", action.detail, **about)
+                return
+            env = {**self.child_env, "LLM_HEALTH_BACKEND": target.name, "LLM_HEALTH_BACKEND_URL": target.url}
+            await restart_and_recover(action, target, self.config, env, self.outputs)
+            if action.recovery_seconds is not None:
+                self.recovery_seconds[target.name] = action.recovery_seconds
         except asyncio.CancelledError:
             action.outcome = action.outcome or ("error" if restarted else None)
             action.detail = action.detail or "cancelled (the restarter is stopping)"
@@ -217,67 +262,13 @@ class Restarter:
                 action.outcome = "error"
             else:
                 action.refusal = "not_hung"
-                self._refuse("not_hung", action.detail, backend=target.name, action=action.id)
+                self._refuse("not_hung", action.detail, **about)
         finally:
             if action.outcome:
                 self.outcomes[(target.name, action.outcome)] = self.outcomes.get((target.name, action.outcome), 0) + 1
-            self.policy.finish(target.name, key, restarted, self.clock())
             action.phase = "done"
             action.finished_at = time.time()
-
-    async def _restart(self, action: Action, target: Target) -> None:
-
-        async with aiohttp.ClientSession() as session:
-            monitor = self._monitor(session, target)
-            # A baseline of the old process, so its successor shows as `restarted`.
-            await monitor.round()
-            action.phase = "restarting"
-            log.warning("%s: restarting: %s (timeout %gs)", target.name, list(target.restart), target.restart_timeout)
-            started = time.monotonic()
-            env = {**self.child_env, "LLM_HEALTH_BACKEND": target.name, "LLM_HEALTH_BACKEND_URL": target.url}
-            result = await run_command(target.restart, target.restart_timeout, self.config.kill_grace, self.config.max_output_bytes, env)
-            action.command_result = {
-                "outcome": result.outcome,
-                "exit_code": result.exit_code,
-                "pid": result.pid,
-                "seconds": round(result.seconds, 3),
-                "output": result.output,
-                "output_bytes": result.output_bytes,
-                "output_truncated": result.truncated,
-                "detail": result.detail,
-            }
-            if result.outcome != "ok":
-                action.outcome = result.outcome
-                action.detail = f"restart command {result.detail}"
-                log.error("%s: restart command %s; output tail: %s", target.name, result.detail, result.output[-2000:])
-                return
-            action.phase = "recovering"
-            interval = self.config.recovery_interval or self.config.verify.interval
-            deadline = time.monotonic() + self.config.recovery_timeout
-            seen = False
-            state, reason = None, ""
-            while True:
-                verdict = await monitor.round()
-                state, reason = verdict.state, verdict.reason
-                seen = seen or state in (State.RESTARTED, State.DOWN)
-                if state in (State.IDLE, State.BUSY):
-                    action.recovery_seconds = time.monotonic() - started
-                    break
-                if time.monotonic() + interval > deadline:
-                    break
-                await asyncio.sleep(interval)
-            action.recovery_state, action.restart_seen = state, seen
-            if action.recovery_seconds is not None:
-                action.outcome = "recovered"
-                self.recovery_seconds[target.name] = action.recovery_seconds
-                action.detail = f"back {state} {action.recovery_seconds:.1f}s after the restart began" + (
-                    "" if seen else " (no new process seen: the engine moved again)"
-                )
-                log.info("%s: %s", target.name, action.detail)
-            else:
-                action.outcome = "not_recovered"
-                action.detail = f"not back after {self.config.recovery_timeout:g}s: last {state} ({reason})"
-                log.error("%s: %s", target.name, action.detail)
+            await asyncio.shield(self.state.finish(target.name, alert.key, restarted))
 
     # --- HTTP -----------------------------------------------------------------------------
     def authorised(self, request: web.Request) -> bool:
@@ -300,11 +291,10 @@ class Restarter:
             return web.json_response({"error": f"malformed webhook: {exc}"}, status=400)
         if webhook.truncated_alerts:
             log.warning("Alertmanager truncated %d alerts from this notification (max_alerts)", webhook.truncated_alerts)
-        now = self.clock()
         answers = []
         accepted = 0
         for alert in webhook.alerts:
-            adm = self.policy.admit(alert, now)
+            adm = await self.state.admit(alert)
             answer: dict[str, Any] = {
                 "alertname": alert.alertname,
                 "fingerprint": alert.fingerprint,
@@ -317,7 +307,7 @@ class Restarter:
             if adm.decision == "accepted":
                 accepted += 1
                 assert adm.backend is not None  # accepted alerts name their backend
-                target = self.policy.targets[adm.backend]
+                target = next(t for t in self.config.targets if t.name == adm.backend)
                 action = Action(
                     self._next_id, target.name, alert.alertname, alert.fingerprint, alert.starts_at, time.time(), alert.labels, dry_run=self.dry_run
                 )
@@ -332,32 +322,39 @@ class Restarter:
                     alert.starts_at,
                     action.id,
                 )
-                task = asyncio.create_task(self._act(action, target, alert.key), name=f"restarter-{target.name}-{action.id}")
+                task = asyncio.create_task(self._act(action, target, alert), name=f"restarter-{target.name}-{action.id}")
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
             elif adm.decision == "ignored":
                 log.info("ignored %s: %s", alert.alertname, adm.detail)
             else:
+                if adm.decision == "duplicate" and adm.backend is not None and "evidence" in alert.annotations and alert.alertname == "LLMBackendHung":
+                    # An action for this backend may be holding a VLLMEngineHung for exactly this.
+                    await self.state.offer_evidence(adm.backend, alert.annotations["evidence"], self.config.raw_alert_hold)
+                    answer["detail"] = f"{adm.detail}; its evidence was handed to that action"
                 self._refuse(adm.decision, adm.detail, backend=adm.backend, alertname=alert.alertname, fingerprint=alert.fingerprint, startsAt=alert.starts_at)
                 log.info("%s (fingerprint %s) refused: %s: %s", alert.alertname, alert.fingerprint, adm.decision, adm.detail)
             answers.append(answer)
         # 2xx is success to Alertmanager; 202 says the work goes on in the background.
         return web.json_response({"accepted": accepted, "alerts": answers, "dry_run": self.dry_run}, status=202 if accepted else 200)
 
-    def status(self) -> dict[str, Any]:
-        now = self.clock()
+    async def status(self) -> dict[str, Any]:
         backends = []
         for t in self.config.targets:
             entry: dict[str, Any] = {"backend": t.name, "url": t.url, "instance": t.instance, "kind": t.kind}
             if t.kind != "proxy":
-                refusal, wait = self.policy.verdict(t.name, now)
+                entry.update(restart=list(t.restart), restart_timeout=t.restart_timeout)
+                try:
+                    view = await self.state.budget(t.name)
+                    entry.update(
+                        restarts_in_window=view.restarts_in_window,
+                        next_restart_allowed_in=round(view.wait, 3),
+                        budget=view.refusal or "ok",
+                        budget_exhausted=view.exhausted,
+                    )
+                except Exception as exc:  # the shared state is down: say so, show the rest
+                    entry.update(budget="unknown", budget_error=f"shared state unavailable: {type(exc).__name__}")
                 entry.update(
-                    restart=list(t.restart),
-                    restart_timeout=t.restart_timeout,
-                    restarts_in_window=self.policy.restarts_in_window(t.name, now),
-                    next_restart_allowed_in=round(wait, 3),
-                    budget=refusal or "ok",
-                    budget_exhausted=self.policy.exhausted(t.name, now),
                     in_progress=next((a.id for a in self.actions if a.backend == t.name and a.phase != "done"), None),
                     last_recovery_seconds=self.recovery_seconds.get(t.name),
                 )
@@ -365,6 +362,8 @@ class Restarter:
         b = self.config.budget
         return {
             "dry_run": self.dry_run,
+            "state": self.state.mode,
+            "output_dir": str(self.outputs.directory) if self.outputs.directory else None,
             "budget": {"max_restarts": b.max_restarts, "window": b.window, "cooldown": b.cooldown, "backoff": b.backoff},
             "backends": backends,
             "actions": [a.status() for a in self.actions],
@@ -375,18 +374,31 @@ class Restarter:
     async def handle_status(self, request: web.Request) -> web.Response:
         if not self.authorised(request):
             return self._unauthorised(request)
-        return web.json_response(self.status(), dumps=lambda o: json.dumps(o, default=str))
+        return web.json_response(await self.status(), dumps=lambda o: json.dumps(o, default=str))
 
     async def handle_index(self, request: web.Request) -> web.Response:
         return web.Response(
             text="llm-health restarter: POST /alerts (Alertmanager webhook v4, bearer token), GET /status (bearer token), /metrics, /-/healthy\n"
         )
 
+    async def start(self) -> None:
+        await self.state.start()
+        self._janitor = asyncio.create_task(self._keep_outputs_bounded(), name="restarter-output-janitor")
+
+    async def _keep_outputs_bounded(self) -> None:
+        while True:
+            await asyncio.sleep(JANITOR_INTERVAL)
+            self.outputs.enforce()
+
     async def stop(self) -> None:
         tasks = list(self.tasks)
+        if self._janitor is not None:
+            tasks.append(self._janitor)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.state.close()
 
     async def reload(self) -> str:
         """Re-read the configuration file. Budgets, cooldowns and remembered alerts of
@@ -394,7 +406,9 @@ class Restarter:
         if self.config_file is None:
             return "no configuration file to reload"
         new = load_config(self.config_file)
-        self.policy.update(new.targets, new.budget)
+        if new.redis != self.config.redis:
+            raise ConfigError(str(self.config_file), "redis", "changed: the shared state moves only with a restart of the restarter")
+        self.state.update(new.targets, new.budget)
         for t in new.targets:
             if t.kind != "proxy":
                 for o in OUTCOMES:
@@ -413,9 +427,13 @@ class Restarter:
         app.router.add_get("/-/healthy", healthy)
         add_reload(app, self.reload)
 
+        async def on_startup(_app: web.Application) -> None:
+            await self.start()
+
         async def on_cleanup(_app: web.Application) -> None:
             await self.stop()
 
+        app.on_startup.append(on_startup)
         app.on_cleanup.append(on_cleanup)
         return app
 

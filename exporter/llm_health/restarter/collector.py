@@ -3,26 +3,28 @@ time; no I/O."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from ..collector import SnapshotCollector
-from ..config.restarter import RestarterConfig, Target
-from ..core.restart_policy import REFUSALS, Policy
+from ..config.restarter import RestarterConfig
+from ..core.restart_policy import REFUSALS
+
+
+class Exhausted(Protocol):
+    def exhausted(self, backend: str) -> bool: ...
 
 
 class Counts(Protocol):
     """What the collector reads of the restarter."""
 
     @property
-    def clock(self) -> Callable[[], float]: ...
-    @property
     def config(self) -> RestarterConfig: ...
     @property
-    def policy(self) -> Policy[Target]: ...
+    def state(self) -> Exhausted: ...
     @property
     def outcomes(self) -> Mapping[tuple[str, str], int]: ...
     @property
@@ -39,7 +41,6 @@ class RestarterCollector(SnapshotCollector):
 
     def families(self, describing: bool) -> list[Metric]:
         r = self.r
-        now = r.clock()
         restarts = CounterMetricFamily(
             "llm_restarter_restarts",
             "Restarts run after a re-verified hang, by outcome (recovered, not_recovered, failed, timeout, error, dry_run).",
@@ -62,5 +63,5 @@ class RestarterCollector(SnapshotCollector):
         )
         for t in r.config.targets:
             if t.kind != "proxy":
-                exhausted.add_metric([t.name], 1.0 if r.policy.exhausted(t.name, now) else 0.0)
+                exhausted.add_metric([t.name], 1.0 if r.state.exhausted(t.name) else 0.0)
         return [restarts, refusals, recovery, exhausted]

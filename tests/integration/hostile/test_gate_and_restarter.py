@@ -78,7 +78,7 @@ async def test_numeric_and_id_headers_are_refused_by_name(gate, header, value):
 async def test_request_ids_are_scoped_by_tenant(gate):
     """Row 8: tenant A sends `order-1001` with a past deadline; tenant B's own `order-1001`
     got a non-retryable 422."""
-    proc, upstream = gate
+    proc, _upstream = gate
     late = str(int(time.time() * 1000) - 1000)
     status, _ = await post(proc.url, {"X-Request-Id": "order-1001", "X-Tenant": "tenant-a", "X-Request-Deadline-Ms": late})
     assert status == 422

@@ -1,0 +1,127 @@
+"""One accepted alert and what became of it; the restart itself and the wait for the
+backend to come back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from ..config.restarter import RestarterConfig, Target
+from ..core.health import Settings
+from ..core.states import State
+from ..probe.client import BackendClient
+from ..probe.monitor import BackendMonitor
+from .runner import OutputFiles, run_command
+
+log = logging.getLogger("llm_health.restarter")
+
+
+@dataclass
+class Action:
+    """One accepted alert and what became of it, for /status. Times are wall clock (Unix s)."""
+
+    id: int
+    backend: str
+    alertname: str
+    fingerprint: str
+    starts_at: str
+    received_at: float
+    labels: dict[str, str]
+    dry_run: bool = False
+    phase: str = "queued"  # queued, holding, verifying, restarting, recovering, done
+    evidence: str | None = None  # where the evidence came from: this alert, or handed over by another
+    verification: dict[str, Any] | None = None
+    refusal: str | None = None
+    outcome: str | None = None
+    detail: str = ""
+    command: list[str] = field(default_factory=list)
+    command_result: dict[str, Any] | None = None
+    recovery_seconds: float | None = None
+    recovery_state: str | None = None
+    restart_seen: bool | None = None
+    verified_at: float | None = None
+    command_started_at: float | None = None
+    command_ended_at: float | None = None
+    recovered_at: float | None = None
+    finished_at: float | None = None
+
+    def status(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def monitor_for(session: aiohttp.ClientSession, target: Target, config: RestarterConfig) -> BackendMonitor:
+    v = config.verify
+    client = BackendClient(
+        session,
+        target.url,
+        api_key=target.api_key,
+        probe_timeout=v.probe_timeout,
+        metrics_timeout=v.metrics_timeout,
+        models_timeout=min(10.0, v.metrics_timeout),
+    )
+    # As in `check`, each idle round may probe: the recovery wait is short and ends at idle.
+    return BackendMonitor(client, kind=target.kind, settings=Settings(hung_after_seconds=v.hung_after_seconds, probe_interval=0.0))
+
+
+async def restart_and_recover(action: Action, target: Target, config: RestarterConfig, env: dict[str, str], outputs: OutputFiles) -> None:
+    """Run the restart command, then read the backend every `recovery_interval` until it
+    is idle or busy again (or `recovery_timeout`). Fills in the action."""
+    async with aiohttp.ClientSession() as session:
+        monitor = monitor_for(session, target, config)
+        # A baseline of the old process, so its successor shows as `restarted`.
+        await monitor.round()
+        action.phase = "restarting"
+        log.warning("%s: restarting: %s (timeout %gs)", target.name, list(target.restart), target.restart_timeout)
+        started = time.monotonic()
+        action.command_started_at = time.time()
+        output_file = outputs.new(target.name, action.id)
+        result = await run_command(target.restart, target.restart_timeout, output_file, config.kill_grace, config.max_output_bytes, env)
+        action.command_ended_at = time.time()
+        action.command_result = {
+            "outcome": result.outcome,
+            "exit_code": result.exit_code,
+            "pid": result.pid,
+            "seconds": round(result.seconds, 3),
+            "output": result.output,
+            "output_bytes": result.output_bytes,
+            "output_truncated": result.truncated,
+            "output_file": result.output_file,
+            "detail": result.detail,
+        }
+        if result.outcome != "ok":
+            action.outcome = result.outcome
+            action.detail = f"restart command {result.detail}"
+            log.error("%s: restart command %s; output tail: %s", target.name, result.detail, result.output[-2000:])
+            return
+        action.phase = "recovering"
+        interval = config.recovery_interval
+        deadline = started + config.recovery_timeout
+        seen = False
+        state, reason = None, ""
+        while True:
+            verdict = await monitor.round()
+            state, reason = verdict.state, verdict.reason
+            seen = seen or state in (State.RESTARTED, State.DOWN)
+            if state in (State.IDLE, State.BUSY):
+                action.recovery_seconds = round(time.monotonic() - started, 3)
+                action.recovered_at = time.time()
+                break
+            if time.monotonic() + interval > deadline:
+                break
+            await asyncio.sleep(interval)
+        action.recovery_state, action.restart_seen = state, seen
+        if action.recovery_seconds is not None:
+            action.outcome = "recovered"
+            action.detail = f"back {state} {action.recovery_seconds:.1f}s after the restart began" + (
+                "" if seen else " (no new process seen: the engine moved again)"
+            )
+            log.info("%s: %s", target.name, action.detail)
+        else:
+            action.outcome = "not_recovered"
+            action.detail = f"not back after {config.recovery_timeout:g}s: last {state} ({reason})"
+            log.error("%s: %s", target.name, action.detail)

@@ -1,0 +1,233 @@
+"""The restart authority's memory in Redis (`redis:` in the restarter's config): shared by
+every replica, kept when a restarter restarts. Needs the `redis` extra.
+
+Keys (prefix `llm-health:restarter:` by default; docs/redis-schema.md):
+
+* `<prefix>lease:<backend>` (with `leaseinfo:` and `fence:`): the lease library's lease,
+  one per backend: the replica holding it is the only one acting on that backend. It is
+  renewed while the action runs and released when it ends; a replica that dies mid-action
+  leaves it to expire (`lease_ttl`).
+* `<prefix>restarts:<backend>`: sorted set, one member per restart, scored by its start
+  (Redis clock, ms); `<prefix>ended:<backend>`: hash, restart id -> end (ms). The budget
+  and cooldown are computed from these with `core.restart_policy.budget_verdict`, by the
+  lease holder only, with the Redis clock (replicas' clocks never compared).
+* `<prefix>done:<backend>:<sha256 of fingerprint and startsAt>`: an alert that led to a
+  restart, `SET NX` with a TTL of a day: a duplicate for every replica.
+* `<prefix>exhausted:<backend>`: set while a verified hang was refused for budget, for
+  as long as the window has no room.
+* `<prefix>evidence:<backend>`: an LLMBackendHung's evidence handed to the replica whose
+  action for a VLLMEngineHung is waiting for it (`raw_alert_hold`).
+
+A replica that cannot read or write Redis refuses to act (`state_unavailable`): without
+the shared state it could double a restart or overspend the budget. Alertmanager repeats
+the alert, and it is judged again once Redis answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from ..config.restarter import SharedState, Target
+from ..core.restart_policy import KEY_TTL, Admission, Budget, Policy, RestartRecord, budget_verdict
+from ..core.webhook import Alert
+from ..store.connection import TRANSIENT, server_ms
+from ..store.heartbeat import Heartbeat
+from ..store.keys import LeaseKeys
+from ..store.leases import LeaseClient
+from ..store.records import Lease
+from .state import BudgetView, Handoff
+
+log = logging.getLogger("llm_health.restarter")
+
+ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT, RedisError)
+POLL = 0.25  # seconds between looks for handed-over evidence
+
+
+@dataclass
+class _Held:
+    key: tuple[str, str]
+    lease: Lease
+    heartbeat: Heartbeat
+    restart_id: str | None = None
+
+
+class RedisState:
+    mode = "redis"
+
+    def __init__(self, targets: Sequence[Target], budget: Budget, config: SharedState):
+        self.policy: Policy[Target] = Policy(targets, budget)  # only its pure checks are used
+        self.config = config
+        self.prefix = config.key_prefix
+        self.leases = LeaseClient.from_url(config.url, socket_timeout=config.timeout, keys=LeaseKeys(lease_prefix=self.prefix + "lease:"))
+        self.redis = self.leases.redis
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.held: dict[str, _Held] = {}
+        self.handoff = Handoff()
+        self._exhausted: dict[str, float] = {}  # backend -> monotonic time until which it is (cache for /metrics)
+
+    # --- keys -----------------------------------------------------------------------------
+    def _k(self, what: str, backend: str) -> str:
+        return f"{self.prefix}{what}:{backend}"
+
+    def _done_key(self, backend: str, key: tuple[str, str]) -> str:
+        digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:32]
+        return f"{self.prefix}done:{backend}:{digest}"
+
+    # --- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        try:
+            await self.redis.ping()
+        except ERRORS as exc:  # not fatal: the restarter refuses to act until Redis answers
+            log.warning("shared state: Redis does not answer yet (%s); alerts are refused as state_unavailable until it does", type(exc).__name__)
+
+    async def close(self) -> None:
+        for backend in list(self.held):
+            await self._let_go(backend)
+        await self.leases.aclose()
+
+    def update(self, targets: Sequence[Target], budget: Budget) -> None:
+        self.policy.update(targets, budget)
+
+    # --- admission ----------------------------------------------------------------------------
+    async def admit(self, alert: Alert) -> Admission:
+        target = self.policy.classify(alert)
+        if isinstance(target, Admission):
+            return target
+        name = target.name
+        held = self.held.get(name)
+        if held is not None:
+            why = "this alert is being acted on" if held.key == alert.key else "another alert for this backend is being acted on"
+            return Admission(alert, "duplicate", name, why)
+        try:
+            if await self.redis.exists(self._done_key(name, alert.key)):
+                return Admission(alert, "duplicate", name, "this alert (fingerprint, startsAt) was already acted on")
+            lease = await self.leases.claim(name, self.holder, ttl_ms=int(self.config.lease_ttl * 1000), job_id=alert.fingerprint)
+        except ERRORS as exc:
+            return Admission(alert, "state_unavailable", name, f"shared state (Redis) unavailable: {type(exc).__name__}")
+        if lease is None:
+            return Admission(alert, "duplicate", name, "another restarter replica is acting on this backend")
+        hb = self.leases.heartbeat(lease)
+        self.held[name] = _Held(alert.key, lease, hb)
+        return Admission(alert, "accepted", name)
+
+    async def still_ours(self, backend: str) -> bool:
+        held = self.held.get(backend)
+        if held is None or held.heartbeat.lost.is_set():
+            return False
+        try:
+            return await self.leases.check_fence(backend, held.lease.token)
+        except ERRORS:
+            return False
+
+    # --- budget ------------------------------------------------------------------------------
+    async def _records(self, backend: str) -> tuple[list[RestartRecord], dict[str, RestartRecord], float]:
+        now_ms = await server_ms(self.redis)
+        window_ms = int(self.policy.budget.window * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrangebyscore(self._k("restarts", backend), now_ms - window_ms, "+inf", withscores=True)
+        pipe.hgetall(self._k("ended", backend))
+        members, ended = await pipe.execute()
+        by_id = {}
+        for member, score in members:
+            end = ended.get(member)
+            by_id[member] = RestartRecord(score / 1000, int(end) / 1000 if end is not None else None)
+        return list(by_id.values()), by_id, now_ms / 1000
+
+    async def claim(self, backend: str) -> tuple[str | None, float]:
+        if not await self.still_ours(backend):
+            return "state_unavailable", 0.0
+        try:
+            records, _, now = await self._records(backend)
+            refusal, wait = budget_verdict(self.policy.budget, records, now)
+            if refusal == "budget_spent":
+                await self.redis.set(self._k("exhausted", backend), "1", px=max(1, int(wait * 1000)))
+                self._exhausted[backend] = time.monotonic() + wait
+            if refusal:
+                return refusal, wait
+            held = self.held[backend]
+            held.restart_id = f"{int(now * 1000)}-{held.lease.token}"
+            window_ms = int(self.policy.budget.window * 1000)
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.zadd(self._k("restarts", backend), {held.restart_id: int(now * 1000)})
+            pipe.zremrangebyscore(self._k("restarts", backend), "-inf", int(now * 1000) - window_ms)
+            pipe.pexpire(self._k("restarts", backend), window_ms + 60_000)
+            pipe.delete(self._k("exhausted", backend))
+            await pipe.execute()
+            self._exhausted.pop(backend, None)
+        except ERRORS as exc:
+            log.warning("%s: shared state unavailable while claiming the budget: %s", backend, type(exc).__name__)
+            return "state_unavailable", 0.0
+        return None, 0.0
+
+    async def budget(self, backend: str) -> BudgetView:
+        records, _, now = await self._records(backend)
+        refusal, wait = budget_verdict(self.policy.budget, records, now)
+        pttl = await self.redis.pttl(self._k("exhausted", backend))
+        exhausted = pttl is not None and pttl > 0 and refusal == "budget_spent"
+        if exhausted:
+            self._exhausted[backend] = time.monotonic() + pttl / 1000
+        else:
+            self._exhausted.pop(backend, None)
+        return BudgetView(len(records), refusal, wait, exhausted)
+
+    def exhausted(self, backend: str) -> bool:
+        return self._exhausted.get(backend, 0.0) > time.monotonic()
+
+    # --- the end of an action ---------------------------------------------------------------------
+    async def finish(self, backend: str, key: tuple[str, str], restarted: bool) -> None:
+        held = self.held.get(backend)
+        self.handoff.take(backend)
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.delete(self._k("evidence", backend))
+            if restarted:
+                now_ms = await server_ms(self.redis)
+                pipe.set(self._done_key(backend, key), "1", px=int(KEY_TTL * 1000))
+                if held is not None and held.restart_id is not None:
+                    window_ms = int(self.policy.budget.window * 1000)
+                    pipe.hset(self._k("ended", backend), held.restart_id, str(now_ms))
+                    pipe.pexpire(self._k("ended", backend), window_ms + 60_000)
+            await pipe.execute()
+        except ERRORS as exc:
+            log.warning("%s: could not record the end of the action in Redis: %s", backend, type(exc).__name__)
+        await self._let_go(backend)
+
+    async def _let_go(self, backend: str) -> None:
+        held = self.held.pop(backend, None)
+        if held is None:
+            return
+        await held.heartbeat.stop()
+        if not held.heartbeat.lost.is_set():
+            with contextlib.suppress(*ERRORS):
+                await self.leases.release(held.lease)
+
+    # --- evidence handed from one alert to another's action ----------------------------------------
+    async def offer_evidence(self, backend: str, evidence: str, hold: float) -> None:
+        self.handoff.offer(backend, evidence)
+        with contextlib.suppress(*ERRORS):
+            await self.redis.set(self._k("evidence", backend), evidence, px=max(1, int(hold * 1000)))
+
+    async def wait_evidence(self, backend: str, timeout: float) -> str | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            local = self.handoff.take(backend)
+            if local is not None:
+                return local
+            with contextlib.suppress(*ERRORS):
+                shared = await self.redis.getdel(self._k("evidence", backend))
+                if shared is not None:
+                    return str(shared)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            await self.handoff.wait(backend, min(POLL, left))
