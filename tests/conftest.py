@@ -7,6 +7,7 @@ pytest_plugins = [
     "tests.fixtures.redis",
     "tests.fixtures.stack",
     "tests.fixtures.vllm",
+    "tests.fixtures.llamacpp",
     "tests.fixtures.procs",
     "tests.fixtures.tcpproxy",
     "tests.fixtures.hostile",

