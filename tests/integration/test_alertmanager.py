@@ -141,6 +141,9 @@ def test_the_three_inhibitions_the_issue_asks_for():
     # A hung alert needs a target that answers, so it never fires beside these: muting it
     # would only ever be a risk (an inhibition that outlived a host's recovery).
     assert ("VLLMHostDown", "VLLMEngineHung") not in pairs and ("LLMBackendsAllDown", "LLMBackendHung") not in pairs
+    # A llama-server whose loop is stuck outside a decode fails its scrapes: LlamaCppServerDown
+    # is then a hang, and VLLMHostDown (which counts vLLM targets only) must not mute it.
+    assert not {p for p in pairs if p[1].startswith("LlamaCpp")}
 
 
 # --- the shipped config in a real Alertmanager -----------------------------------------

@@ -234,3 +234,48 @@ async def test_live_endpoint_for_a_kubelet(sim_server, ticker, serve):
     # so compare with a round's worth of slack rather than exact counts).
     assert all(len(s.received) == sent[s.name] for s in (busy, hung))
     assert all(s.metrics_reads - reads[s.name] <= 3 for s in (idle, busy, hung))
+
+
+async def test_llamacpp_fleet_states(sim_server, ticker, serve):
+    """Simulated llama-servers (`SimServer(kind="llamacpp")`): idle after exactly one probe,
+    counted by llama.cpp's own counters; busy with nothing sent; hung when the loop stops
+    inside a decode (a frozen snapshot) and when it stops outside one (`/metrics` times out
+    while `/health` answers); a restart seen, then idle again."""
+    idle = await sim_server("idle", scenario="idle", kind="llamacpp")
+    busy = await sim_server("busy", scenario="saturated", kind="llamacpp")
+    frozen = await sim_server("frozen", scenario="hung", kind="llamacpp")
+    stuck = await sim_server("stuck", scenario="idle", kind="llamacpp")
+    restarting = await sim_server("restarting", scenario="idle", kind="llamacpp")
+    ticker.extend([busy, frozen, stuck, restarting])
+    exporter, client = await serve([(s.name, s.url, "vllm") for s in (idle, busy, frozen, stuck, restarting)])
+    text = await wait_for(client, "frozen", "hung")
+    assert state_of(text, "busy") == "busy"
+    for s in (idle, stuck, restarting):
+        text = await wait_for(client, s.name, "idle")
+    s = samples(text)
+    assert s[("llm_backend_info", (("backend", "busy"), ("kind", "vllm"), ("profile", "llamacpp")))] == 1
+    assert s[("llm_backend_requests_running", (("backend", "busy"), ("engine", ""), ("model_name", "")))] == 12
+    assert s[("llm_backend_probes_total", (("backend", "idle"), ("result", "ok")))] == 1
+    assert len(idle.received) == 1 and idle.llamacpp.n_decode == 1 and idle.llamacpp.tokens_predicted == 1
+    assert busy.received == [] and frozen.received == []
+
+    sim.stuck(stuck)
+    await wait_for(client, "stuck", "hung")
+    status = {b["backend"]: b for b in (await (await client.get("/status")).json())["backends"]}
+    assert "/health answers" in status["stuck"]["reason"]
+
+    def restarts(text: str) -> float:
+        return samples(text).get(("llm_backend_restarts_total", (("backend", "restarting"),)), 0)
+
+    before = restarts(await (await client.get("/metrics")).text())
+    # A new process that served two requests before the next read: its counters are already
+    # past the old ones, only the new Process-Start-Time-Unix header shows the restart.
+    restarting.restart()
+    restarting.llamacpp.probe()
+    restarting.llamacpp.probe()
+    deadline = time.monotonic() + 10
+    while (after := restarts(await (await client.get("/metrics")).text())) == before and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert after == before + 1
+    await wait_for(client, "restarting", "idle")
+    await exporter.stop()

@@ -325,6 +325,11 @@ def test_monitoring_objects_pass_the_operator_models(validators):
     assert not failed
 
 
+def first_alert(prometheusrule: dict[str, Any]) -> dict[str, Any]:
+    """The first alerting rule of a PrometheusRule (a group may hold recording rules only)."""
+    return next(r for g in prometheusrule["spec"]["groups"] for r in g["rules"] if "alert" in r)
+
+
 def break_monitors() -> dict[str, tuple[dict[str, Any], str]]:
     """Broken copies of the shipped objects: {what: (document, text its error must hold)}."""
     docs = [d for _, d in monitoring_documents()]
@@ -344,7 +349,7 @@ def break_monitors() -> dict[str, tuple[dict[str, Any], str]]:
     del d["spec"]["groups"][0]["rules"][0]["expr"]
     cases["rule without expr"] = (d, "expr")
     d = copy.deepcopy(pr)
-    d["spec"]["groups"][0]["rules"][0]["for"] = "5 minutes"
+    first_alert(d)["for"] = "5 minutes"
     cases["for that is no duration"] = (d, "for")
     d = copy.deepcopy(sm)
     d["metadata"]["labels"]["app.kubernetes.io/part-of"] = 1
@@ -385,7 +390,7 @@ def test_unknown_fields_are_refused(validators, tmp_path):
     d["spec"]["podMetricsEndpoints"][1]["relabelings"][0]["replacment"] = "llm-health"
     typos.append((d, "replacment"))
     d = copy.deepcopy(pr)
-    rule = d["spec"]["groups"][0]["rules"][0]
+    rule = first_alert(d)
     rule["annotation"] = rule.pop("annotations")
     typos.append((d, "annotation"))
 

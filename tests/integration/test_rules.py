@@ -1,5 +1,6 @@
 """The rule pack: generated files up to date, promtool-valid, unit-tested, mixin style,
-and reading only series that exist (in real vLLM payloads or the exporter's contract)."""
+and reading only series that exist (in real vLLM and llama.cpp payloads or the exporter's
+contract)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fixtures.paths import REAL_METRICS, REAL_VLLM, ROOT, RULES
+from tests.fixtures.paths import REAL_LLAMACPP, REAL_METRICS, REAL_VLLM, ROOT, RULES
 from tests.fixtures.stack import PROMTOOL, exporter_series, metric_names, payload_series, run_tool
 
 RULE_FILES = sorted(RULES.glob("*.rules.yml"))
@@ -27,6 +28,9 @@ NEWER_THAN_PAYLOADS = {
 }
 # The V0 name kept as a fallback for KV usage; every other vllm: name must be in the V1 payload.
 V0_ONLY = {"vllm:gpu_cache_usage_perc"}
+# llama-server series the llama.cpp rules leave out on purpose: every /metrics read resets
+# the two throughput gauges, and n_busy_slots_per_decode is a lifetime average.
+LLAMACPP_NOT_PROGRESS = {"llamacpp:prompt_tokens_seconds", "llamacpp:predicted_tokens_seconds", "llamacpp:n_busy_slots_per_decode"}
 
 needs_promtool = pytest.mark.skipif(not PROMTOOL, reason="promtool is not installed (apt-get install prometheus)")
 
@@ -44,7 +48,7 @@ def alerts() -> list[dict]:
 
 
 def test_rule_files_exist():
-    assert {p.name for p in RULE_FILES} == {"vllm.rules.yml", "llm-health.rules.yml"}
+    assert {p.name for p in RULE_FILES} == {"vllm.rules.yml", "llamacpp.rules.yml", "llm-health.rules.yml"}
     assert TEST_FILES
 
 
@@ -55,11 +59,22 @@ def test_generated_files_are_up_to_date():
 
 def test_generator_overrides_reach_every_file(tmp_path):
     result = run_tool(
-        sys.executable, str(RULES / "generate.py"), "--out", str(tmp_path), "--set", "vllm.progress_window=7s", "--set", "exporter.backend_hung_for=3s"
+        sys.executable,
+        str(RULES / "generate.py"),
+        "--out",
+        str(tmp_path),
+        "--set",
+        "vllm.progress_window=7s",
+        "--set",
+        "exporter.backend_hung_for=3s",
+        "--set",
+        "llamacpp.progress_window=9s",
     )
     assert result.returncode == 0, result.stderr
     vllm = (tmp_path / "vllm.rules.yml").read_text()
     assert "changes7s" in vllm and "[7s]" in vllm and "[3m]" not in vllm
+    llamacpp = (tmp_path / "llamacpp.rules.yml").read_text()
+    assert "changes9s" in llamacpp and "[9s]" in llamacpp and "offset 9s" in llamacpp and "[2m]" not in llamacpp
     assert "for: 3s" in (tmp_path / "llm-health.rules.yml").read_text()
     assert "changes7s" in (tmp_path / "prometheusrule.yaml").read_text()
 
@@ -144,7 +159,7 @@ def test_mixin_conventions():
         name = rule["alert"]
         assert name not in seen, f"{name} defined twice"
         seen.add(name)
-        assert re.fullmatch(r"(VLLM|LLM)[A-Z][A-Za-z0-9]+", name), name
+        assert re.fullmatch(r"(VLLM|LLM|LlamaCpp)[A-Z][A-Za-z0-9]+", name), name
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
         ann = rule["annotations"]
         assert ann["summary"].endswith(".") and "{{" not in ann["summary"], f"{name}: summary must be static"
@@ -182,9 +197,16 @@ def test_metric_name_extraction_catches_the_known_bug():
     assert metric_names("sum by (job) (x offset 3m) and on (job) y unless z > 1e9") == {"x", "y", "z"}
 
 
+def llamacpp_payloads() -> list[Path]:
+    files = sorted(REAL_LLAMACPP.glob("*.prom"))
+    assert files, f"no llama-server payloads under {REAL_LLAMACPP}"
+    return files
+
+
 def test_every_series_read_by_a_rule_exists():
     recorded = {r["record"] for r in all_rules() if "record" in r}
     exported = exporter_series()
+    llamacpp = set().union(*(payload_series(p) for p in llamacpp_payloads()))
     payloads = {p.name: payload_series(p) for p in vllm_payloads()}
     captures = [payload_series(p) for p in sorted(REAL_VLLM_CAPTURES.glob("*.prom"))]
     v1 = payloads[V1_PAYLOAD.name]
@@ -194,7 +216,10 @@ def test_every_series_read_by_a_rule_exists():
         for name in metric_names(rule["expr"]):
             if name in recorded or name == "up":
                 continue
-            if name.startswith("llm_"):
+            if name.startswith("llamacpp:"):
+                if name not in llamacpp:
+                    problems.append(f"{who}: {name} is in no live llama-server payload ({REAL_LLAMACPP.relative_to(ROOT)})")
+            elif name.startswith("llm_"):
                 if name not in exported:
                     problems.append(f"{who}: {name} is not an exporter series (docs/architecture.md)")
             elif name in NEWER_THAN_PAYLOADS:
@@ -226,3 +251,39 @@ def test_fingerprint_reads_every_progress_signal():
     }
     hung = next(r for r in alerts() if r["alert"] == "VLLMEngineHung")["expr"]
     assert "vllm:engine_sleep_state" in hung and "process_restarts" in hung and "counter_resets" in hung
+
+
+def test_llamacpp_fingerprint_reads_every_counter_and_gauge():
+    """llama-server moves nothing but its counters and two gauges while it works: the
+    progress count reads every one of them, the resets every counter, and nothing else."""
+    live = payload_series(REAL_LLAMACPP / "busy.prom")
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", (REAL_LLAMACPP / "busy.prom").read_text(), re.M))
+    rules = {r.get("record"): r["expr"] for r in all_rules() if "record" in r}
+    progress = next(expr for name, expr in rules.items() if name.startswith("instance:llamacpp_progress_signals:"))
+    resets = next(expr for name, expr in rules.items() if name.startswith("instance:llamacpp_counter_resets:"))
+    assert metric_names(progress) == live - LLAMACPP_NOT_PROGRESS
+    assert metric_names(resets) == {n for n in live - LLAMACPP_NOT_PROGRESS if types[n] == "counter"}
+    hung = next(r for r in alerts() if r["alert"] == "LlamaCppServerHung")["expr"]
+    assert "progress_signals" in hung and "counter_resets" in hung and "min_over_time(up{" in hung and " offset " in hung
+
+
+def test_llamacpp_cases_come_from_the_live_payloads():
+    """Each llama.cpp series in the unit tests starts from a value a live llama-server
+    answered (tests/data/llamacpp/), and the cases the alert must tell apart are there."""
+    values: dict[str, set[float]] = {}
+    for path in llamacpp_payloads():
+        for name, value in re.findall(r"^(llamacpp:\S+) (\S+)$", path.read_text(), re.M):
+            values.setdefault(name, set()).add(float(value))
+    test_file = RULES / "tests" / "llamacpp.test.yml"
+    checked = 0
+    for case in load(test_file)["tests"]:
+        for series in case["input_series"]:
+            name = series["series"].split("{")[0]
+            if name.startswith("llamacpp:"):
+                first = float(re.match(r"[-0-9.e]+", series["values"]).group())
+                assert first in values[name], f"{name} starts at {first}: in no live payload"
+                checked += 1
+    assert checked >= 50
+    text = test_file.read_text().lower()
+    for case in ("frozen in decode", "busy", "long prompt", "idle", "failed scrapes", "counter reset", "down"):
+        assert f"# {case}" in text, case

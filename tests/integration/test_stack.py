@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.fixtures.paths import REAL_METRICS, ROOT, RULES
+from tests.fixtures.paths import REAL_LLAMACPP, REAL_METRICS, ROOT, RULES
 from tests.fixtures.stack import free_port, render_rules, rewrite_alertmanager_config, wait_until
 
 # Short windows for a 1s scrape and evaluation interval; the order of the for: clauses
@@ -26,6 +26,9 @@ FAST = {
     "vllm.hung_for": "3s",
     "vllm.down_for": "5s",
     "vllm.host_down_for": "5s",
+    "llamacpp.rate_window": "10s",
+    "llamacpp.progress_window": "6s",
+    "llamacpp.down_for": "5s",
     "exporter.backend_hung_for": "2s",
     "exporter.backend_down_for": "5s",
     "exporter.backends_all_down_for": "5s",
@@ -192,6 +195,36 @@ def test_committed_rules_evaluate_cleanly_on_real_payloads(tmp_path, prometheus_
     )
     assert all(float(r["value"][1]) == 0 for r in running)
     assert [a for a in prom.alerts() if a["labels"]["alertname"].startswith("VLLMEngine")] == []
+
+
+def test_llamacpp_rules_on_live_payloads(tmp_path, prometheus_factory, target_factory):
+    """The llama.cpp rules in a real Prometheus, on what a live llama-server answered: the
+    frozen-in-decode snapshot is hung; the same server busy (n_decode_total moving at the
+    pace between busy.prom and busy-1s-later.prom) and idle are not. Every rule evaluates."""
+    busy_text = (REAL_LLAMACPP / "busy.prom").read_text()
+    scrape = itertools.count()
+
+    def busy() -> str:
+        return busy_text.replace("llamacpp:n_decode_total 179\n", f"llamacpp:n_decode_total {179 + 67 * next(scrape)}\n")
+
+    assert busy() != busy()
+    targets = {
+        "frozen": target_factory({"/metrics": (REAL_LLAMACPP / "frozen-in-decode.prom").read_text()}),
+        "busy": target_factory({"/metrics": busy}),
+        "idle": target_factory({"/metrics": (REAL_LLAMACPP / "idle.prom").read_text()}),
+    }
+    prom = prometheus_factory({"llamacpp": [t.address for t in targets.values()]}, render_rules(tmp_path / "rules", FAST))
+    frozen = targets["frozen"].address
+    hung = wait_until(
+        lambda: [a for a in prom.alerts() if a["state"] == "firing" and a["labels"]["alertname"] == "LlamaCppServerHung"], timeout=60, what="LlamaCppServerHung"
+    )
+    assert [a["labels"]["instance"] for a in hung] == [frozen]
+    assert hung[0]["labels"]["severity"] == "critical" and hung[0]["labels"]["host"] == "127.0.0.1"
+    decodes = {r["metric"]["instance"]: float(r["value"][1]) for r in prom.query("instance:llamacpp_decodes:rate10s")}
+    assert decodes[targets["busy"].address] > 0 and decodes[frozen] == 0 and decodes[targets["idle"].address] == 0
+    for group in prom.rules():
+        for rule in group["rules"]:
+            assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
 
 
 def test_real_exporter_hung_backend_reaches_restarter(tmp_path, prometheus_factory, alertmanager_factory, sink, target_factory):

@@ -1,9 +1,12 @@
-"""A simulated fleet of vLLM servers on loopback, for tests and the demo.
+"""A simulated fleet of vLLM and llama.cpp servers on loopback, for tests and the demo.
 
 Each `SimServer` is a real aiohttp server that answers like a vLLM V1 API server:
 `/metrics` (rendered by `sim.render`), `/v1/models`, `/v1/completions`, `/health`,
-`/is_sleeping`, `/is_paused`. Engine state advances with `advance(seconds)`, driven by
-the test or by a ticker task (the demo), so every scenario is deterministic under test.
+`/is_sleeping`, `/is_paused`. `SimServer(name, kind="llamacpp")` answers like llama.cpp's
+`llama-server --metrics` instead: its `/metrics` (with the `Process-Start-Time-Unix`
+header), `/health`, `/v1/models`, `/v1/completions`, and no sleep endpoints. Engine state
+advances with `advance(seconds)`, driven by the test or by a ticker task (the demo), so
+every scenario is deterministic under test.
 
 Every completion that arrives is logged with the work in flight at that moment, so tests
 can prove that no request was ever sent to a busy engine.
@@ -13,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 import socket
 import time
 from dataclasses import dataclass
 
 from aiohttp import web
 
-from .render import SimEngine, render_vllm
+from .render import LlamaCppEngine, SimEngine, render_llamacpp, render_vllm
 
 
 @dataclass
@@ -68,19 +72,35 @@ class _Served:
 
 
 class SimServer(_Served):
-    """One simulated vLLM API server on 127.0.0.1.
+    """One simulated vLLM API server on 127.0.0.1, or with `kind="llamacpp"` one llama.cpp
+    `llama-server` (one inference loop: a single LlamaCppEngine; `model` is its alias).
 
     `metrics_mode`: `ok`, `404`, `html`, `garbage`, `slow` (answers after `slow_seconds`),
     `huge` (a body past any sane cap). `multiprocess`: no `process_start_time_seconds`, as
     with `--api-server-count > 1`. `probe_hangs`: completions never answer (a hung engine
-    with nothing in flight: vLLM does not even count the request as waiting).
+    with nothing in flight: vLLM does not even count the request as waiting). `loading`
+    (llama.cpp): the model still loads, `/metrics`, `/health` and completions answer 503.
+    `loop_stuck` (llama.cpp): the inference loop stopped outside a decode: `/metrics` (a task
+    on that loop) and `/v1/models` (which takes the loop's queue lock) never answer,
+    `/health` does.
     """
 
-    def __init__(self, name: str, engines: int = 1, model: str = "sim-model", api_key: str | None = None, max_model_len: int = 32768):
+    def __init__(self, name: str, engines: int = 1, model: str = "sim-model", api_key: str | None = None, max_model_len: int = 32768, kind: str = "vllm"):
+        if kind not in ("vllm", "llamacpp"):
+            raise ValueError(f"kind {kind!r}: vllm or llamacpp")
+        if kind == "llamacpp" and engines != 1:
+            raise ValueError("a llama-server has one inference loop: engines=1")
         self.name = name
+        self.kind = kind
         self.model = model
-        self.engines = [SimEngine(engine=str(i), max_model_len=max_model_len) for i in range(engines)]
+        self.engines: list[SimEngine] = (
+            [LlamaCppEngine(engine="")] if kind == "llamacpp" else [SimEngine(engine=str(i), max_model_len=max_model_len) for i in range(engines)]
+        )
         self.start_time: float = float(int(time.time()))
+        # llama-server's Process-Start-Time-Unix: CLOCK_MONOTONIC microseconds at start
+        self.start_us: int = time.monotonic_ns() // 1000
+        self.loading = False
+        self.loop_stuck = False
         self.multiprocess = False
         self.metrics_mode = "ok"
         self.slow_seconds = 0.0
@@ -104,17 +124,38 @@ class SimServer(_Served):
             e.advance(seconds)
 
     def restart(self, keep_start_time: bool = False) -> None:
-        """A new process: counters reset; a new start time unless in multiprocess mode."""
+        """A new process: counters reset; a new start time (llama.cpp: a new start header)
+        unless `keep_start_time`."""
         for e in self.engines:
             e.reset()
         if not keep_start_time:
             self.start_time += 1.0 + max(0.0, time.time() - self.start_time)
+            self.start_us = max(self.start_us + 1, time.monotonic_ns() // 1000)
 
     def completions_while_busy(self) -> list[Received]:
         return [r for r in self.received if r.path.endswith("completions") and r.while_busy]
 
+    @property
+    def llamacpp(self) -> LlamaCppEngine:
+        engine = self.engines[0]
+        assert isinstance(engine, LlamaCppEngine), f"{self.name} is a {self.kind} server"
+        return engine
+
     def payload(self) -> str:
+        if self.kind == "llamacpp":
+            return render_llamacpp(self.llamacpp.values())
         return render_vllm(self.engines, self.model, None if self.multiprocess else self.start_time)
+
+    def _metrics_headers(self) -> dict[str, str]:
+        if self.kind == "llamacpp":
+            return {"Content-Type": "text/plain; version=0.0.4", "Server": "llama.cpp", "Process-Start-Time-Unix": str(self.start_us)}
+        return {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+
+    def _metrics_body(self) -> bytes:
+        body = self.payload().encode()
+        if self.kind == "llamacpp":
+            self.llamacpp.reset_bucket()  # every /metrics read resets the throughput gauges
+        return body
 
     # --- HTTP ------------------------------------------------------------------------
     def _authorised(self, request: web.Request) -> bool:
@@ -123,6 +164,10 @@ class SimServer(_Served):
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         self.metrics_reads += 1
         mode = self.metrics_mode
+        if self.loading:
+            return _llamacpp_error(503, "Loading model", "unavailable_error")
+        if self.loop_stuck:
+            await asyncio.sleep(3600)
         if mode == "404":
             return web.Response(status=404, text='{"detail":"Not Found"}', content_type="application/json")
         if mode == "html":
@@ -132,7 +177,7 @@ class SimServer(_Served):
         if mode == "huge":
             return web.Response(body=b"# padding\n" * 3_000_000, content_type="text/plain")
         if mode == "gzip":
-            resp = web.Response(body=self.payload().encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+            resp = web.Response(body=self._metrics_body(), headers=self._metrics_headers())
             resp.enable_compression(web.ContentCoding.gzip)
             return resp
         if mode == "gzip_bomb":
@@ -141,15 +186,21 @@ class SimServer(_Served):
             return web.Response(body=bomb, headers={"Content-Type": "text/plain", "Content-Encoding": "gzip"})
         if mode == "slow":
             await asyncio.sleep(self.slow_seconds)
-        return web.Response(body=self.payload().encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(body=self._metrics_body(), headers=self._metrics_headers())
 
     async def _models(self, request: web.Request) -> web.Response:
+        if self.kind == "llamacpp":
+            if self.loop_stuck:
+                await asyncio.sleep(3600)
+            return _llamacpp_json(_llamacpp_models(self.model))
         if not self._authorised(request):
             return web.json_response({"error": "Unauthorized"}, status=401)
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "vllm", "max_model_len": 1024}]})
 
     async def _completions(self, request: web.Request) -> web.Response:
         self.received.append(Received(request.path, self.running, self.waiting))
+        if self.kind == "llamacpp":
+            return await self._llamacpp_completion(request)
         if not self._authorised(request):
             return web.json_response({"error": "Unauthorized"}, status=401)
         body = await request.json()
@@ -173,7 +224,36 @@ class SimServer(_Served):
             }
         )
 
+    async def _llamacpp_completion(self, request: web.Request) -> web.Response:
+        """llama-server serves its one model whatever name a request gives."""
+        if not self._authorised(request):
+            return _llamacpp_error(401, "Invalid API Key", "authentication_error")
+        if self.loading:
+            return _llamacpp_error(503, "Loading model", "unavailable_error")
+        await request.json()
+        if self.probe_hangs or self.loop_stuck or self.running or self.waiting or any(e.mode == "hung" for e in self.engines):
+            # The loop does not take it, or it waits behind the work in flight.
+            await asyncio.sleep(3600)
+        self.llamacpp.probe()
+        created = int(time.time())
+        return _llamacpp_json(
+            {
+                "choices": [{"text": " ok", "index": 0, "logprobs": None, "finish_reason": "length"}],
+                "created": created,
+                "model": self.model,
+                "system_fingerprint": "b11434-sim",
+                "object": "text_completion",
+                "usage": {"completion_tokens": 1, "prompt_tokens": 2, "total_tokens": 3, "prompt_tokens_details": {"cached_tokens": 0}},
+                "id": f"chatcmpl-sim{created}",
+            }
+        )
+
     async def _health(self, request: web.Request) -> web.Response:
+        if self.kind == "llamacpp":
+            # answered by the HTTP thread, beside the inference loop
+            if self.loading:
+                return _llamacpp_error(503, "Loading model", "unavailable_error")
+            return _llamacpp_json({"status": "ok"})
         return web.Response(status=200)
 
     async def _is_sleeping(self, request: web.Request) -> web.Response:
@@ -189,9 +269,41 @@ class SimServer(_Served):
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/health", self._health)
-        app.router.add_get("/is_sleeping", self._is_sleeping)
-        app.router.add_get("/is_paused", self._is_paused)
+        if self.kind == "vllm":  # llama-server has no sleep endpoints
+            app.router.add_get("/is_sleeping", self._is_sleeping)
+            app.router.add_get("/is_paused", self._is_paused)
         return app
+
+
+def _llamacpp_json(data: object, status: int = 200) -> web.Response:
+    """JSON as llama-server sends it: compact, `application/json; charset=utf-8`."""
+    return web.Response(
+        text=json.dumps(data, separators=(",", ":")), status=status, content_type="application/json", charset="utf-8", headers={"Server": "llama.cpp"}
+    )
+
+
+def _llamacpp_error(status: int, message: str, kind: str) -> web.Response:
+    return _llamacpp_json({"error": {"code": status, "message": message, "type": kind}}, status)
+
+
+def _llamacpp_models(alias: str) -> dict[str, object]:
+    """llama-server b11434's `/v1/models` for one model served under `alias` (trimmed: the
+    fields llama-server fills in for a GGUF without metadata)."""
+    return {
+        "models": [{"name": alias, "model": alias, "type": "model", "capabilities": ["completion"], "details": {"format": "gguf"}}],
+        "object": "list",
+        "data": [
+            {
+                "id": alias,
+                "aliases": [alias],
+                "tags": [],
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "llamacpp",
+                "meta": {"vocab_type": 1, "n_vocab": 32000, "n_ctx": 8192, "n_ctx_train": 8192},
+            }
+        ],
+    }
 
 
 class SimProxy(_Served):
@@ -278,6 +390,14 @@ def idle(server: SimServer) -> None:
         e.mode, e.running, e.waiting = "idle", 0, 0
 
 
+def stuck(server: SimServer) -> None:
+    """llama.cpp's loop stopped outside a decode: `/metrics` and `/v1/models` never answer,
+    `/health` does. Nothing moves."""
+    for e in server.engines:
+        e.mode = "hung"
+    server.loop_stuck = True
+
+
 SCENARIOS = {
     "idle": idle,
     "saturated": saturated,
@@ -286,4 +406,5 @@ SCENARIOS = {
     "hung": hang,
     "hung_waiting": hang_waiting,
     "sleeping": sleep,
+    "stuck": stuck,
 }
