@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -15,3 +16,11 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "?"
+
+
+def machine_line(*software: str) -> str:
+    """CPU, cores, memory, kernel, Python, the software measured, and the load average
+    when the run began (these machines are shared)."""
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    parts = [cpu_model(), f"{os.cpu_count()} cores", f"{mem:.0f} GiB", f"Linux {platform.release()}", f"Python {platform.python_version()}", *software]
+    return ", ".join(parts) + f", loadavg at start {os.getloadavg()[0]:.2f}"
