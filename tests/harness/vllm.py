@@ -39,6 +39,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.harness.adopted import Adopted
+
 VLLM_VERSION = "0.32.0"
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -305,28 +307,6 @@ class Throttle:
         self.frozen = True
 
 
-class _Adopted:
-    """A process this one did not start (and so cannot wait for): what `close()` and
-    `wait_ready()` need of a Popen, by its pid."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if proc_state(self.pid) in ("", "Z"):
-            self.returncode = -1
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
-            time.sleep(0.1)
-        return -1
-
-
 class VLLMServer:
     """One vLLM OpenAI-compatible server subprocess in its own process group."""
 
@@ -453,7 +433,7 @@ class VLLMServer:
     def adopt(self, pid: int) -> None:
         """Take over a server that something else started (a restart script) in its own
         session: `close()` and the engine controls act on it from now on."""
-        self.proc = _Adopted(pid)  # type: ignore[assignment]
+        self.proc = Adopted(pid)  # type: ignore[assignment]
         self._launched = time.monotonic()
         _LIVE.add(self)
 

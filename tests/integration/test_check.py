@@ -250,6 +250,11 @@ async def test_cli_rejects_bad_arguments():
     # A usage error is "cannot run" (4): never 1 (hung) nor 2 (down), on which a watchdog acts.
     rc, _, err = await _cli("check", "http://127.0.0.1:1", "--interval", "-1")
     assert rc == 4 and "--interval" in err
+    # A URL that is no server's address is "cannot run" too, named, never "down".
+    for url, why in (("ftp://gpu0", "not an http(s) URL"), ("gpu0:8000", "not an http(s) URL"), ("http://", "no host"), ("http://u:p@gpu0", "credentials")):
+        rc, _, err = await _cli("check", url, "--rounds", "1")
+        assert rc == 4 and why in err, (url, err)
+        assert "u:p" not in err
 
 
 async def test_gzip_payload_is_read(sim_server, ticker):

@@ -113,6 +113,18 @@ def test_core_imports_only_core():
             assert not outside, f"{name} imports {sorted(outside)}"
 
 
+def test_product_rooms_do_not_import_each_other():
+    """exporter, restarter and gate build on core, probe, store and config; only sim (the demo,
+    the drills) and cli assemble them."""
+    rooms = ("exporter", "restarter", "gate")
+    g = graph()
+    for name, deps in g.items():
+        room = name.split(".")[1] if name.count(".") else ""
+        if room in rooms:
+            others = {d for d in deps if d.split(".")[1:2] and d.split(".")[1] in rooms and d.split(".")[1] != room}
+            assert not others, f"{name} imports {sorted(others)}"
+
+
 def test_check_needs_no_redis():
     """`llm-health check` installs light: the command's modules import no redis or uvloop."""
     code = (

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..core.states import ExitCode
 from ..probe.check import run_check
+from ..urls import BadTarget, parse_target
 from .common import Parser, add_log_level, positive_int, positive_seconds
 
 API_KEY_ENV = "LLM_HEALTH_API_KEY"
@@ -42,12 +43,13 @@ def api_key(args: argparse.Namespace) -> str | None:
 def cmd(args: argparse.Namespace) -> int:
     try:
         key = api_key(args)
-    except CannotRun as exc:
+        url = parse_target(args.url, what="url")
+    except (CannotRun, BadTarget) as exc:
         print(f"llm-health check: cannot run: {exc}", file=sys.stderr)
         return ExitCode.CANNOT_RUN
     result = asyncio.run(
         run_check(
-            args.url,
+            url,
             kind=args.kind,
             interval=args.interval,
             rounds=args.rounds,
