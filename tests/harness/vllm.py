@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.harness.adopted import Adopted
+from tests.harness.processes import Adopted, proc_state, wait_port_free
 
 VLLM_VERSION = "0.32.0"
 HERE = Path(__file__).resolve().parent
@@ -150,16 +150,6 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode("utf-8", "replace")
     except OSError:
         return ""
-
-
-def proc_state(pid: int) -> str:
-    """One-letter state from /proc/PID/stat ('T' when stopped), '' if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return stat[stat.rfind(")") + 2 :].split()[0]
 
 
 def rss_bytes(pid: int) -> int:
@@ -503,16 +493,7 @@ class VLLMServer:
     def restart(self, ready_timeout: float = 180) -> float:
         """Stop and start again on the same port; return seconds to ready."""
         self.close()
-        # the port may linger a moment after the old server exits
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    s.bind((self.host, self.port))
-                    break
-                except OSError:
-                    time.sleep(0.3)
+        wait_port_free(self.host, self.port, 15, 0.3)  # the port lingers a moment after the old server exits
         self.launch()
         try:
             return self.wait_ready(ready_timeout)

@@ -64,7 +64,7 @@ def test_sim_families_match_real_vllm(real, max_model_len):
 
 
 def test_sim_matches_payloads_of_this_run():
-    """The payloads the real-vLLM tests saved in this run (tests/realvllm runs first), found
+    """The payloads the real-vLLM tests saved in this run (tests/integration/realvllm runs first), found
     at run time, so the simulator stays true to the engine as it is now. In CI their absence
     is a failure (skips fail there)."""
     found = sorted(SAVED.glob("*.prom")) if SAVED.is_dir() else []

@@ -54,9 +54,10 @@ class Action:
         return dict(self.__dict__)
 
 
-def monitor_for(session: aiohttp.ClientSession, target: Target, config: RestarterConfig) -> BackendMonitor:
+def client_for(session: aiohttp.ClientSession, target: Target, config: RestarterConfig) -> BackendClient:
+    """A client for the backend with the `verify` timeouts: the confirming reads and the recovery wait."""
     v = config.verify
-    client = BackendClient(
+    return BackendClient(
         session,
         target.url,
         api_key=target.api_key,
@@ -64,8 +65,12 @@ def monitor_for(session: aiohttp.ClientSession, target: Target, config: Restarte
         metrics_timeout=v.metrics_timeout,
         models_timeout=min(10.0, v.metrics_timeout),
     )
+
+
+def monitor_for(session: aiohttp.ClientSession, target: Target, config: RestarterConfig) -> BackendMonitor:
     # As in `check`, each idle round may probe: the recovery wait is short and ends at idle.
-    return BackendMonitor(client, kind=target.kind, settings=Settings(hung_after_seconds=v.hung_after_seconds, probe_interval=0.0))
+    settings = Settings(hung_after_seconds=config.verify.hung_after_seconds, probe_interval=0.0)
+    return BackendMonitor(client_for(session, target, config), kind=target.kind, settings=settings)
 
 
 async def restart_and_recover(action: Action, target: Target, config: RestarterConfig, env: dict[str, str], outputs: OutputFiles) -> None:

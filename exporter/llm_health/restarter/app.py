@@ -59,9 +59,8 @@ from ..core.restart_policy import OUTCOMES, REFUSALS
 from ..core.states import State
 from ..core.webhook import Alert, Malformed, parse_webhook
 from ..probe.check import run_check
-from ..probe.client import BackendClient
 from ..web import OPEN_PATHS, USER_KEY, BearerToken, add_reload, healthy, metrics_handler, secure
-from .action import Action, restart_and_recover
+from .action import Action, client_for, restart_and_recover
 from .collector import RestarterCollector
 from .confirm import confirm
 from .runner import OutputFiles
@@ -143,17 +142,8 @@ class Restarter:
         except BadEvidence as exc:
             log.warning("%s: %s; running the full check", target.name, exc)
             return None
-        v = self.config.verify
         async with aiohttp.ClientSession() as session:
-            client = BackendClient(
-                session,
-                target.url,
-                api_key=target.api_key,
-                probe_timeout=v.probe_timeout,
-                metrics_timeout=v.metrics_timeout,
-                models_timeout=min(10.0, v.metrics_timeout),
-            )
-            result = await confirm(client, evidence, self.config.confirm_interval)
+            result = await confirm(client_for(session, target, self.config), evidence, self.config.confirm_interval)
         if result["state"] is None:
             log.info("%s: evidence gave no answer (%s); running the full check", target.name, result["reason"])
             return None

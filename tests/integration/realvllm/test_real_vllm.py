@@ -35,7 +35,7 @@ ARTIFACTS = harness.REPO / "artifacts" / "vllm-real"
 
 def snapshot(srv: harness.VLLMServer, save: str | None = None) -> dict:
     """vLLM's own counters; `save` keeps the payload as a test artifact
-    (artifacts/vllm-real/NAME.prom), which tests/test_sim_format.py then checks the
+    (artifacts/vllm-real/NAME.prom), which tests/integration/test_sim_format.py then checks the
     simulator's format against, in the same run."""
     text = srv.metrics_text()
     if save:

@@ -1,0 +1,54 @@
+"""Process and port helpers the engine harnesses share. Standard library only."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+
+def proc_state(pid: int) -> str:
+    """One-letter state of a process ('T' when stopped, 'Z' a zombie), '' if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return stat[stat.rfind(")") + 2 :].split()[0]
+
+
+def wait_port_free(host: str, port: int, timeout: float, pause: float = 0.2) -> bool:
+    """Until `port` can be bound again (it lingers a moment after its server exits)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                return True
+            except OSError:
+                time.sleep(pause)
+    return False
+
+
+class Adopted:
+    """A process something else started (a restart script), taken over by its pid: what a
+    harness's `close()` and `wait_ready()` need of a Popen. Not this process's child, so
+    it cannot be waited for: gone is gone from /proc (or a zombie)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if proc_state(self.pid) in ("", "Z"):
+            self.returncode = -1
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.1)
+        return -1
