@@ -36,6 +36,7 @@ from tests.fixtures.redis_server import RedisServer
 
 from bench._machine import cpu_model
 from llm_health.config.redis import parse_redis_config
+from llm_health.exporter.redis_collector import redis_status
 from llm_health.exporter.redis_view import RedisView
 from llm_health.store.leases import LeaseClient
 from llm_health.store.queue import AdmissionQueue, now_ms
@@ -137,7 +138,7 @@ async def measure(url: str, section: dict, refreshes: int, states: dict[str, str
     try:
         for _ in range(2):  # warm: connections, discovery
             await view.refresh(states)
-        assert view.up, view.status()["error"]
+        assert view.up, redis_status(view)["error"]
         times = []
         before = await command_calls(probe)
         with RoundTrips() as rt:
@@ -156,7 +157,7 @@ async def measure(url: str, section: dict, refreshes: int, states: dict[str, str
             "client_commands": view.commands_last,
             "ms_p50": statistics.median(times),
             "ms_max": max(times),
-            "status": view.status(),
+            "status": redis_status(view),
         }
     finally:
         await view.stop()

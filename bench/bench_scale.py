@@ -93,7 +93,7 @@ async def run(urls: list[str], interval: float, rounds: int) -> dict:
     scrape_ms = (time.perf_counter() - s0) * 1000
     states: dict[str, int] = {}
     for s in exporter.slots.values():
-        st = s.verdict.state if s.verdict else "none"
+        st = str(s.verdict.state) if s.verdict else "none"
         states[st] = states.get(st, 0) + 1
     rss, peak = rss_mib()
     await exporter.stop()

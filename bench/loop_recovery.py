@@ -30,7 +30,8 @@ EVENTS = (
     ("webhook LLMBackendHung reaches the restarter", "LLMBackendHung webhook at the restarter"),
     ("restarter confirms the hang", "restarter confirms (evidence, 2 reads)"),
     ("restart command starts", "**restart command starts**"),
-    ("vLLM ready again (restarter: recovered)", "vLLM ready again (`recovered`)"),
+    ("restart command exits", "restart command exits (the server started in the background)"),
+    ("server ready again (restarter: recovered)", "vLLM ready again (`recovered`)"),
     ("hung alerts resolved", "hung alerts resolved"),
 )
 
@@ -64,7 +65,9 @@ def main() -> int:
     print()
     print("| event (s after EngineCore stopped) | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " |")
     print("|---|" + "---:|" * len(runs))
-    for key, label in EVENTS:
+    known = [key for key, _ in EVENTS]
+    others = sorted({key for r in runs for key in r} - set(known))  # an event this table does not name yet
+    for key, label in [*EVENTS, *((key, key) for key in others)]:
         cells = [f"{r[key]:.1f}" if r.get(key) is not None else "-" for r in runs]
         print(f"| {label} | " + " | ".join(cells) + " |")
     worst = max(r["restart command starts"] for r in runs)

@@ -12,4 +12,5 @@ pytest_plugins = [
     "tests.fixtures.tcpproxy",
     "tests.fixtures.hostile",
     "tests.fixtures.restarter",
+    "tests.fixtures.summary",
 ]

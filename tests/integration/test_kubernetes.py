@@ -12,6 +12,10 @@ itself and with the rest of the repository.
   exporter's command line and configuration (through llm-health's own parser and `config
   check`), the job labels against the rules' selectors (rules/config.yaml), the rule pack
   and the dashboards against their sources, and the real exporter answering the probes.
+
+Longer than 500 lines because it is one suite over one set of manifests: the schema
+checks and the consistency checks share the loaded documents, the validators' install
+check and the helpers that read containers, probes and monitors out of them.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from aiohttp import web
 
 from llm_health.sim.servers import serve_app
 from tests.fixtures.redis_server import RedisServer
+from tests.fixtures.summary import show
 from tests.fixtures.tcpproxy import TcpProxy
 
 TTL_MS = 5000
@@ -216,8 +217,8 @@ async def test_lease_chaos(tmp_path):
         if others and min(others) < e["t"]:
             partitioned_late += 1
 
-    print(
-        f"\nlease chaos: {len(claims)} claims, {len(acts)} writes ({len(refused)} refused by the fence), "
+    show(
+        f"lease chaos: {len(claims)} claims, {len(acts)} writes ({len(refused)} refused by the fence), "
         f"{len(lost)} leases lost, token regressions {regressions}, overlapping holders {overlaps} "
         f"(+{overlaps_after_loss} right after Redis lost its data, fenced), stale writes accepted {stale_accepted}, "
         f"partitioned holder late {partitioned_late}; faults: " + "; ".join(what for _, what in faults)

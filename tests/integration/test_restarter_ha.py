@@ -30,6 +30,7 @@ from llm_health.sim import servers as sim
 from tests.fixtures.paths import RULES
 from tests.fixtures.restarter import MARK, TOKEN, RestartEffect
 from tests.fixtures.stack import free_port, start_alertmanager, wait_until
+from tests.fixtures.summary import show
 from tests.integration.test_restarter_evidence import evidence_of
 
 pytestmark = pytest.mark.stack
@@ -162,7 +163,7 @@ async def test_two_restarters_behind_clustered_alertmanagers_restart_once_and_ke
         assert effect.lines() == 1 and len(done) == 1 and done[0]["outcome"] == "recovered", done
         deliveries = [(i, x["reason"]) for i, r in enumerate(restarters) for x in r.status()["refused"]]
         assert all(reason == "duplicate" for _, reason in deliveries), deliveries
-        print(f"\nHA: one hang, {1 + len(deliveries)} deliveries to two restarters from two clustered Alertmanagers, 1 restart")
+        show(f"HA: one hang, {1 + len(deliveries)} deliveries to two restarters from two clustered Alertmanagers, 1 restart")
 
         # The restarter that acted dies with SIGKILL mid-budget, and starts again.
         acted = next(r for r in restarters if r.status()["actions"] and r.status()["actions"][0]["command_result"])

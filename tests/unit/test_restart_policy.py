@@ -145,7 +145,7 @@ def test_many_keys_are_bounded():
 
 # --- configuration --------------------------------------------------------------------------
 
-ISSUE_CONFIG = """
+MINIMAL_CONFIG = """
 restarter:
   budget: {max_restarts: 3, window: 1h, cooldown: 5m, backoff: 2}
   verify: {interval: 10s, hung_after_seconds: 20, probe_timeout: 5s}
@@ -167,7 +167,7 @@ backends:
 def test_config_from_the_issue(tmp_path, monkeypatch):
     monkeypatch.setenv("RESTARTER_TEST_KEY", "k-123")
     f = tmp_path / "restarter.yml"
-    f.write_text(ISSUE_CONFIG)
+    f.write_text(MINIMAL_CONFIG)
     cfg = rs_config.load_config(f)
     assert cfg.budget == Budget(3, 3600, 300, 2.0)
     assert (cfg.verify.interval, cfg.verify.hung_after_seconds, cfg.verify.probe_timeout, cfg.recovery_timeout) == (10, 20, 5, 600)
@@ -176,7 +176,7 @@ def test_config_from_the_issue(tmp_path, monkeypatch):
     assert (gpu1.instance, gpu1.api_key, gpu1.restart_timeout) == ("gpu1.internal:80", "k-123", 120)
     assert "k-123" not in repr(cfg)
     assert (lb.kind, lb.restart) == ("proxy", ())
-    # what the issue's file leaves out: the quick confirmation, the hold, memory state
+    # what this file leaves out, at its defaults: the quick confirmation, the hold, memory state
     assert (cfg.confirm_interval, cfg.raw_alert_hold, cfg.recovery_interval, cfg.redis, cfg.output_dir) == (1.0, 45.0, 1.0, None, None)
 
 
@@ -184,7 +184,7 @@ def test_config_shared_state_and_outputs(tmp_path, monkeypatch):
     monkeypatch.setenv("RESTARTER_TEST_KEY", "k-123")
     f = tmp_path / "restarter.yml"
     f.write_text(
-        ISSUE_CONFIG.replace("  recovery_timeout: 10m\n", "  recovery_timeout: 10m\n  raw_alert_hold: 0s\n  output_dir: /var/lib/x\n")
+        MINIMAL_CONFIG.replace("  recovery_timeout: 10m\n", "  recovery_timeout: 10m\n  raw_alert_hold: 0s\n  output_dir: /var/lib/x\n")
         + "redis: {url: 'redis://:hunter2@10.0.0.7:6379/2', key_prefix: 'r:', lease_ttl: 10s}\n"
     )
     cfg = rs_config.load_config(f)
@@ -216,9 +216,9 @@ def test_config_errors_name_file_and_key(tmp_path, monkeypatch, edit, key, probl
     monkeypatch.setenv("RESTARTER_TEST_KEY", "k-123")
     monkeypatch.delenv("RESTARTER_TEST_UNSET_VAR", raising=False)
     old, new = edit
-    assert old in ISSUE_CONFIG
+    assert old in MINIMAL_CONFIG
     f = tmp_path / "bad.yml"
-    f.write_text(ISSUE_CONFIG.replace(old, new, 1))
+    f.write_text(MINIMAL_CONFIG.replace(old, new, 1))
     with pytest.raises(ConfigError) as exc:
         rs_config.load_config(f)
     assert (exc.value.where, exc.value.key) == (str(f), key)

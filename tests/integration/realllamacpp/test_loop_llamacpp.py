@@ -19,6 +19,7 @@ import time
 import pytest
 
 from tests.fixtures.loop import Loop
+from tests.fixtures.summary import show
 
 pytestmark = pytest.mark.realllamacpp
 
@@ -49,7 +50,7 @@ def test_the_whole_loop_on_llamacpp(llamacpp_server_factory, tmp_path):
                 assert state != "hung"
                 time.sleep(1.0)
         assert seen.get("busy", 0) > 0, seen
-        print(f"\nbusy phase: {BUSY_SECONDS:.0f}s of throttled load, exporter states {seen}, no hung alert, no webhook")
+        show(f"busy phase: {BUSY_SECONDS:.0f}s of throttled load, exporter states {seen}, no hung alert, no webhook")
 
         # --- (2) the inference loop stopped inside a decode: both layers, one restart, back ------------
         with srv.frozen_in_decode() as freeze:

@@ -223,7 +223,11 @@ def test_long_prompt_never_hung(srv):
     for rc, r, _ in checks:
         assert rc != 1 and r["state"] != "hung", r
     after = srv.counters()
-    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 4096 + 1  # the BOS token too
+    # The prompt and its BOS token; a check that ran past the request probed the idle
+    # server, and each probe's short prompt ("ok") adds a few tokens more.
+    extra = after["prompt_tokens_total"] - before["prompt_tokens_total"] - (4096 + 1)
+    probes = sum(r.get("probes_sent", 0) for _, r, _ in checks)
+    assert (extra == 0) if probes == 0 else (0 <= extra <= 4 * probes), (extra, checks)
     assert load.streams[0].status == 200 and load.streams[0].error is None, load.streams
     figures("long_prompt", checks_inside_prompt=len(during), decodes_seen=decodes, steps_per_second=[round(r["steps_per_second"] or 0, 2) for _, r in during])
 

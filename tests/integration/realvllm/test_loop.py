@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.loop import Loop
+from tests.fixtures.summary import show
 from tests.harness import vllm as harness
 
 pytestmark = pytest.mark.realvllm
@@ -54,7 +55,7 @@ def test_the_whole_loop(vllm_server_factory, tmp_path):
         t0 = time.time()
         srv.cont_engine("worker")  # only EngineCore stays stopped
         assert seen.get("busy", 0) > 0, seen
-        print(f"\nbusy phase: {BUSY_SECONDS:.0f}s of throttled load, exporter states {seen}, no hung alert, no webhook")
+        show(f"busy phase: {BUSY_SECONDS:.0f}s of throttled load, exporter states {seen}, no hung alert, no webhook")
 
         # --- (2) the hang: both layers, one restart, back ----------------------------------------
         action = loop.follow(t0, on_restarted=srv.adopt)
