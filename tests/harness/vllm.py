@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.harness.processes import Adopted, proc_state, wait_port_free
+from tests.harness.processes import Adopted, launch_logged, proc_state, wait_port_free
 
 VLLM_VERSION = "0.32.0"
 HERE = Path(__file__).resolve().parent
@@ -77,10 +77,6 @@ def venv_python() -> Path:
 def model_dir() -> Path:
     default = Path.home() / ".cache" / "llm-health" / "tiny-llama-v1"
     return Path(os.environ.get("LLM_HEALTH_VLLM_MODEL_DIR", default))
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
 def venv_problem() -> str | None:
@@ -404,19 +400,7 @@ class VLLMServer:
         self.generation += 1
         self.log_path = self.log_dir / f"vllm-{self.port}-{self.generation}.log"
         env = self.launch_env()
-        log = open(self.log_path, "wb")
-        try:
-            self.proc = subprocess.Popen(
-                self.argv(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                cwd=str(self.log_dir),
-            )
-        finally:
-            log.close()
+        self.proc = launch_logged(self.argv(), self.log_path, self.log_dir, env)
         self._launched = time.monotonic()
         _LIVE.add(self)
 

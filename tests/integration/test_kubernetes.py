@@ -42,6 +42,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_health.cli import parser as llm_health_parser
+from tests.fixtures.ci import require
 from tests.fixtures.paths import ROOT, RULES
 
 DEPLOY = ROOT / "deploy" / "kubernetes"
@@ -230,10 +231,6 @@ def test_every_document_has_a_validator():
 # prometheus-operator kinds: node, @kubernetes-models/prometheus-operator and tsc
 
 
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-
-
 def validators_dir() -> Path:
     default = Path.home() / ".cache" / "llm-health" / f"npm-k8s-models-{MODELS_VERSION}"
     return Path(os.environ.get("LLM_HEALTH_K8S_VALIDATORS_DIR", default))
@@ -254,11 +251,7 @@ def validators_problem() -> str | None:
 
 @pytest.fixture(scope="module")
 def validators() -> Path:
-    problem = validators_problem()
-    if problem:
-        if in_ci():
-            pytest.fail(f"CI=true and {problem}", pytrace=False)
-        pytest.skip(problem)
+    require(validators_problem())
     return validators_dir()
 
 
