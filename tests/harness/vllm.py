@@ -33,7 +33,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.harness.processes import Adopted, launch_logged, proc_state, wait_port_free
+from tests.harness.processes import Adopted, free_port, launch_logged, proc_state, wait_port_free
 
 VLLM_VERSION = "0.32.0"
 HERE = Path(__file__).resolve().parent
@@ -163,12 +162,6 @@ def rss_bytes(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------
