@@ -52,6 +52,15 @@ class Webhook:
     truncated_alerts: int = 0
 
 
+def _strings(value: object, where: str) -> dict[str, str]:
+    """An alert's labels or annotations: an object of strings, bounded in size."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise Malformed(f"{where}: expected an object of strings")
+    if sum(len(k) + len(v) for k, v in value.items()) > MAX_LABELS_BYTES:
+        raise Malformed(f"{where}: more than {MAX_LABELS_BYTES} characters")
+    return dict(value)
+
+
 def parse_webhook(body: bytes | str) -> Webhook:
     """Validate a webhook body completely before anything acts on any of it."""
     try:
@@ -77,16 +86,8 @@ def parse_webhook(body: bytes | str) -> Webhook:
     for i, a in enumerate(raw):
         if not isinstance(a, dict):
             raise Malformed(f"alerts[{i}]: expected an object")
-        labels = a.get("labels")
-        if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
-            raise Malformed(f"alerts[{i}].labels: expected an object of strings")
-        if sum(len(k) + len(v) for k, v in labels.items()) > MAX_LABELS_BYTES:
-            raise Malformed(f"alerts[{i}].labels: more than {MAX_LABELS_BYTES} characters")
-        annotations = a.get("annotations", {})
-        if not isinstance(annotations, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in annotations.items()):
-            raise Malformed(f"alerts[{i}].annotations: expected an object of strings")
-        if sum(len(k) + len(v) for k, v in annotations.items()) > MAX_LABELS_BYTES:
-            raise Malformed(f"alerts[{i}].annotations: more than {MAX_LABELS_BYTES} characters")
+        labels = _strings(a.get("labels"), f"alerts[{i}].labels")
+        annotations = _strings(a.get("annotations", {}), f"alerts[{i}].annotations")
         if not labels.get("alertname"):
             raise Malformed(f"alerts[{i}].labels.alertname: missing")
         starts_at = a.get("startsAt")
@@ -98,6 +99,6 @@ def parse_webhook(body: bytes | str) -> Webhook:
         fp = a.get("fingerprint")
         if fp is not None and (not isinstance(fp, str) or not fp or len(fp) > MAX_FIELD):
             raise Malformed(f"alerts[{i}].fingerprint: expected a non-empty string of at most {MAX_FIELD} characters")
-        alerts.append(Alert(labels["alertname"], status, dict(labels), starts_at, fp or fingerprint(labels), dict(annotations)))
+        alerts.append(Alert(labels["alertname"], status, labels, starts_at, fp or fingerprint(labels), annotations))
     truncated = data.get("truncatedAlerts", 0)
     return Webhook(str(data.get("receiver", "")), group_status, tuple(alerts), truncated if isinstance(truncated, int) else 0)

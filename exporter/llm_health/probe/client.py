@@ -150,7 +150,6 @@ class BackendClient:
         self.models_timeout = models_timeout
         self.probe_timeout = probe_timeout
         self.max_bytes = max_bytes
-        self.llamacpp = False  # the last /metrics that answered carried llama.cpp's start header
 
     def _timeout(self, total: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total, sock_connect=min(self.connect_timeout, total))
@@ -181,7 +180,6 @@ class BackendClient:
             return Fetched(error=f"HTML page, not Prometheus text (Content-Type {ctype or 'missing'})", seconds=seconds, size=size)
         if "json" in ctype or head.startswith("{"):
             return Fetched(error=f"JSON, not Prometheus text (Content-Type {ctype or 'missing'})", seconds=seconds, size=size)
-        self.llamacpp = start_header is not None
         return Fetched(parts=parts, seconds=seconds, size=size, start_header=start_header)
 
     async def models(self) -> tuple[bool, str | None, str | None]:

@@ -89,9 +89,10 @@ class BackendMonitor:
             # A refused connection is the backend down (or restarting), not a failed round.
             if stats.error is None and not fetched.refused:
                 stats.error = "timeout" if fetched.timed_out else "metrics"
-            if fetched.timed_out and self.client.llamacpp:
+            if fetched.timed_out and self.memory is not None and self.memory.profile == "llamacpp":
                 # llama.cpp serves /metrics from its inference loop's queue; /health is
-                # answered beside it (/v1/models would wait on the same loop).
+                # answered beside it (/v1/models would wait on the same loop). The profile
+                # is the memory's, the same that `decide` judges the timeout by.
                 ok, model, merr = await self.client.health()
             else:
                 ok, model, merr = await self.client.models()
