@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.loop import Loop
-from tests.fixtures.summary import show
 from tests.harness import vllm as harness
 
 pytestmark = pytest.mark.realvllm
@@ -39,23 +38,14 @@ def test_the_whole_loop(vllm_server_factory, tmp_path):
         loop.start(srv.proc.pid)
 
         # --- (1) slow, throttled, busy: nothing hung ---------------------------------------------
-        seen: dict[str, int] = {}
         with srv.throttle(run_ms=10, period_ms=500) as throttle:
             load = srv.load(4, 1000, "Hello")
             srv.wait_for(lambda c: c["num_requests_running"] == 4 and (c["generation_tokens_total"] or 0) > 0, timeout=120)
-            busy_from = time.monotonic()
-            while time.monotonic() - busy_from < BUSY_SECONDS:
-                loop.quiet()
-                state = loop.exporter_state()
-                seen[state] = seen.get(state, 0) + 1
-                assert state != "hung"
-                time.sleep(1.0)
+            loop.watch_busy(BUSY_SECONDS)
             assert harness.vllm_counters(srv.metrics_text())["num_requests_running"] == 4  # still in flight
             throttle.freeze()  # leave EngineCore stopped, mid-batch
         t0 = time.time()
         srv.cont_engine("worker")  # only EngineCore stays stopped
-        assert seen.get("busy", 0) > 0, seen
-        show(f"busy phase: {BUSY_SECONDS:.0f}s of throttled load, exporter states {seen}, no hung alert, no webhook")
 
         # --- (2) the hang: both layers, one restart, back ----------------------------------------
         action = loop.follow(t0, on_restarted=srv.adopt)
