@@ -130,24 +130,22 @@ class RedisState:
             return False
 
     # --- budget ------------------------------------------------------------------------------
-    async def _records(self, backend: str) -> tuple[list[RestartRecord], dict[str, RestartRecord], float]:
+    async def _records(self, backend: str) -> tuple[list[RestartRecord], float]:
+        """The restarts in the budget's window (start, and end once recorded) and the Redis clock now, in seconds."""
         now_ms = await server_ms(self.redis)
         window_ms = int(self.policy.budget.window * 1000)
         pipe = self.redis.pipeline(transaction=False)
         pipe.zrangebyscore(self._k("restarts", backend), now_ms - window_ms, "+inf", withscores=True)
         pipe.hgetall(self._k("ended", backend))
         members, ended = await pipe.execute()
-        by_id = {}
-        for member, score in members:
-            end = ended.get(member)
-            by_id[member] = RestartRecord(score / 1000, int(end) / 1000 if end is not None else None)
-        return list(by_id.values()), by_id, now_ms / 1000
+        records = [RestartRecord(score / 1000, int(ended[m]) / 1000 if m in ended else None) for m, score in members]
+        return records, now_ms / 1000
 
     async def claim(self, backend: str) -> tuple[str | None, float]:
         if not await self.still_ours(backend):
             return "state_unavailable", 0.0
         try:
-            records, _, now = await self._records(backend)
+            records, now = await self._records(backend)
             refusal, wait = budget_verdict(self.policy.budget, records, now)
             if refusal == "budget_spent":
                 await self.redis.set(self._k("exhausted", backend), "1", px=max(1, int(wait * 1000)))
@@ -170,7 +168,7 @@ class RedisState:
         return None, 0.0
 
     async def budget(self, backend: str) -> BudgetView:
-        records, _, now = await self._records(backend)
+        records, now = await self._records(backend)
         refusal, wait = budget_verdict(self.policy.budget, records, now)
         pttl = await self.redis.pttl(self._k("exhausted", backend))
         exhausted = pttl is not None and pttl > 0 and refusal == "budget_spent"
