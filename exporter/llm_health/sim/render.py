@@ -115,12 +115,17 @@ class SimEngine:
     def steps(self) -> int:
         return self.hists["vllm:iteration_tokens_total"].count
 
+    def _whole(self, units: float) -> int:
+        """The whole steps in `units` plus what earlier calls left over; the fraction is kept."""
+        self._carry += units
+        whole = int(self._carry)
+        self._carry -= whole
+        return whole
+
     def advance(self, seconds: float) -> None:
         if self.mode == "decode" and self.running > 0:
             # One step per output token per request in the batch: batch steps at the pace of one request.
-            self._carry += seconds * self.tokens_per_second
-            steps = int(self._carry)
-            self._carry -= steps
+            steps = self._whole(seconds * self.tokens_per_second)
             if steps:
                 self.hists["vllm:iteration_tokens_total"].observe(self.running, steps)
                 self.generation_tokens += steps * self.running
@@ -319,9 +324,7 @@ class LlamaCppEngine(SimEngine):
 
     def advance(self, seconds: float) -> None:
         if self.mode == "decode" and self.running > 0:
-            self._carry += seconds * self.tokens_per_second
-            steps = int(self._carry)
-            self._carry -= steps
+            steps = self._whole(seconds * self.tokens_per_second)
             while steps:
                 now = min(steps, max(1, int(self.request_tokens - self._generated)))
                 self._decode(now, self.running, 1)
@@ -333,9 +336,7 @@ class LlamaCppEngine(SimEngine):
                     self._generated = 0.0
                     self.seq_len = self.request_prompt_tokens
         elif self.mode == "prefill" and (self.running > 0 or self.waiting > 0):
-            self._carry += seconds / self.seconds_per_chunk
-            chunks = int(self._carry)
-            self._carry -= chunks
+            chunks = self._whole(seconds / self.seconds_per_chunk)
             if chunks:
                 self._decode(chunks, max(self.running, 1), self.batch)
 
