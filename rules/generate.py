@@ -1,15 +1,22 @@
 #!/usr/bin/env python3
 """Render the rule files and the PrometheusRule manifest from rules/config.yaml.
 
-    python rules/generate.py                      # rewrite the committed files in rules/
+    python rules/generate.py                      # rewrite the committed files in rules/ and rules/<variant>/
     python rules/generate.py --check              # exit 1 if a committed file is stale
-    python rules/generate.py --out DIR --set vllm.progress_window=10s ...
+    python rules/generate.py --out DIR --set scrape_intervals.vllm=60s ...
 
 Each template in rules/templates/ (*.rules.yml.tmpl) is plain Prometheus rule YAML in which ${section.key}
 stands for a value from the config. The rendered text keeps the templates' comments. Every
 alert gets `runbook_url: <runbook_url>#<alertname in lower case>`, the heading of its
 section in docs/runbook.md. `--set` overrides single values (the real-stack test uses it
-for short windows). grafana/generate.py reads the same config (`load_config`).
+for short windows); with `--out` only the main config is rendered, into DIR.
+grafana/generate.py reads the same config (`load_config`).
+
+Every window that counts samples is derived from the scrape interval of the job it reads
+(`scrape_intervals:`): the config's value is its floor, and the window spans at least
+`evidence.still_scrapes` scrapes (stillness: changes, resets) or `evidence.rate_scrapes`
+scrapes (rate, increase). `variants:` renders the same templates for the scrape intervals
+of the stacks this repository ships (compose, Kubernetes) into rules/<variant>/.
 """
 
 from __future__ import annotations
@@ -40,8 +47,76 @@ def _str_representer(dumper: yaml.SafeDumper, value: str):
 _BlockDumper.add_representer(str, _str_representer)
 
 
+# Windows derived from a job's scrape interval: {dotted key: (job, evidence key)}.
+STILL, RATE = "still_scrapes", "rate_scrapes"
+DERIVED_WINDOWS = {
+    "vllm.progress_window": ("vllm", STILL),
+    "vllm.rate_window": ("vllm", RATE),
+    "llamacpp.progress_window": ("llamacpp", STILL),
+    "llamacpp.rate_window": ("llamacpp", RATE),
+    "exporter.restart_loop_window": ("exporter", RATE),
+    "exporter.probe_window": ("exporter", RATE),
+    "exporter.lease_expiry_window": ("exporter", RATE),
+    "exporter.round_errors_window": ("exporter", RATE),
+}
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION = re.compile(r"((?:[0-9]+(?:ms|s|m|h|d))+)")
+
+
+def seconds(text: object, where: str) -> float:
+    """A Prometheus duration (30s, 5m, 1m30s) in seconds; SystemExit naming `where` otherwise."""
+    value = str(text).strip()
+    if not _DURATION.fullmatch(value):
+        raise SystemExit(f"{where}: {value!r} is not a Prometheus duration (30s, 5m, 1h)")
+    total = sum(float(n) * _UNITS[u] for n, u in re.findall(r"([0-9]+)(ms|s|m|h|d)", value))
+    if total <= 0:
+        raise SystemExit(f"{where}: {value!r} must be longer than zero")
+    return total
+
+
+def duration(total: float) -> str:
+    """Seconds as the shortest Prometheus duration: 120 -> 2m, 105 -> 1m45s."""
+    ms = round(total * 1000)
+    out = ""
+    for unit, size in (("h", 3_600_000), ("m", 60_000), ("s", 1000), ("ms", 1)):
+        if ms >= size:
+            out += f"{ms // size}{unit}"
+            ms %= size
+    return out or "0s"
+
+
+def derive(config: dict) -> dict:
+    """Raise every window of DERIVED_WINDOWS to span its job's evidence scrapes, and add
+    `<job>.evidence_window`: the shortest window of the job that counts samples, in which
+    the `<Job>ScrapeTooSlow` warning counts scrapes."""
+    intervals = config.get("scrape_intervals")
+    evidence = config.get("evidence")
+    if not isinstance(intervals, dict) or not isinstance(evidence, dict):
+        raise SystemExit("config: `scrape_intervals:` and `evidence:` sections are required")
+    for key in (STILL, RATE, "min_samples"):
+        n = evidence.get(key)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 2:
+            raise SystemExit(f"config: evidence.{key} must be a whole number of scrapes, at least 2 (got {n!r})")
+    if evidence[STILL] <= evidence["min_samples"] or evidence[RATE] <= evidence["min_samples"]:
+        raise SystemExit("config: evidence.still_scrapes and rate_scrapes must exceed min_samples (one scrape spare)")
+    shortest: dict[str, float] = {}
+    for dotted, (job, kind) in DERIVED_WINDOWS.items():
+        section, key = dotted.split(".")
+        interval = seconds(intervals.get(job), f"scrape_intervals.{job}")
+        floor = seconds(config[section][key], dotted)
+        window = max(floor, evidence[kind] * interval)
+        config[section][key] = duration(window)
+        shortest[job] = min(shortest.get(job, window), window)
+    for job, window in shortest.items():
+        config[job]["evidence_window"] = duration(window)
+    return config
+
+
 def load_config(path: Path = CONFIG, overrides: list[str] | tuple[str, ...] = ()) -> dict:
-    config = yaml.safe_load(path.read_text())
+    return derive(apply_overrides(yaml.safe_load(path.read_text()), overrides, path.name))
+
+
+def apply_overrides(config: dict, overrides: list[str] | tuple[str, ...], name: str) -> dict:
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
@@ -51,9 +126,19 @@ def load_config(path: Path = CONFIG, overrides: list[str] | tuple[str, ...] = ()
         for part in parents:
             node = node.setdefault(part, {})
         if last not in node:
-            raise SystemExit(f"--set {key}: no such key in {path.name}")
+            raise SystemExit(f"--set {key}: no such key in {name}")
         node[last] = value
     return config
+
+
+def variant_configs(path: Path = CONFIG) -> dict[str, dict]:
+    """{variant name: its config}: the main config with the variant's scrape intervals."""
+    raw = yaml.safe_load(path.read_text())
+    out = {}
+    for name, spec in (raw.get("variants") or {}).items():
+        sets = [f"scrape_intervals.{job}={value}" for job, value in (spec.get("scrape_intervals") or {}).items()]
+        out[name] = derive(apply_overrides(yaml.safe_load(path.read_text()), sets, f"{path.name} variants.{name}"))
+    return out
 
 
 def lookup(config: dict, dotted: str, template: str):
@@ -101,10 +186,12 @@ def add_runbook_urls(text: str, runbook: str) -> str:
     return "".join(out)
 
 
-def render_all(config: dict) -> dict[str, str]:
+def render_all(config: dict, variant: str | None = None) -> dict[str, str]:
     """Return {file name: text} for every rule file and the manifest."""
     out: dict[str, str] = {}
     groups: list[dict] = []
+    intervals = ", ".join(f"{job} {value}" for job, value in config["scrape_intervals"].items())
+    where = f"the `{variant}` variant of rules/config.yaml" if variant else "rules/config.yaml"
     for template in sorted(TEMPLATES.glob("*.rules.yml.tmpl")):
         name = template.name.removesuffix(".tmpl")
         text = render_template(template.read_text(), config, template.name)
@@ -112,7 +199,8 @@ def render_all(config: dict) -> dict[str, str]:
         groups.extend(parsed["groups"])
         header = (
             f"# GENERATED by rules/generate.py from rules/templates/{template.name} and\n"
-            "# rules/config.yaml. Do not edit: change those and run `python rules/generate.py`.\n"
+            f"# {where}. Do not edit: change those and run `python rules/generate.py`.\n"
+            f"# For these scrape intervals: {intervals}.\n"
         )
         out[name] = header + text
     manifest = {
@@ -125,8 +213,9 @@ def render_all(config: dict) -> dict[str, str]:
         "spec": {"groups": groups},
     }
     out[MANIFEST] = (
-        "# GENERATED by rules/generate.py from rules/templates/ and rules/config.yaml:\n"
-        "# the same rules as rules/*.rules.yml, for the prometheus-operator.\n" + yaml.dump(manifest, Dumper=_BlockDumper, sort_keys=False, width=1000)
+        f"# GENERATED by rules/generate.py from rules/templates/ and {where}:\n"
+        f"# the same rules as the *.rules.yml beside it, for the prometheus-operator. Scrape intervals: {intervals}.\n"
+        + yaml.dump(manifest, Dumper=_BlockDumper, sort_keys=False, width=1000)
     )
     return out
 
@@ -134,21 +223,27 @@ def render_all(config: dict) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=CONFIG)
-    parser.add_argument("--out", type=Path, default=HERE, help="directory to write into")
+    parser.add_argument("--out", type=Path, default=None, help="directory to write the main config's files into (no variants)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--check", action="store_true", help="compare, do not write")
     args = parser.parse_args(argv)
 
-    files = render_all(load_config(args.config, args.set))
+    outputs: dict[Path, dict[str, str]] = {(args.out or HERE): render_all(load_config(args.config, args.set))}
+    if args.out is None:
+        if args.set:
+            raise SystemExit("--set needs --out: the committed files are rendered from the config as it is")
+        for name, config in variant_configs(args.config).items():
+            outputs[HERE / name] = render_all(config, name)
     stale = []
-    for name, text in files.items():
-        path = args.out / name
-        if args.check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(name)
-        else:
-            args.out.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+    for directory, files in outputs.items():
+        for name, text in files.items():
+            path = directory / name
+            if args.check:
+                if not path.exists() or path.read_text() != text:
+                    stale.append(str(path.relative_to(HERE.parent)) if path.is_relative_to(HERE.parent) else str(path))
+            else:
+                directory.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
     if stale:
         print("stale, run `python rules/generate.py`: " + ", ".join(stale), file=sys.stderr)
         return 1
