@@ -22,6 +22,7 @@ of the stacks this repository ships (compose, Kubernetes) into rules/<variant>/.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
@@ -87,8 +88,9 @@ def duration(total: float) -> str:
 
 def derive(config: dict) -> dict:
     """Raise every window of DERIVED_WINDOWS to span its job's evidence scrapes, and add
-    `<job>.evidence_window`: the shortest window of the job that counts samples, in which
-    the `<Job>ScrapeTooSlow` warning counts scrapes."""
+    `<job>.evidence_window` (the shortest window of the job that counts samples, in which
+    the `<Job>ScrapeTooSlow` warning counts scrapes) and `<job>.evidence_samples` (the
+    scrapes every such window must hold to be evidence)."""
     intervals = config.get("scrape_intervals")
     evidence = config.get("evidence")
     if not isinstance(intervals, dict) or not isinstance(evidence, dict):
@@ -109,6 +111,11 @@ def derive(config: dict) -> dict:
         shortest[job] = min(shortest.get(job, window), window)
     for job, window in shortest.items():
         config[job]["evidence_window"] = duration(window)
+        # All but one of the scrapes the window holds at the configured interval (and at
+        # least min_samples): one spare for a late scrape, and a scrape slower than the
+        # rules were made for shows as too few.
+        held = math.floor(window / seconds(intervals[job], f"scrape_intervals.{job}") + 1e-9)
+        config[job]["evidence_samples"] = max(evidence["min_samples"], held - 1)
     return config
 
 
