@@ -112,6 +112,29 @@ CASES = {
         ["unknown", "stalled", "hung"],
     ),
     "work arrives after idle": ([(0, reading(eng())), (10, reading(eng(3, 0, steps=4)))], [True], ["idle", "busy"]),
+    # A fingerprint field flipping between a number and NaN (no evidence) on an engine that
+    # is otherwise still is not progress: hung exactly as if the field had not moved.
+    "still engine, KV usage flips between a number and NaN": (
+        [(t, reading(eng(4, 0, steps=9, kv=0.31 if i % 2 == 0 else NAN))) for i, t in enumerate((0, 10, 20, 30))],
+        [],
+        ["unknown", "stalled", "hung", "hung"],
+    ),
+    "still engine, KV usage flat (the same engine, nothing flipping)": (
+        [(t, reading(eng(4, 0, steps=9, kv=0.31))) for t in (0, 10, 20, 30)],
+        [],
+        ["unknown", "stalled", "hung", "hung"],
+    ),
+    "still engine, a counter flips between a number and NaN": (
+        [(t, reading(eng(4, 0, steps=9, done=77.0 if i % 2 else NAN))) for i, t in enumerate((0, 10, 20, 30))],
+        [],
+        ["unknown", "stalled", "hung", "hung"],
+    ),
+    # The memory keeps the last number: 0.31, NaN, 0.35 has moved.
+    "KV usage moves across a NaN": (
+        [(0, reading(eng(4, 0, steps=9, kv=0.31))), (10, reading(eng(4, 0, steps=9, kv=NAN))), (20, reading(eng(4, 0, steps=9, kv=0.35)))],
+        [],
+        ["unknown", "stalled", "busy"],
+    ),
 }
 
 
@@ -248,3 +271,15 @@ def test_one_failed_probe_is_not_hung():
     s = Settings(probe_interval=0)
     states, _ = run([(0, reading(eng()))], settings=s, probes=[False])
     assert states == ["unresponsive"]
+
+
+def test_a_field_flipping_to_nan_is_no_progress_and_no_restart():
+    """Number, NaN, number, NaN on a still engine: the verdicts are those of the still
+    engine whose field never moved, seconds without progress included, and never
+    `restarted` (a counter that turns NaN did not go back)."""
+    flat = [(t, reading(eng(4, 0, steps=9, done=77.0, kv=0.31))) for t in (0, 10, 20, 30, 40)]
+    flipping = [(t, reading(eng(4, 0, steps=9, done=77.0 if i % 2 == 0 else NAN, kv=NAN if i % 2 else 0.31))) for i, t in enumerate((0, 10, 20, 30, 40))]
+    (s1, v1), (s2, v2) = run(flat), run(flipping)
+    assert s1 == s2 == ["unknown", "stalled", "hung", "hung", "hung"]
+    assert [e.seconds_since_progress for e in v1.engines] == [e.seconds_since_progress for e in v2.engines] == [40.0]
+    assert v2.memory.engines[("m", "0")].fingerprint == v1.memory.engines[("m", "0")].fingerprint

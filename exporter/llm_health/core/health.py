@@ -7,7 +7,10 @@ The rules:
 
 * progress is any change in the engine-side fingerprint (step count, prompt and generation
   tokens, finished requests, preemptions, KV usage, running/waiting), not output tokens:
-  a vLLM V1 engine prefilling a long prompt moves only KV usage for a while;
+  a vLLM V1 engine prefilling a long prompt moves only KV usage for a while. A field
+  that is no number (NaN, infinite) on either side of a comparison did not move: it is
+  evidence of nothing, so a field flipping between a number and NaN is not progress (the
+  memory keeps each field's last number, so 5, NaN, 6 is);
 * work in flight with no progress is `stalled` for one round and `hung` after two
   consecutive rounds and at least `hung_after_seconds` since the last progress seen;
 * an idle engine is probed (one 1-token completion) at most once per `probe_interval`;
@@ -123,10 +126,21 @@ class Verdict:
 
 
 def same_fingerprint(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
-    """Fingerprints equal, NaN (series absent) equal to NaN."""
+    """No field moved. Fields are compared only where both sides are numbers: NaN (a series
+    absent, or a value that is no evidence: NaN, infinite, negative) on either side is no
+    move, so a field flipping between a number and NaN is not progress. `a` is what the
+    memory kept, each field's last number carried forward (`carry`), so a field that goes
+    5, NaN, 6 has moved."""
     if len(a) != len(b):
         return False
-    return all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+    return all(x == y or math.isnan(x) or math.isnan(y) for x, y in zip(a, b))
+
+
+def carry(before: tuple[float, ...] | None, after: tuple[float, ...]) -> tuple[float, ...]:
+    """`after`, each NaN field replaced by the last number `before` kept for it."""
+    if before is None or len(before) != len(after):
+        return after
+    return tuple(old if math.isnan(new) else new for old, new in zip(before, after))
 
 
 def _went_back(before: tuple[float, ...], after: tuple[float, ...]) -> bool:
@@ -139,11 +153,12 @@ def _rate(new: float | None, old: float | None, seconds: float) -> float | None:
     return max(0.0, (new - old) / seconds)
 
 
-def _remember(e: EngineReading, now: float, last_progress_at: float, rounds: int = 0) -> EngineMemory:
+def _remember(e: EngineReading, now: float, last_progress_at: float, rounds: int = 0, prev: EngineMemory | None = None) -> EngineMemory:
+    """What to keep of this reading; `prev` (same process) carries each field's last number."""
     return EngineMemory(
         at=now,
-        fingerprint=e.fingerprint,
-        counters=e.counters,
+        fingerprint=carry(prev.fingerprint if prev else None, e.fingerprint),
+        counters=carry(prev.counters if prev else None, e.counters),
         steps=e.steps,
         generation_tokens=e.generation_tokens,
         last_progress_at=last_progress_at,
@@ -183,13 +198,13 @@ def _judge_engine(prev: EngineMemory | None, e: EngineReading, obs: Observation,
     if e.sleeping or obs.sleeping or obs.paused:
         state = State.PAUSED if obs.paused and not (e.sleeping or obs.sleeping) else State.SLEEPING
         # A sleeping engine keeps its requests but takes no steps: restart the clock.
-        return verdict(state, f"engine reports {state}; never hung"), _remember(e, now, now)
+        return verdict(state, f"engine reports {state}; never hung"), _remember(e, now, now, prev=prev)
     if not e.known:
         # Neither idle (no probe) nor hung: the count that would tell is no evidence.
         since = now if progressed else prev.last_progress_at
-        return verdict(State.UNKNOWN, _NO_COUNT.format(e=e)), _remember(e, now, since)
+        return verdict(State.UNKNOWN, _NO_COUNT.format(e=e)), _remember(e, now, since, prev=prev)
     if progressed:
-        mem = _remember(e, now, now)
+        mem = _remember(e, now, now, prev=prev)
         if e.in_flight:
             if steps_ps:
                 how = f", {steps_ps:.1f} steps/s"
@@ -198,11 +213,11 @@ def _judge_engine(prev: EngineMemory | None, e: EngineReading, obs: Observation,
             return verdict(State.BUSY, f"{e.running:g} running, {e.waiting:g} waiting, engine progressing{how}"), mem
         return verdict(State.IDLE, "nothing running or waiting"), mem
     if not e.in_flight:
-        return verdict(State.IDLE, "nothing running or waiting"), _remember(e, now, now)
+        return verdict(State.IDLE, "nothing running or waiting"), _remember(e, now, now, prev=prev)
 
     rounds = prev.rounds_without_progress + 1
     since = now - prev.last_progress_at
-    mem = _remember(e, now, prev.last_progress_at, rounds)
+    mem = _remember(e, now, prev.last_progress_at, rounds, prev)
     what = f"{e.running:g} running, {e.waiting:g} waiting"
     if e.running == 0:
         what += " (waiting with nothing running)"
