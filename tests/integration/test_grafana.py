@@ -165,7 +165,17 @@ def test_dashboards_follow_the_monitoring_config():
     exprs = [expr for _, _, expr in all_queries()]
     assert any(config["selectors"]["exporter"] in e for e in exprs)
     assert any(f"engine:vllm_steps:rate{config['vllm']['rate_window']}" in e for e in exprs)
-    result = run_tool(sys.executable, str(GRAFANA / "generate.py"), "--queries", "--set", "vllm.rate_window=42s", "--set", 'selectors.exporter=job="mine"')
+    result = run_tool(
+        sys.executable,
+        str(GRAFANA / "generate.py"),
+        "--queries",
+        "--set",
+        "scrape_intervals.vllm=5s",
+        "--set",
+        "vllm.rate_window=42s",
+        "--set",
+        'selectors.exporter=job="mine"',
+    )
     assert result.returncode == 0, result.stderr
     other = [q["expr"] for qs in json.loads(result.stdout).values() for q in qs]
     assert any("engine:vllm_steps:rate42s" in e for e in other) and any('job="mine"' in e for e in other)

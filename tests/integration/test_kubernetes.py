@@ -592,7 +592,11 @@ def seconds(duration: str) -> float:
 
 def test_monitors_give_the_jobs_the_rules_select():
     selectors = yaml.safe_load((RULES / "config.yaml").read_text())["selectors"]
-    wanted = {VLLM: ("vllm", 15.0), EXPORTER: ("exporter", 5.0)}  # container: (selector, scrape interval)
+    # container: (selector, scrape interval): the intervals the PrometheusRule's rules were
+    # rendered for (rules/fast/, the `fast` variant of rules/config.yaml)
+    variant = yaml.safe_load((RULES / "config.yaml").read_text())["variants"]["fast"]["scrape_intervals"]
+    wanted = {VLLM: ("vllm", seconds(variant["vllm"])), EXPORTER: ("exporter", seconds(variant["exporter"]))}
+    assert "from rules/fast/prometheusrule.yaml" in (DEPLOY / "prometheusrule.yaml").read_text()
     seen = set()
     for kind, name, endpoint in scraped_containers():
         selector, interval = wanted[name]
@@ -628,10 +632,11 @@ def test_generated_files_are_up_to_date():
 
 
 def test_prometheusrule_holds_the_rule_files():
-    (source,) = load(RULES / "prometheusrule.yaml")
+    """The rules rendered for the monitors' scrape intervals: rules/fast/."""
+    (source,) = load(RULES / "fast" / "prometheusrule.yaml")
     shipped = one("PrometheusRule")
     assert shipped == source
-    groups = [g for path in sorted(RULES.glob("*.rules.yml")) for g in yaml.safe_load(path.read_text())["groups"]]
+    groups = [g for path in sorted((RULES / "fast").glob("*.rules.yml")) for g in yaml.safe_load(path.read_text())["groups"]]
     assert shipped["spec"]["groups"] == groups
 
 

@@ -87,13 +87,13 @@ def shipped_scrape(name: str) -> dict[str, int]:
 
 
 CASES = [
-    *((f"rules-for-{s}s-scraped-{s}s", s, {job: s for job in JOBS}) for s in (5, 15, 30, 60)),
+    *((f"rules-for-{s}s-scraped-{s}s", s, dict.fromkeys(JOBS, s)) for s in (5, 15, 30, 60)),
     ("shipped-at-its-own", "shipped", shipped_scrape("shipped")),
     ("fast-at-its-own", "fast", shipped_scrape("fast")),
-    ("shipped-scraped-5s", "shipped", {job: 5 for job in JOBS}),
-    ("shipped-scraped-15s", "shipped", {job: 15 for job in JOBS}),
-    ("shipped-scraped-60s", "shipped", {job: 60 for job in JOBS}),
-    ("fast-scraped-60s", "fast", {job: 60 for job in JOBS}),
+    ("shipped-scraped-5s", "shipped", dict.fromkeys(JOBS, 5)),
+    ("shipped-scraped-15s", "shipped", dict.fromkeys(JOBS, 15)),
+    ("shipped-scraped-60s", "shipped", dict.fromkeys(JOBS, 60)),
+    ("fast-scraped-60s", "fast", dict.fromkeys(JOBS, 60)),
 ]
 
 

@@ -4,6 +4,7 @@ contract)."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -15,6 +16,17 @@ from tests.fixtures.paths import REAL_LLAMACPP, REAL_METRICS, REAL_VLLM, ROOT, R
 from tests.fixtures.stack import PROMTOOL, exporter_series, metric_names, payload_series, run_tool
 
 RULE_FILES = sorted(RULES.glob("*.rules.yml"))
+
+
+def _generate():
+    spec = importlib.util.spec_from_file_location("rules_generate", RULES / "generate.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+generate = _generate()
 TEST_FILES = sorted((RULES / "tests").glob("*.test.yml"))
 RUNBOOK = ROOT / "docs" / "runbook.md"
 V1_PAYLOAD = REAL_METRICS / "vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom"
@@ -64,6 +76,10 @@ def test_generator_overrides_reach_every_file(tmp_path):
         "--out",
         str(tmp_path),
         "--set",
+        "scrape_intervals.vllm=1s",
+        "--set",
+        "scrape_intervals.llamacpp=2s",
+        "--set",
         "vllm.progress_window=7s",
         "--set",
         "exporter.backend_hung_for=3s",
@@ -72,11 +88,45 @@ def test_generator_overrides_reach_every_file(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     vllm = (tmp_path / "vllm.rules.yml").read_text()
-    assert "changes7s" in vllm and "[7s]" in vllm and "[3m]" not in vllm
+    assert "moved7s" in vllm and "[7s]" in vllm and "[3m]" not in vllm and "[1m30s]" not in vllm
     llamacpp = (tmp_path / "llamacpp.rules.yml").read_text()
-    assert "changes9s" in llamacpp and "[9s]" in llamacpp and "offset 9s" in llamacpp and "[2m]" not in llamacpp
+    assert "moved9s" in llamacpp and "[9s]" in llamacpp and "offset 9s" in llamacpp and "[2m]" not in llamacpp
     assert "for: 3s" in (tmp_path / "llm-health.rules.yml").read_text()
-    assert "changes7s" in (tmp_path / "prometheusrule.yaml").read_text()
+    assert "moved7s" in (tmp_path / "prometheusrule.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("interval", "vllm", "llamacpp", "rate", "vllm_samples", "llamacpp_samples"),
+    [
+        ("5s", "45s", "2m", "5m", 8, 23),
+        ("15s", "45s", "2m", "5m", 2, 7),
+        ("30s", "1m30s", "2m", "5m", 2, 3),
+        ("60s", "3m", "3m", "5m", 2, 2),
+        ("2m", "6m", "6m", "8m", 2, 2),
+    ],
+)
+def test_windows_follow_the_scrape_interval(interval, vllm, llamacpp, rate, vllm_samples, llamacpp_samples):
+    """A progress window spans at least 3 scrapes, a rate window 4, over the config's
+    floors (45s, 2m, 5m); the hung rules need all but one of the scrapes the window holds."""
+    config = generate.load_config(overrides=[f"scrape_intervals.{job}={interval}" for job in ("vllm", "llamacpp", "exporter")])
+    assert config["vllm"]["progress_window"] == vllm
+    assert config["llamacpp"]["progress_window"] == llamacpp
+    assert config["vllm"]["rate_window"] == rate and config["exporter"]["round_errors_window"] == rate
+    assert (config["vllm"]["evidence_samples"], config["llamacpp"]["evidence_samples"]) == (vllm_samples, llamacpp_samples)
+    rendered = generate.render_all(config)["vllm.rules.yml"]
+    assert f"moved{vllm}" in rendered and f">= {vllm_samples})," in rendered and f"< {vllm_samples}\n" in rendered
+
+
+@pytest.mark.parametrize("bad", ["scrape_intervals.vllm=30 seconds", "scrape_intervals.vllm=0s", "vllm.progress_window=soon"])
+def test_generator_refuses_durations_that_are_not(tmp_path, bad):
+    result = run_tool(sys.executable, str(RULES / "generate.py"), "--out", str(tmp_path), "--set", bad)
+    key = bad.partition("=")[0]
+    assert result.returncode != 0 and key in result.stderr and ("duration" in result.stderr or "longer than zero" in result.stderr)
+
+
+def test_committed_files_say_their_scrape_intervals():
+    assert "For these scrape intervals: vllm 30s, llamacpp 30s, exporter 30s." in (RULES / "vllm.rules.yml").read_text()
+    assert "For these scrape intervals: vllm 15s, llamacpp 15s, exporter 5s." in (RULES / "fast" / "vllm.rules.yml").read_text()
 
 
 def test_generator_refuses_unknown_keys(tmp_path):

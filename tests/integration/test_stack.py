@@ -21,6 +21,9 @@ from tests.fixtures.stack import free_port, render_rules, rewrite_alertmanager_c
 # Short windows for a 1s scrape and evaluation interval; the order of the for: clauses
 # (inhibiting alerts never slower than their targets) is kept.
 FAST = {
+    "scrape_intervals.vllm": "1s",
+    "scrape_intervals.llamacpp": "1s",
+    "scrape_intervals.exporter": "1s",
     "vllm.rate_window": "10s",
     "vllm.progress_window": "6s",
     "vllm.hung_for": "3s",
@@ -163,7 +166,7 @@ def test_hung_backend_pages_and_reaches_restarter_busy_one_stays_quiet(tmp_path,
     # The recording rules see the busy engine stepping and the hung one standing still.
     steps = {r["metric"]["instance"]: float(r["value"][1]) for r in prom.query("engine:vllm_steps:rate10s")}
     assert steps[busy_vllm.address] > 0 and steps[hung_vllm.address] == 0
-    progress = {r["metric"]["instance"]: float(r["value"][1]) for r in prom.query("engine:vllm_progress_signals:changes6s")}
+    progress = {r["metric"]["instance"]: float(r["value"][1]) for r in prom.query("engine:vllm_progress_signals:moved6s")}
     assert progress[busy_vllm.address] > 0 and progress[hung_vllm.address] == 0
 
     # Every rule evaluated without error against these payloads.

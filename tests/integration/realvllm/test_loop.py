@@ -49,13 +49,17 @@ def test_the_whole_loop(vllm_server_factory, tmp_path):
 
         # --- (2) the hang: both layers, one restart, back ----------------------------------------
         action = loop.follow(t0, on_restarted=srv.adopt)
-        loop.print_timeline("recovery timeline, seconds after EngineCore stopped (shipped defaults):")
+        loop.print_timeline(f"recovery timeline, seconds after EngineCore stopped ({loop.stack} stack):")
         if os.environ.get("LLM_HEALTH_LOOP_TIMELINE"):
             Path(os.environ["LLM_HEALTH_LOOP_TIMELINE"]).write_text(json.dumps({"timeline": loop.timeline, "action": action}, indent=1, default=str))
         assert action["outcome"] == "recovered" and action["restart_seen"] is True, action
         v = action["verification"]
         assert (v["method"], v["state"], v["reads"]) == ("evidence", "hung", 2), v  # the exporter's proof, confirmed: no second minute of watching
-        assert {"exporter says hung", "LLMBackendHung firing", "VLLMEngineHung firing", "hung alerts resolved"} <= set(loop.timeline), loop.timeline
+        # At the compose stack's 15s scrape the raw layer's 45s window proves the hang before
+        # the restart; at 30s (a 1m30s window) the exporter's proof is usually first and the
+        # restart ends the hang before VLLMEngineHung can fire.
+        raw = {"VLLMEngineHung firing"} if loop.stack == "compose" else set()
+        assert {"exporter says hung", "LLMBackendHung firing", "hung alerts resolved"} | raw <= set(loop.timeline), loop.timeline
         assert "started server pid" in action["command_result"]["output"]
         new_start = harness.vllm_counters(srv.metrics_text())["process_start_time_seconds"]
         assert new_start and new_start != old_start
