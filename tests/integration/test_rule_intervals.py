@@ -116,3 +116,35 @@ def test_the_cases_cover_what_the_issue_names():
     assert {5, 15, 30, 60} <= intervals
     assert {"shipped", "fast"} <= {r for _, r, _s in CASES}
     assert any(windows(config_for(r), s).too_slow for _, r, s in CASES)
+
+
+def held(t: float, window: float, every: float, left_open: bool, early: float = 0.0) -> int:
+    """Scrapes every `every` s from 0 inside the window of `window` s ending at t: closed
+    at its start (Prometheus 2) or left-open (3); `early`: its first scrape came that early."""
+
+    def inside(x: float) -> bool:
+        return (t - window < x if left_open else t - window <= x) and x <= t
+
+    times = [k * every for k in range(int(t // every) + 1) if inside(k * every)]
+    if early and times:
+        times[0] -= early
+    return sum(1 for x in times if inside(x))
+
+
+@pytest.mark.parametrize("interval", [5, 15, 30, 60])
+def test_windows_hold_their_evidence_under_closed_and_left_open_ranges(interval):
+    """The scrape count the hung rules need holds at every phase of the evaluation
+    against the scrapes, whether the window's start is in it (Prometheus 2) or not
+    (Prometheus 3), also with the window's first scrape a third of an interval early (out
+    of the window); a scrape slow enough that the window holds one scrape fewer fails it."""
+    config = config_for(interval)
+    for key in JOBS.values():
+        window = generate.seconds(config[key]["evidence_window"], key)
+        need = config[key]["evidence_samples"]
+        slower = window / (need - 1) + 0.1  # every window then holds need - 1 at most
+        for left_open in (False, True):
+            for tenth in range(int(interval * 10)):
+                t = window + 10 * interval + tenth / 10
+                assert held(t, window, interval, left_open) >= need, (key, left_open, t)
+                assert held(t, window, interval, left_open, early=interval / 3) >= need, (key, left_open, t, "early")
+                assert held(t, window, slower, left_open) < need, (key, left_open, t, "slower")
