@@ -31,6 +31,7 @@ from llm_health.config.restarter import TOKEN_ENV, Target, default_instance
 from llm_health.core.restart_policy import Budget
 from llm_health.restarter.runner import OutputFiles, run_command
 from llm_health.sim import servers as sim
+from tests.fixtures.ci import require
 from tests.fixtures.restarter import AUTH, MARK, TOKEN, RestartEffect, make_config, marker_target, metrics, post, post_json, sample, status, wait_done
 from tests.fixtures.webhooks import BODY_2447, MALFORMED, webhook_1051, webhook_2447, webhook_msteams
 
@@ -383,9 +384,9 @@ async def test_metrics_pass_promtool(restarter_client, sim_server, tmp_path):
     assert names == {"llm_restarter_restarts", "llm_restarter_refusals", "llm_restarter_recovery_seconds", "llm_restarter_budget_exhausted"}
     import shutil
 
-    if shutil.which("promtool"):
-        out = await asyncio.to_thread(subprocess.run, ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False)
-        assert out.returncode == 0, out.stdout + out.stderr
+    require(None if shutil.which("promtool") else "promtool is not installed (apt-get install prometheus)")
+    out = await asyncio.to_thread(subprocess.run, ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 # --- the command ----------------------------------------------------------------------------
