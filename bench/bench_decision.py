@@ -38,7 +38,7 @@ def main() -> None:
     print()
     for o in outcomes[2:]:
         print(
-            f"{'+'.join(o.watchdogs)}: hang found {o.detection_seconds:.0f} s after it began, at the {o.hang_detected_rounds}rd read after it (first read = baseline)"
+            f"{'+'.join(o.watchdogs)}: hang found {o.detection_seconds:.0f} s after it began, at read {o.hang_detected_rounds} after it (first read = baseline)"
         )
     print(f"\n4 simulated days in {elapsed:.1f} s of wall time")
 

@@ -195,7 +195,9 @@ class LlamaCpp(Engine):
 
     def shape(self) -> str:
         s = self.srv
-        return f"88 MB random llama GGUF, f16; -np {s.parallel} -c {s.ctx} -b {s.batch} -t {s.threads}"
+        path = self.harness.model_path()
+        size = f"{path.stat().st_size / 1e6:.0f} MB" if path.exists() else "size unknown"
+        return f"{size} random llama GGUF ({path.name}), f16; -np {s.parallel} -c {s.ctx} -b {s.batch} -t {s.threads}"
 
     def pid(self) -> int:
         return self.srv.pid
