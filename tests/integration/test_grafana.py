@@ -6,7 +6,6 @@ series they read is one the exporter exports."""
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import re
 import sys
@@ -14,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from tests.fixtures.paths import ROOT
+from tests.fixtures.paths import ROOT, load_script
 from tests.fixtures.stack import PROMTOOL, exporter_series, metric_names, run_tool
 
 GRAFANA = ROOT / "grafana"
@@ -24,10 +23,7 @@ RATE_FUNCTIONS = {"rate", "irate", "increase"}
 
 def load_generator():
     """grafana/generate.py as a module (its helpers need no SDK until render time)."""
-    spec = importlib.util.spec_from_file_location("grafana_generate", GRAFANA / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(GRAFANA / "generate.py", "grafana_generate")
 
 
 def sdk_pin() -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -43,7 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llm_health.cli import parser as llm_health_parser
 from tests.fixtures.ci import require
-from tests.fixtures.paths import ROOT, RULES
+from tests.fixtures.paths import ROOT, RULES, load_script
 
 DEPLOY = ROOT / "deploy" / "kubernetes"
 VALIDATORS_SRC = ROOT / ".ci" / "k8s-validators"
@@ -617,11 +616,7 @@ def test_monitors_give_the_jobs_the_rules_select():
 
 
 def generator() -> Any:
-    spec = importlib.util.spec_from_file_location("deploy_kubernetes_generate", DEPLOY / "generate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(DEPLOY / "generate.py", "deploy_kubernetes_generate")
 
 
 def test_generated_files_are_up_to_date():

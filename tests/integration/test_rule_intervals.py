@@ -17,14 +17,13 @@ Three kinds of case:
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.fixtures.paths import RULES
+from tests.fixtures.paths import RULES, load_script
 from tests.fixtures.rule_intervals import Windows, suite
 from tests.fixtures.stack import PROMTOOL, run_tool
 
@@ -33,15 +32,7 @@ pytestmark = pytest.mark.skipif(not PROMTOOL, reason="promtool is not installed 
 JOBS = {"vllm": "vllm", "llamacpp": "llamacpp", "llm-health": "exporter"}  # job -> config key
 
 
-def _generate():
-    spec = importlib.util.spec_from_file_location("rules_generate", RULES / "generate.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-generate = _generate()
+generate = load_script(RULES / "generate.py", "rules_generate")
 
 
 def config_for(rules: str | int) -> dict:

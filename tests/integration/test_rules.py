@@ -4,7 +4,6 @@ contract)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -12,21 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fixtures.paths import REAL_LLAMACPP, REAL_METRICS, REAL_VLLM, ROOT, RULES
+from tests.fixtures.paths import REAL_LLAMACPP, REAL_METRICS, REAL_VLLM, ROOT, RULES, load_script
 from tests.fixtures.stack import PROMTOOL, exporter_series, metric_names, payload_series, run_tool
 
 RULE_FILES = sorted(RULES.glob("*.rules.yml"))
 
-
-def _generate():
-    spec = importlib.util.spec_from_file_location("rules_generate", RULES / "generate.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-generate = _generate()
+generate = load_script(RULES / "generate.py", "rules_generate")
 TEST_FILES = sorted((RULES / "tests").glob("*.test.yml"))
 RUNBOOK = ROOT / "docs" / "runbook.md"
 V1_PAYLOAD = REAL_METRICS / "vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom"
