@@ -22,6 +22,7 @@ of the stacks this repository ships (compose, Kubernetes) into rules/<variant>/.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import re
 import sys
@@ -101,12 +102,11 @@ def derive(config: dict) -> dict:
             raise SystemExit(f"config: evidence.{key} must be a whole number of scrapes, at least 2 (got {n!r})")
     if evidence[STILL] <= evidence["min_samples"] or evidence[RATE] <= evidence["min_samples"]:
         raise SystemExit("config: evidence.still_scrapes and rate_scrapes must exceed min_samples (one scrape spare)")
+    every = {job: seconds(intervals.get(job), f"scrape_intervals.{job}") for job, _ in DERIVED_WINDOWS.values()}
     shortest: dict[str, float] = {}
     for dotted, (job, kind) in DERIVED_WINDOWS.items():
         section, key = dotted.split(".")
-        interval = seconds(intervals.get(job), f"scrape_intervals.{job}")
-        floor = seconds(config[section][key], dotted)
-        window = max(floor, evidence[kind] * interval)
+        window = max(seconds(config[section][key], dotted), evidence[kind] * every[job])
         config[section][key] = duration(window)
         shortest[job] = min(shortest.get(job, window), window)
     for job, window in shortest.items():
@@ -114,7 +114,7 @@ def derive(config: dict) -> dict:
         # All but one of the scrapes the window holds at the configured interval (and at
         # least min_samples): one spare for a late scrape, and a scrape slower than the
         # rules were made for shows as too few.
-        held = math.floor(window / seconds(intervals[job], f"scrape_intervals.{job}") + 1e-9)
+        held = math.floor(window / every[job] + 1e-9)
         config[job]["evidence_samples"] = max(evidence["min_samples"], held - 1)
     return config
 
@@ -144,7 +144,7 @@ def variant_configs(path: Path = CONFIG) -> dict[str, dict]:
     out = {}
     for name, spec in (raw.get("variants") or {}).items():
         sets = [f"scrape_intervals.{job}={value}" for job, value in (spec.get("scrape_intervals") or {}).items()]
-        out[name] = derive(apply_overrides(yaml.safe_load(path.read_text()), sets, f"{path.name} variants.{name}"))
+        out[name] = derive(apply_overrides(copy.deepcopy(raw), sets, f"{path.name} variants.{name}"))
     return out
 
 
