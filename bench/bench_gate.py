@@ -29,7 +29,10 @@ import aiohttp
 from aiohttp import web
 from tests.harness.processes import free_port
 
+from bench._goal import goal_line
+
 ROOT = Path(__file__).resolve().parents[1]
+GOAL_ADDED_P99_MS = 1.0
 
 
 BODY = {"model": "m", "prompt": "x", "max_tokens": 1}
@@ -188,6 +191,15 @@ def main() -> None:
             f"{what}: p50 {pct(g, 50) - pct(d, 50):.2f} ms, p99 {pct(g, 99) - pct(d, 99):.2f} ms; "
             f"throughput ratio {key}/direct {r[key]['throughput'] / r['direct']['throughput']:.2f}"
         )
+    added = pct(r["gate"]["lat"], 99) - pct(d, 99)
+    errors = r["gate"]["errors"]
+    print(
+        goal_line(
+            f"the gate adds under {GOAL_ADDED_P99_MS:g} ms at p99 at {args.rate:g} requests/s, no errors",
+            f"p99 added {added:.2f} ms, {errors} errors",
+            added < GOAL_ADDED_P99_MS and errors == 0,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """GPU lease hand-off and contention, against a real redis-server on loopback.
 
-1. Hand-off: time from the holder's release (call start) to the next waiter's
-   successful claim (call end), one waiter blocked on one GPU.
+1. Hand-off: time from the holder's release (call start) to the next waiter, one waiter
+   blocked on one GPU, timed at the same two points on both sides: the waiter's
+   successful claim command returning (inside the call) and the waiting call returning
+   to its caller (the goal is judged here: it is what the caller sees).
    - ours: `LeaseClient.wait_for_gpu` woken by the `del` keyspace event;
    - polling: redis-py's `Lock.acquire(blocking=True)` with its default 100 ms sleep
-     (the release lands at a random phase of the waiter's poll loop).
+     (the release lands at a random phase of the waiter's poll loop); its claim is the
+     `do_acquire` that returns True.
 2. Contention: 64 waiters on 8 GPUs for a few seconds, each claim held 1 ms (then
    10 ms) and released; claims per second and double claims (checked with an
    in-process occupancy map). Polling comparison: the same with a claim-then-sleep-100 ms
@@ -32,6 +35,7 @@ import redis
 from redis import asyncio as aioredis
 from tests.fixtures.redis_server import RedisServer
 
+from bench._goal import goal_line
 from bench._machine import cpu_model
 from llm_health.store.leases import LeaseClient
 from llm_health.store.records import Pool
@@ -40,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 LONG = 3600.0
+GOAL_HANDOFF_P99_MS = 5.0
 
 
 def machine() -> str:
@@ -99,15 +104,26 @@ async def handoff_ours(url: str, n: int) -> tuple[list[float], list[float]]:
     return to_claim, to_return
 
 
-async def handoff_polling(url: str, n: int) -> list[float]:
+async def handoff_polling(url: str, n: int) -> tuple[list[float], list[float]]:
+    """(release -> the successful do_acquire returned, release -> acquire returned) in ms."""
     r1 = aioredis.Redis.from_url(url)
     r2 = aioredis.Redis.from_url(url)
-    out = []
+    to_claim, out = [], []
     try:
         for _ in range(n):
             held = r1.lock("gpu:lease:g0", timeout=30)  # redis-py default sleep=0.1
             assert await held.acquire(blocking=False)
             nxt = r2.lock("gpu:lease:g0", timeout=30)
+            claimed_at: list[float] = []
+            plain = nxt.do_acquire
+
+            async def timed_do_acquire(token, plain=plain, claimed_at=claimed_at):
+                ok = await plain(token)
+                if ok:
+                    claimed_at.append(time.perf_counter())
+                return ok
+
+            nxt.do_acquire = timed_do_acquire  # type: ignore[method-assign]
 
             async def wait(nxt=nxt):
                 ok = await nxt.acquire(blocking=True, blocking_timeout=10)
@@ -118,13 +134,14 @@ async def handoff_polling(url: str, n: int) -> list[float]:
             t0 = time.perf_counter()
             await held.release()
             ok, t1 = await task
-            assert ok
+            assert ok and claimed_at
+            to_claim.append((claimed_at[0] - t0) * 1000)
             out.append((t1 - t0) * 1000)
             await nxt.release()
     finally:
         await r1.aclose()
         await r2.aclose()
-    return out
+    return to_claim, out
 
 
 async def contention(url: str, waiters: int, gpus: int, seconds: float, hold_s: float, polling: bool) -> dict:
@@ -134,6 +151,7 @@ async def contention(url: str, waiters: int, gpus: int, seconds: float, hold_s: 
     released_at: dict[str, float] = {}
     gaps: list[float] = []
     per_worker = [0] * waiters
+    via: dict[str, int] = {}
     doubles = 0
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
@@ -151,6 +169,7 @@ async def contention(url: str, waiters: int, gpus: int, seconds: float, hold_s: 
                 if lease is None:
                     return
             now = time.perf_counter()
+            via[lease.via] = via.get(lease.via, 0) + 1
             if lease.gpu in released_at:
                 gaps.append((now - released_at.pop(lease.gpu)) * 1000)
             if lease.gpu in occupancy:
@@ -188,6 +207,7 @@ async def contention(url: str, waiters: int, gpus: int, seconds: float, hold_s: 
         "min_worker": min(per_worker),
         "max_worker": max(per_worker),
         "lag_p50": statistics.median(lag),
+        "via": via,
     }
 
 
@@ -204,17 +224,22 @@ async def main() -> None:
     print(f"load average before the run: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     with RedisServer() as server:
         ours, ours_return = await handoff_ours(server.url, args.handoffs)
-        poll = await handoff_polling(server.url, args.poll_handoffs)
+        poll, poll_return = await handoff_polling(server.url, args.poll_handoffs)
         print()
-        print("hand-off: release (call start) -> next waiter's successful claim (ms), same run")
-        print(f"{'method':<52} {'n':>5} {'p50':>8} {'p90':>8} {'p99':>8} {'max':>8}")
-        for name, xs in (
-            ("ours: keyevent del wakes the waiter, claim confirmed", ours),
-            ("ours: ... wait_for_gpu returned (after cleanup)", ours_return),
-            ("redis-py Lock.acquire, sleep=0.1 (polling)", poll),
+        print("hand-off: ms from the holder's release (call start) to the next waiter, same run, the same two points on both sides")
+        print(f"{'method':<44} {'timed to':<26} {'n':>5} {'p50':>8} {'p90':>8} {'p99':>8} {'max':>8}")
+        for name, point, xs in (
+            ("ours: wait_for_gpu, woken by the del event", "its claim returned", ours),
+            ("redis-py Lock.acquire, sleep=0.1 (polling)", "its do_acquire returned", poll),
+            ("ours: wait_for_gpu, woken by the del event", "the call returned", ours_return),
+            ("redis-py Lock.acquire, sleep=0.1 (polling)", "the call returned", poll_return),
         ):
-            print(f"{name:<52} {len(xs):>5} {statistics.median(xs):>8.3f} {pct(xs, 90):>8.3f} {pct(xs, 99):>8.3f} {max(xs):>8.3f}")
-        print(f"goal p99 < 5 ms: {'met' if pct(ours, 99) < 5 else 'NOT met'} ({pct(ours, 99):.3f} ms)")
+            print(f"{name:<44} {point:<26} {len(xs):>5} {statistics.median(xs):>8.3f} {pct(xs, 90):>8.3f} {pct(xs, 99):>8.3f} {max(xs):>8.3f}")
+        mine, theirs = pct(ours_return, 99), pct(poll_return, 99)
+        print(f"at the call's return, p99: ours {mine:.3f} ms, redis-py's polling Lock {theirs:.3f} ms (ratio {theirs / mine:.0f}x)")
+        print(
+            goal_line(f"hand-off p99 under {GOAL_HANDOFF_P99_MS:g} ms on loopback, to wait_for_gpu returning", f"p99 {mine:.3f} ms", mine < GOAL_HANDOFF_P99_MS)
+        )
 
         print()
         print(f"contention: {args.waiters} waiters on {args.gpus} GPUs, {args.seconds:g} s per row, one process")
@@ -222,19 +247,29 @@ async def main() -> None:
             f"{'method':<36} {'hold':>5} {'claims/s':>9} {'ceiling':>8} {'idle p50':>9} {'idle p99':>9} "
             f"{'per-worker min-max':>19} {'double':>7} {'loop lag':>9}"
         )
+        doubles, rows, vias = 0, {}, {}
         for hold_ms in (float(x) for x in args.hold_ms.split(",")):
             for name, polling in (("ours: wait_for_gpu (events)", False), ("poll loop: claim_any, sleep 100 ms", True)):
                 r = await contention(server.url, args.waiters, args.gpus, args.seconds, hold_ms / 1000, polling)
+                rows[(hold_ms, polling)] = r["per_s"]
+                if not polling:
+                    vias[hold_ms] = r["via"]
+                doubles += r["doubles"]
                 print(
                     f"{name:<36} {hold_ms:>5g} {r['per_s']:>9.0f} {args.gpus / hold_ms * 1000:>8.0f} "
                     f"{r['gap_p50']:>9.3f} {r['gap_p99']:>9.3f} {r['min_worker']:>9}-{r['max_worker']:<9} {r['doubles']:>7} {r['lag_p50']:>9.3f}"
                 )
-                if r["doubles"]:
-                    raise SystemExit("double claims seen")
         print(
             "hold: ms per claim; idle: ms a GPU stays free between a release and the next claim; "
             "loop lag: p50 ms by which a 5 ms sleep wakes late in the benchmark process"
         )
+        for hold_ms, v in vias.items():
+            total = sum(v.values())
+            shares = ", ".join(f"{k} {n / total:.0%}" for k, n in sorted(v.items(), key=lambda kv: -kv[1]))
+            ours_s, poll_s = rows[(hold_ms, False)], rows[(hold_ms, True)]
+            verdict = "about even" if abs(ours_s / poll_s - 1) < 0.05 else "ours ahead" if ours_s > poll_s else "the poll loop ahead"
+            print(f"hold {hold_ms:g} ms: claims/s ours / poll loop = {ours_s / poll_s:.2f} ({verdict}); how our claims were won: {shares}")
+        print(goal_line("zero double claims in every contention row", f"{doubles} double claims", doubles == 0))
         print(f"load average after the run: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -34,6 +34,7 @@ from redis import asyncio as aioredis
 from redis.asyncio.connection import Connection
 from tests.fixtures.redis_server import RedisServer
 
+from bench._goal import goal_line
 from bench._machine import cpu_model
 from llm_health.config.redis import parse_redis_config
 from llm_health.exporter.redis_collector import redis_status
@@ -205,6 +206,7 @@ async def main() -> None:
         print()
         print(f"per refresh, mean of {args.refreshes} (after 2 warm-up refreshes)")
         print(f"{'scenario':<48} {'round trips':>11} {'sent':>6} {'executed':>9} {'ms p50':>8} {'ms max':>8}")
+        trips: dict[str, float] = {}
         for name, pool_specs, route_list in scenarios:
             section: dict = {"url": url, "pools": pool_specs}
             if route_list is not None:
@@ -213,6 +215,7 @@ async def main() -> None:
             assert r["round_trips"] == r["view_round_trips"], r
             print(f"{name:<48} {r['round_trips']:>11g} {r['client_commands']:>6} {r['server_commands']:>9.0f} {r['ms_p50']:>8.1f} {r['ms_max']:>8.1f}")
             last = r["status"]
+            trips[name] = r["round_trips"]
         print(
             "round trips: redis-py sends (one per pipeline); sent: commands in them; executed: commands "
             "Redis ran, from INFO commandstats, including those inside the read scripts. KEYS calls: 0"
@@ -221,6 +224,15 @@ async def main() -> None:
         print("last scenario's /status (routes):")
         for route, s in sorted(last["routes"].items()):
             print(f"  {route}: {s}")
+        listed = max(v for k, v in trips.items() if "from a Redis set" not in k)
+        from_sets = max(v for k, v in trips.items() if "from a Redis set" in k)
+        print(
+            goal_line(
+                "Redis round trips per refresh constant in pools, routes and queue length: 1 with pools and routes listed, 2 when both come from Redis sets",
+                f"at most {listed:g} with them listed, {from_sets:g} from sets, over {len(trips)} scenarios",
+                listed <= 1 and from_sets <= 2,
+            )
+        )
         print(f"load average after the run: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

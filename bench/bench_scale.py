@@ -24,9 +24,12 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
+from bench._goal import goal_line
 from llm_health.config.exporter import Backend, Config, Timing
 from llm_health.exporter.app import Exporter
 from llm_health.sim import servers as sim
+
+GOAL_CORE_PERCENT = 25.0  # of one core, for 1,000 backends at 10 s rounds
 
 
 class CachedServer(sim.SimServer):
@@ -143,6 +146,14 @@ def main() -> None:
     print(f"memory: RSS {r['rss_mib']:.0f} MiB (+{r['rss_growth_mib']:.0f} MiB for the fleet state), peak {r['peak_rss_mib']:.0f} MiB")
     print(f"one scrape of the exporter: {r['scrape_ms']:.0f} ms, {r['scrape_bytes'] / 1024:.0f} KiB")
     print(f"states: {r['states']}")
+    share = 100 * r["core_share"]
+    print(
+        goal_line(
+            f"{r['backends']} backends at {r['interval_s']:g} s rounds in under {GOAL_CORE_PERCENT:g}% of one core",
+            f"{share:.1f}% of one core",
+            share < GOAL_CORE_PERCENT,
+        )
+    )
 
 
 if __name__ == "__main__":

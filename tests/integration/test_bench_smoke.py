@@ -5,8 +5,10 @@ engines_measure and loop_recovery, run the same code as the real-engine tests.)"
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -28,8 +30,39 @@ def test_every_benchmark_is_listed_here():
     assert found == set(SMALL), f"add the new benchmark to SMALL: {sorted(found - set(SMALL))}"
 
 
+GOAL = re.compile(r"^goal: (?P<goal>.+); measured: (?P<measured>.+): (?P<verdict>met|NOT met)$", re.M)
+
+
+def parse_goals_are_its_rows(out: str) -> None:
+    """bench_parse: each engine's goal line names the smallest "own" ratio of its own rows."""
+    own: dict[str, list[int]] = {}
+    for line in out.splitlines():
+        if line.endswith("x") and ".prom " in line:
+            own.setdefault(line.split("-", 1)[0], []).append(int(line.split("|")[1].split()[-1].rstrip("x")))
+    goals = {m["goal"].split()[0]: m for m in GOAL.finditer(out)}
+    assert set(goals) == set(own), out
+    for engine, ratios in own.items():
+        low = int(re.match(r"minimum (\d+)x", goals[engine]["measured"])[1])
+        assert low == min(ratios) and (goals[engine]["verdict"] == "met") == (low >= 40), (engine, out)
+
+
+def hostile_goal_is_its_table(out: str) -> None:
+    """bench_hostile: the goal line's longest interval is the table's "with" column."""
+    row = next(line for line in out.splitlines() if line.startswith("healthy round interval, max"))
+    (m,) = GOAL.finditer(out)
+    assert f"longest interval {row.split()[-2]} s" in m["measured"], out
+
+
+CONSISTENT: dict[str, Callable[[str], None]] = {"bench_parse": parse_goals_are_its_rows, "bench_hostile": hostile_goal_is_its_table}
+
+
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_benchmark_runs(name):
     out = subprocess.run([sys.executable, "-m", f"bench.{name}", *SMALL[name]], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, f"python -m bench.{name} exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     assert "machine" in out.stdout.lower()  # every benchmark says what it ran on
+    # Every benchmark judges its goal from what it measured, in one format (docs/benchmarks.md
+    # quotes these lines); at this tiny size the verdict itself means nothing.
+    assert GOAL.search(out.stdout), f"bench.{name} prints no goal line:\n{out.stdout[-2000:]}"
+    if name in CONSISTENT:
+        CONSISTENT[name](out.stdout)

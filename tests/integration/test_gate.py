@@ -147,14 +147,17 @@ async def test_resent_id_is_a_retry_without_headers(stack):
     assert len(up.calls) == 1
 
 
-async def test_t_plus_4001_timeline():
-    """The retry drill on the real gate, 10x faster: the retry at T+4001 is rejected."""
+async def test_retry_drill_rejects_the_late_retry():
+    """The retry drill on the real gate, 10x faster: the first retry, sent after the
+    deadline, is rejected, with the negative slack the gate measured."""
     with drills.temporary_redis() as url:
         uncapped = await drills.run_retry(url, gated=False, scale=0.1)
         gated = await drills.run_retry(url, gated=True, scale=0.1)
     assert uncapped.attempts_sent == 4 and uncapped.token_units == 4 * 272
     assert gated.first_retry_rejected and gated.worker_calls == 1 and gated.token_units == 272
     assert "REJECTS lab-1 with 422 reject_retry_late" in gated.timeline
+    assert gated.rejection is not None and gated.rejection.at_ms / 0.1 > 3000
+    assert gated.rejection.deadline_slack_ms is not None and gated.rejection.deadline_slack_ms < 0
     text, ok = drills.format_retry(uncapped, gated)
     assert ok and "PASS" in text
 

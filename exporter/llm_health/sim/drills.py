@@ -4,8 +4,9 @@
 `client -> retry_proxy -> [admission gate] -> fake_worker`, a 256-token prompt, a
 3000 ms deadline, a worker that takes 2500 ms normally and 4000 ms under fault (then
 answers 503, having spent the tokens), and a retry proxy that tries up to 4 times.
-Uncapped, the same id is sent again and again; with the gate, the retry at T+4001 ms is
-rejected. Token units per id are counted at the worker for both.
+Uncapped, the same id is sent again and again; with the gate, the first retry (sent after
+the deadline has passed) is rejected. Token units per id are counted at the worker for
+both; the verdict's times are the run's own timeline.
 
 `watchdog`: the day replay of `sim.replay` (the same code as the decision-quality
 benchmark): naive watchdogs against llm-health on one server with a batch job and one
@@ -41,8 +42,10 @@ class Timeline:
     t0: float = field(default_factory=time.monotonic)
     events: list[tuple[float, str]] = field(default_factory=list)
 
-    def add(self, what: str) -> None:
-        self.events.append(((time.monotonic() - self.t0) * 1000, what))
+    def add(self, what: str) -> float:
+        at = (time.monotonic() - self.t0) * 1000
+        self.events.append((at, what))
+        return at
 
     def render(self, scale: float) -> str:
         # Times are shown in the drill's own milliseconds (divided by the time scale).
@@ -76,10 +79,21 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-async def retry_proxy(session: aiohttp.ClientSession, upstream: str, request_id: str, deadline_ms: int, attempts: int, tl: Timeline) -> list[int]:
+@dataclass
+class Rejection:
+    at_ms: float  # on the timeline (real ms since T+0)
+    status: int
+    code: str
+    deadline_slack_ms: float | None  # as the gate's error body says
+
+
+async def retry_proxy(
+    session: aiohttp.ClientSession, upstream: str, request_id: str, deadline_ms: int, attempts: int, tl: Timeline
+) -> tuple[list[int], Rejection | None]:
     """The client's retry sidecar: resend the same id until a timely 200, a non-retryable
-    answer, or `attempts` tries. Returns the statuses it got."""
+    answer, or `attempts` tries. Returns the statuses it got and the refusal, if any."""
     statuses = []
+    rejection = None
     body = {"model": "drill", "prompt": "x " * PROMPT_TOKENS, "max_tokens": COMPLETION_TOKENS}
     for attempt in range(attempts):
         headers = {"X-Request-Id": request_id, "X-Request-Deadline-Ms": str(deadline_ms), "X-Retry-Count": str(attempt)}
@@ -90,10 +104,12 @@ async def retry_proxy(session: aiohttp.ClientSession, upstream: str, request_id:
             late = time.time() * 1000 > deadline_ms
             if resp.status in (422, 400, 410):
                 try:
-                    code = json.loads(text)["error"]["code"]
-                except (ValueError, KeyError, TypeError):
-                    code = "?"
-                tl.add(f"admission: REJECTS {request_id} with {resp.status} {code}: not retryable, the retry proxy stops")
+                    error = json.loads(text)["error"]
+                    code, slack = str(error["code"]), error.get("deadline_slack_ms")
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    code, slack = "?", None
+                at = tl.add(f"admission: REJECTS {request_id} with {resp.status} {code}: not retryable, the retry proxy stops")
+                rejection = Rejection(at, resp.status, code, slack if isinstance(slack, (int, float)) else None)
                 break
             if resp.status == 200 and not late:
                 tl.add(f"retry_proxy: {request_id} done in time")
@@ -101,7 +117,7 @@ async def retry_proxy(session: aiohttp.ClientSession, upstream: str, request_id:
             nxt = "schedules a retry" if attempt + 1 < attempts else f"gives up after {attempts} attempts"
             tl.add(f"retry_proxy: got {resp.status}{' after the deadline' if late else ''}; {nxt}")
         await asyncio.sleep(0.001)
-    return statuses
+    return statuses, rejection
 
 
 @dataclass
@@ -113,6 +129,8 @@ class RetryDrillResult:
     statuses: list[int]
     timeline: str
     first_retry_rejected: bool
+    rejection: Rejection | None
+    scale: float
 
 
 async def run_retry(redis_url: str, gated: bool, scale: float = 1.0, fault: bool = True) -> RetryDrillResult:
@@ -142,14 +160,14 @@ async def run_retry(redis_url: str, gated: bool, scale: float = 1.0, fault: bool
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             tl.t0 = time.monotonic()
             deadline_ms = int(time.time() * 1000 + 3000 * scale)
-            tl.add(f"client: sends lab-1, deadline T+3000 ms; worker utilisation 0.12{' (fault: worker takes 4000 ms)' if fault else ''}")
-            statuses = await retry_proxy(session, target, "lab-1", deadline_ms, 4, tl)
+            tl.add(f"client: sends lab-1, deadline T+3000 ms{' (fault: worker takes 4000 ms)' if fault else ''}")
+            statuses, rejection = await retry_proxy(session, target, "lab-1", deadline_ms, 4, tl)
     finally:
         if grunner:
             await grunner.cleanup()
         await wrunner.cleanup()
-    rejected = len(statuses) >= 2 and statuses[1] in (422, 410, 400)
-    return RetryDrillResult(gated, len(statuses), worker.calls, worker.units.get("lab-1", 0), statuses, tl.render(scale), rejected)
+    rejected = rejection is not None and len(statuses) == 2  # the first retry was the one refused
+    return RetryDrillResult(gated, len(statuses), worker.calls, worker.units.get("lab-1", 0), statuses, tl.render(scale), rejected, rejection, scale)
 
 
 @contextlib.contextmanager
@@ -196,9 +214,18 @@ def format_retry(uncapped: RetryDrillResult, gated: RetryDrillResult) -> tuple[s
         f"{'uncapped':<10} {uncapped.attempts_sent:>8} {uncapped.worker_calls:>12} {uncapped.token_units:>22} {uncapped.token_units / one:>14.1f}",
         f"{'gated':<10} {gated.attempts_sent:>8} {gated.worker_calls:>12} {gated.token_units:>22} {gated.token_units / one:>14.1f}",
         "",
-        "verdict: " + ("PASS: the gate rejected the retry at T+4001 ms; the id's tokens were spent once" if ok else "FAIL: the gate admitted a late retry"),
+        "verdict: " + (_passed(gated) if ok else "FAIL: the gate admitted a late retry"),
     ]
     return "\n".join(lines), ok
+
+
+def _passed(gated: RetryDrillResult) -> str:
+    """The verdict, from the run: when the refusal came (the timeline's own clock, in the
+    drill's milliseconds) and the slack the gate reported."""
+    r = gated.rejection
+    assert r is not None  # first_retry_rejected implies a refusal was recorded
+    slack = f", deadline slack {r.deadline_slack_ms / gated.scale:.0f} ms" if r.deadline_slack_ms is not None else ""
+    return f"PASS: the gate rejected the first retry at T+{r.at_ms / gated.scale:.0f} ms ({r.status} {r.code}{slack}); the id's tokens were spent once"
 
 
 def watchdog_report() -> tuple[str, bool]:
