@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -105,6 +106,13 @@ def _alert(server: sim.SimServer, starts_at: str, exporter: str = "exporter-a:91
     }
 
 
+def _duplicates_exposed(r: Restarter) -> float:
+    """llm_restarter_refusals_total{reason="duplicate"} on the restarter's /metrics."""
+    text = urllib.request.urlopen(r.url + "/metrics", timeout=5).read().decode()
+    (value,) = re.findall(r'^llm_restarter_refusals_total\{reason="duplicate"\} (\S+)$', text, re.M)
+    return float(value)
+
+
 def _restarts(restarters: list[Restarter]) -> list[dict]:
     return [a for r in restarters for a in r.status()["actions"] if a["command_result"]]
 
@@ -161,9 +169,26 @@ async def test_two_restarters_behind_clustered_alertmanagers_restart_once_and_ke
         await asyncio.sleep(20)
         done = _restarts(restarters)
         assert effect.lines() == 1 and len(done) == 1 and done[0]["outcome"] == "recovered", done
-        deliveries = [(i, x["reason"]) for i, r in enumerate(restarters) for x in r.status()["refused"]]
-        assert all(reason == "duplicate" for _, reason in deliveries), deliveries
-        show(f"HA: one hang, {1 + len(deliveries)} deliveries to two restarters from two clustered Alertmanagers, 1 restart")
+        # Each Alertmanager delivers to both restarters: the replica that did not act got the
+        # same alert (fingerprint, startsAt) too, and refused it as a duplicate (the lease of
+        # the replica acting, or the alert's done key once it had acted). It acted on nothing.
+        statuses = [r.status() for r in restarters]
+        (acted_i,) = [i for i, st in enumerate(statuses) if any(a["command_result"] for a in st["actions"])]
+        other = statuses[1 - acted_i]
+        key = (done[0]["fingerprint"], done[0]["starts_at"])
+        refused = [x for st in statuses for x in st["refused"]]
+        assert refused, "no delivery but the one acted on reached a restarter"
+        assert all(x["reason"] == "duplicate" and (x["fingerprint"], x["startsAt"]) == key for x in refused), refused
+        second = [x for x in other["refused"] if (x["fingerprint"], x["startsAt"]) == key]
+        assert second, f"the second restarter never received the alert: {other['refused']}"
+        assert all(x["alertname"] == "LLMBackendHung" and x["backend"] == "gpu0" for x in second), second
+        assert other["actions"] == [], other["actions"]
+        for r, st in zip(restarters, statuses):  # counted as well as recorded: /status, then /metrics
+            assert st["refusals"]["duplicate"] == sum(1 for x in st["refused"] if x["reason"] == "duplicate"), st
+            exposed = _duplicates_exposed(r)
+            assert st["refusals"]["duplicate"] <= exposed <= r.status()["refusals"]["duplicate"], exposed  # a late delivery may come between
+        assert _duplicates_exposed(restarters[1 - acted_i]) >= 1
+        show(f"HA: one hang, {1 + len(refused)} deliveries to two restarters from two clustered Alertmanagers, 1 restart, {len(refused)} refused as duplicates")
 
         # The restarter that acted dies with SIGKILL mid-budget, and starts again.
         acted = next(r for r in restarters if r.status()["actions"] and r.status()["actions"][0]["command_result"])
