@@ -58,7 +58,8 @@ from ..core.evidence import BadEvidence, parse_evidence
 from ..core.restart_policy import OUTCOMES, REFUSALS
 from ..core.states import State
 from ..core.webhook import Alert, Malformed, parse_webhook
-from ..probe.check import run_check
+from ..probe.check import check_with
+from ..probe.client import BackendClient
 from ..web import OPEN_PATHS, USER_KEY, BearerToken, add_reload, healthy, metrics_handler, secure
 from .action import Action, client_for, restart_and_recover
 from .collector import RestarterCollector
@@ -122,17 +123,16 @@ class Restarter:
 
     # --- verification: the alert's evidence, or the same code as `llm-health check` ------------
     async def _check(self, target: Target) -> dict[str, Any]:
+        async with aiohttp.ClientSession() as session:
+            return await self.full_check(client_for(session, target, self.config), target)
+
+    async def full_check(
+        self, client: BackendClient, target: Target, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep, clock: Callable[[], float] = time.monotonic
+    ) -> dict[str, Any]:
+        """`llm-health check`'s rounds with the `verify` settings, on this client (the
+        `verify` timeouts); `sleep` and `clock`: the event loop's, or a replay's simulated time."""
         v = self.config.verify
-        result = await run_check(
-            target.url,
-            kind=target.kind,
-            interval=v.interval,
-            rounds=v.rounds,
-            hung_after=v.hung_after_seconds,
-            probe_timeout=v.probe_timeout,
-            metrics_timeout=v.metrics_timeout,
-            api_key=target.api_key,
-        )
+        result = await check_with(client, kind=target.kind, interval=v.interval, rounds=v.rounds, hung_after=v.hung_after_seconds, sleep=sleep, clock=clock)
         return {"method": "full_check", **result}
 
     async def _confirm(self, target: Target, evidence_text: str) -> dict[str, Any] | None:
