@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
+import time
 from pathlib import Path
 
 
@@ -18,9 +20,24 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "?"
 
 
+def calibration_ms() -> float:
+    """This machine's speed right now, on one core: the best of 5 runs of a fixed
+    pure-Python workload (string building, a dict, sha256), in ms. The same figure on two
+    runs means the same speed; use it to compare absolute times across runs and machines."""
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        table: dict[str, int] = {}
+        for i in range(20_000):
+            key = f'vllm:num_requests_running{{engine="{i % 64}"}}'
+            table[key] = table.get(key, 0) + len(hashlib.sha256(key.encode()).digest())
+        best = min(best, time.perf_counter() - start)
+    return best * 1000
+
+
 def machine_line(*software: str) -> str:
-    """CPU, cores, memory, kernel, Python, the software measured, and the load average
-    when the run began (these machines are shared)."""
+    """CPU, cores, memory, kernel, Python, the software measured, the calibration figure
+    and the load average when the run began (these machines are shared)."""
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     parts = [cpu_model(), f"{os.cpu_count()} cores", f"{mem:.0f} GiB", f"Linux {platform.release()}", f"Python {platform.python_version()}", *software]
-    return ", ".join(parts) + f", loadavg at start {os.getloadavg()[0]:.2f}"
+    return ", ".join(parts) + f", calibration {calibration_ms():.1f} ms, loadavg at start {os.getloadavg()[0]:.2f}"

@@ -12,11 +12,10 @@ hang found within 2 rounds.
 from __future__ import annotations
 
 import dataclasses
-import os
-import platform
 import time
 
 from bench._goal import goal_line
+from bench._machine import machine_line
 from llm_health.sim.replay import DayPlan, format_table, replay
 
 # "Within 2 rounds": the first read after the hang is the baseline, then two rounds
@@ -37,7 +36,7 @@ def main() -> None:
     ours[0].watchdogs, ours[1].watchdogs = ("llm-health check every 5 min",), ("llm-health exporter (10 s rounds)",)
     outcomes += ours
     elapsed = time.perf_counter() - started
-    print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print(f"machine: {machine_line()}")
     print(f"plan: {plan}")
     print()
     print(format_table(outcomes))

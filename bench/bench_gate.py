@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -30,6 +28,7 @@ from aiohttp import web
 from tests.harness.processes import free_port
 
 from bench._goal import goal_line
+from bench._machine import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_ADDED_P99_MS = 1.0
@@ -175,7 +174,7 @@ def main() -> None:
             for p in procs:
                 p.terminate()
                 p.join(5)
-    print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print(f"machine: {machine_line()}")
     print(f"open loop at {args.rate:g} req/s for {args.seconds:g} s per path (interleaved halves); closed loop: 64 clients, 3 s")
     print("hop = the gate with its Redis round trips replaced by constants (a decomposition, not a mode)")
     print(f"{'path':<8} {'requests':>8} {'errors':>6} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'max req/s':>10}")

@@ -24,7 +24,6 @@ import asyncio
 import gc
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from prometheus_client import generate_latest
 from tests.fixtures.hostile import HostileServer, vllm_payload
 
 from bench._goal import goal_line
-from bench._machine import cpu_model
+from bench._machine import machine_line
 from bench.bench_scale import CachedServer
 from llm_health.config import exporter as config_mod
 from llm_health.exporter.app import Exporter
@@ -171,7 +170,7 @@ def main() -> None:
     finally:
         parent.send("stop")
         proc.join(10)
-    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}")
+    print(f"machine: {machine_line()}")
     print(f"{args.backends} healthy backends, {args.interval:g} s rounds, {args.seconds:g} s measured per column")
     print(f"hostile backend: {HOSTILE_ENGINES} engine label values, {size / 1e6:.1f} MB /metrics body, read every round")
     print(f"hostile backend's verdict: {reason}")

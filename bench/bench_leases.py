@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -36,7 +35,7 @@ from redis import asyncio as aioredis
 from tests.fixtures.redis_server import RedisServer
 
 from bench._goal import goal_line
-from bench._machine import cpu_model
+from bench._machine import machine_line
 from llm_health.store.leases import LeaseClient
 from llm_health.store.records import Pool
 
@@ -48,9 +47,8 @@ GOAL_HANDOFF_P99_MS = 5.0
 
 
 def machine() -> str:
-    cpu = cpu_model()
     server = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, check=False).stdout.strip()
-    return f"machine: {platform.platform()}, {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, redis-py {redis.__version__}\n{server}"
+    return f"machine: {machine_line(f'redis-py {redis.__version__}')}\n{server}"
 
 
 def pct(values: list[float], p: float) -> float:

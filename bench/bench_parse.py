@@ -17,7 +17,6 @@ engine's payloads are judged on their own name set, in a row of their own.
 from __future__ import annotations
 
 import math
-import os
 import platform
 import sys
 import timeit
@@ -26,6 +25,7 @@ from pathlib import Path
 from tests.fixtures.prom_reference import reference
 
 from bench._goal import goal_line
+from bench._machine import machine_line
 from llm_health.core import engines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
         print(f"no *.prom files in {directory}", file=sys.stderr)
         return 1
 
-    print(f"machine: {platform.platform()} ({platform.machine()}), {os.cpu_count()} CPUs")
+    print(f"machine: {machine_line()}")
     print(f"python {platform.python_version()} ({platform.python_implementation()}), prometheus_client {version('prometheus-client')}")
     print(
         f"name sets: vllm = {len(VLLM_SET)} names, union of all engines = {len(UNION_SET)} names, "

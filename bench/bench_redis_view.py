@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -35,7 +34,7 @@ from redis.asyncio.connection import Connection
 from tests.fixtures.redis_server import RedisServer
 
 from bench._goal import goal_line
-from bench._machine import cpu_model
+from bench._machine import machine_line
 from llm_health.config.redis import parse_redis_config
 from llm_health.exporter.redis_collector import redis_status
 from llm_health.exporter.redis_view import RedisView
@@ -46,7 +45,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def machine() -> str:
-    cpu = cpu_model()
     server = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, check=False).stdout.strip()
     try:
         import hiredis  # noqa: F401
@@ -54,10 +52,7 @@ def machine() -> str:
         parser = "hiredis"
     except ImportError:
         parser = "pure-Python parser (no hiredis)"
-    return (
-        f"machine: {platform.platform()}, {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"redis-py {redis.__version__} with {parser}\n{server}"
-    )
+    return f"machine: {machine_line(f'redis-py {redis.__version__} with {parser}')}\n{server}"
 
 
 class RoundTrips:

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import os
-import platform
 import resource
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ from typing import Any
 from prometheus_client import generate_latest
 
 from bench._goal import goal_line
+from bench._machine import machine_line
 from llm_health.config.exporter import Backend, Config, Timing
 from llm_health.exporter.app import Exporter
 from llm_health.sim import servers as sim
@@ -137,7 +136,7 @@ def main() -> None:
     finally:
         parent.send("stop")
         proc.join(10)
-    print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print(f"machine: {machine_line()}")
     print(f"backends {r['backends']}, rounds every {r['interval_s']:g} s, measured over {r['wall_s']:.1f} s ({r['backend_rounds']} backend rounds)")
     print(
         f"exporter CPU: {r['cpu_s']:.2f} s -> {r['cpu_per_round_s']:.2f} s per round = {100 * r['core_share']:.1f}% of one core "
