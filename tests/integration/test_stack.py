@@ -13,8 +13,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from tests.fixtures.paths import REAL_LLAMACPP, REAL_METRICS, ROOT, RULES
 from tests.fixtures.stack import free_port, render_rules, rewrite_alertmanager_config, wait_until
 
@@ -234,7 +232,6 @@ def test_real_exporter_hung_backend_reaches_restarter(tmp_path, prometheus_facto
     """The same fixtures with the real exporter (`python -m llm_health serve`) between the
     fake vLLM servers and Prometheus: a frozen engine with work in flight is reported hung
     by the exporter, LLMBackendHung reaches the restarter; the progressing one stays busy."""
-    pytest.importorskip("llm_health.exporter")
     models = '{"object": "list", "data": [{"id": "Qwen/Qwen1.5-0.5B-Chat", "object": "model"}]}'
     frozen = target_factory({"/metrics": vllm_text(running=4, waiting=0, steps=8123, tokens=30100, kv=0.31), "/v1/models": models})
     moving = target_factory({"/metrics": progressing_vllm(), "/v1/models": models})

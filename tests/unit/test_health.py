@@ -154,14 +154,18 @@ def test_dp_engines_kept_apart():
 
 def test_no_probe_while_work_in_flight():
     """Across every case, a probe is only ever wanted when nothing is running or waiting."""
+    wanted = in_flight = 0
     for seq, _, _ in CASES.values():
         mem = None
         for t, r in seq:
             v = decide(mem, Observation(now=t, reading=r), S)
+            in_flight += any(e.running or e.waiting for e in r.engines.values())
             if v.probe_wanted:
+                wanted += 1
                 assert all(e.running == 0 and e.waiting == 0 for e in r.engines.values())
                 v = after_probe(v, True, t, S)
             mem = v.memory
+    assert wanted and in_flight, (wanted, in_flight)  # the cases hold both: the rule was put to the test
 
 
 def test_probe_rate_limited():
