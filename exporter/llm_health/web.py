@@ -99,7 +99,10 @@ class BasicAuth:
         import bcrypt  # the `auth` extra; config.web checked it is installed
 
         async with self._slots:
-            ok = await asyncio.to_thread(bcrypt.checkpw, password.encode(), hashed or _DUMMY_HASH)
+            try:
+                ok = await asyncio.to_thread(bcrypt.checkpw, password.encode(), hashed or _DUMMY_HASH)
+            except ValueError:  # bcrypt 5 refuses passwords over 72 bytes: a wrong one, not a 500
+                ok = False
         if not ok or hashed is None:
             return None
         self._ok[key] = None

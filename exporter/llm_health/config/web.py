@@ -23,6 +23,7 @@ than ignored: a TLS setting silently dropped is a weaker server than its operato
 from __future__ import annotations
 
 import os
+import re
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,9 @@ TLS_VERSIONS = {
     "TLS13": ssl.TLSVersion.TLSv1_3,
 }
 NOT_SUPPORTED = ("cipher_suites", "curve_preferences", "prefer_server_cipher_suites")
+# A whole bcrypt hash: prefix, cost 04 to 31, 22 characters of salt and 31 of hash. Anything
+# else would make every check of that user's password fail with an error.
+BCRYPT_HASH = re.compile(r"\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}")
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,7 @@ def parse_web_config(data: object, where: str) -> WebConfig:
     http.done()
     users: dict[str, bytes] = {}
     for user, hashed in top.mapping("basic_auth_users").items():
-        if not isinstance(hashed, str) or not hashed.startswith(("$2a$", "$2b$", "$2y$")):
+        if not isinstance(hashed, str) or not BCRYPT_HASH.fullmatch(hashed):
             raise top.error(f"basic_auth_users.{user}", "expected a bcrypt hash ($2y$...), never a plain password")
         users[str(user)] = hashed.encode()
     if users:

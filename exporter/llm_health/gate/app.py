@@ -432,8 +432,9 @@ class Gate:
     def app(self, web_config: WebConfig | None = None) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         # Basic auth guards the gate's own endpoints; proxied requests carry the clients'
-        # own credentials for the upstream and pass through.
-        secure(app, web_config or WebConfig(), protected=lambda r: r.path == "/metrics" or (r.path.startswith("/-/") and r.path not in OPEN_PATHS))
+        # own credentials for the upstream and pass through. The operator's controls take
+        # the admin bearer token in the same Authorization header, and check it themselves.
+        secure(app, web_config or WebConfig(), protected=_needs_basic_auth)
         app.router.add_get("/metrics", metrics_handler(self.registry))
         app.router.add_post("/-/routes/{route}/{action}", self.handle_admin)
         app.router.add_get("/-/healthy", healthy)
@@ -447,3 +448,9 @@ class Gate:
 
         app.cleanup_ctx.append(lifecycle)
         return app
+
+
+def _needs_basic_auth(r: web.Request) -> bool:
+    if r.path.startswith("/-/routes/") and r.headers.get("Authorization", "").lower().startswith("bearer "):
+        return False  # handle_admin checks the admin token
+    return r.path == "/metrics" or (r.path.startswith("/-/") and r.path not in OPEN_PATHS)
