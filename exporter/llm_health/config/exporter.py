@@ -100,7 +100,8 @@ _DURATIONS = ("interval", "hung_after_seconds", "probe_interval", "probe_timeout
 
 
 def _timing(s: Section, base: Timing, *, per_backend: bool = False) -> Timing:
-    """The timing keys of `s` over `base`. A backend may override the durations only."""
+    """The timing and limit keys of `s` over `base`. A backend may override all of them but
+    `max_probe_targets`, which only `global:` has."""
     values: dict[str, float | int] = {}
     for key in _DURATIONS:
         if key in s:

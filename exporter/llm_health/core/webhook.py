@@ -10,7 +10,7 @@ WEBHOOK_VERSION = "4"
 # What one notification may hold: Alertmanager groups a handful of alerts per call; a body
 # past these is refused whole (a 4xx, which Alertmanager does not retry).
 MAX_ALERTS = 1000
-MAX_LABELS_BYTES = 64 * 1024  # of one alert's label (and of its annotation) names and values
+MAX_LABELS_CHARS = 64 * 1024  # characters (not bytes) of one alert's label names and values, and of its annotations'
 MAX_FIELD = 1024  # characters of startsAt and fingerprint
 
 
@@ -56,8 +56,8 @@ def _strings(value: object, where: str) -> dict[str, str]:
     """An alert's labels or annotations: an object of strings, bounded in size."""
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise Malformed(f"{where}: expected an object of strings")
-    if sum(len(k) + len(v) for k, v in value.items()) > MAX_LABELS_BYTES:
-        raise Malformed(f"{where}: more than {MAX_LABELS_BYTES} characters")
+    if sum(len(k) + len(v) for k, v in value.items()) > MAX_LABELS_CHARS:
+        raise Malformed(f"{where}: more than {MAX_LABELS_CHARS} characters")
     return dict(value)
 
 

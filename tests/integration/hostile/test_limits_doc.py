@@ -76,10 +76,10 @@ def test_payload_pieces_are_the_code_size():
 
 def test_webhook_limits_are_the_code_constants():
     m = sentence(
-        r"At most ([\d,]+ (?:KiB|MiB)); JSON nested too deeply, more than ([\d,]+) alerts, more than ([\d,]+ (?:KiB|MiB)) of labels in one alert, "
+        r"At most ([\d,]+ (?:KiB|MiB)); JSON nested too deeply, more than ([\d,]+) alerts, more than ([\d,]+) characters of labels in one alert, "
         r"or a `startsAt` or `fingerprint` over ([\d,]+) characters is refused as malformed \(400"
     )
-    assert [number(g) for g in m.groups()] == [restarter.MAX_BODY, webhook.MAX_ALERTS, webhook.MAX_LABELS_BYTES, webhook.MAX_FIELD]
+    assert [number(g) for g in m.groups()] == [restarter.MAX_BODY, webhook.MAX_ALERTS, webhook.MAX_LABELS_CHARS, webhook.MAX_FIELD]
 
 
 def span(text: str, rest: str = "") -> tuple[int, int]:

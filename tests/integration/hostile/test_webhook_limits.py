@@ -33,7 +33,7 @@ from tests.fixtures.webhooks import BODY_2447
 # written out here, so that a bound the code moves by one fails these tests too.
 MAX_BODY = 1024 * 1024  # bytes of a body
 MAX_ALERTS = 1000  # alerts in one notification
-MAX_LABELS_BYTES = 64 * 1024  # characters of one alert's label names and values (and of its annotations')
+MAX_LABELS_CHARS = 64 * 1024  # characters of one alert's label names and values (and of its annotations')
 MAX_FIELD = 1024  # characters of startsAt, of fingerprint
 
 TOKEN = "limits-token-0c1d2e3f"
@@ -177,8 +177,8 @@ class Case:
 CASES = {
     "body bytes": Case(body_of_bytes, MAX_BODY, 413, f"Maximum request body size {MAX_BODY} exceeded", 21, 1),
     "alerts": Case(body_of_alerts, MAX_ALERTS, 400, f"alerts: {MAX_ALERTS + 1} in one notification, more than {MAX_ALERTS}", MAX_ALERTS, 1),
-    "labels": Case(body_of_labels, MAX_LABELS_BYTES, 400, f"alerts[1].labels: more than {MAX_LABELS_BYTES} characters", 2, 2),
-    "annotations": Case(body_of_annotations, MAX_LABELS_BYTES, 400, f"alerts[1].annotations: more than {MAX_LABELS_BYTES} characters", 2, 2),
+    "labels": Case(body_of_labels, MAX_LABELS_CHARS, 400, f"alerts[1].labels: more than {MAX_LABELS_CHARS} characters", 2, 2),
+    "annotations": Case(body_of_annotations, MAX_LABELS_CHARS, 400, f"alerts[1].annotations: more than {MAX_LABELS_CHARS} characters", 2, 2),
     "startsAt": Case(body_of_starts_at, MAX_FIELD, 400, f"alerts[1].startsAt: missing or longer than {MAX_FIELD} characters", 2, 2),
     "fingerprint": Case(body_of_fingerprint, MAX_FIELD, 400, f"alerts[1].fingerprint: expected a non-empty string of at most {MAX_FIELD}", 2, 2),
 }
@@ -186,7 +186,7 @@ CASES = {
 
 def test_the_cases_hold_what_they_say():
     """The builders put exactly the bound (as the code counts it) in the body, and one more past it."""
-    for n in (MAX_LABELS_BYTES, MAX_LABELS_BYTES + 1):
+    for n in (MAX_LABELS_CHARS, MAX_LABELS_CHARS + 1):
         labels = json.loads(body_of_labels(n))["alerts"][1]["labels"]
         annotations = json.loads(body_of_annotations(n))["alerts"][1]["annotations"]
         assert sum(len(k) + len(v) for k, v in labels.items()) == n
