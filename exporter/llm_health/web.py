@@ -118,13 +118,21 @@ def secure(app: web.Application, config: WebConfig, protected: Callable[[web.Req
 
     @web.middleware
     async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        # The configured headers go on every answer, refusals and errors included, as
+        # exporter-toolkit sets them.
         needs = protected(request) if protected is not None else request.path not in OPEN_PATHS
-        if auth is not None and needs:
-            user = await auth.user(request)
-            if user is None:
-                return web.Response(status=401, text="unauthorised\n", headers={"WWW-Authenticate": 'Basic realm="llm-health"'})
-            request[USER_KEY] = user
-        response = await handler(request)
+        response: web.StreamResponse
+        if auth is not None and needs and (user := await auth.user(request)) is None:
+            response = web.Response(status=401, text="unauthorised\n", headers={"WWW-Authenticate": 'Basic realm="llm-health"'})
+        else:
+            if auth is not None and needs:
+                request[USER_KEY] = user
+            try:
+                response = await handler(request)
+            except web.HTTPException as exc:
+                for name, value in config.headers.items():
+                    exc.headers.setdefault(name, value)
+                raise
         for name, value in config.headers.items():
             response.headers.setdefault(name, value)
         return response

@@ -50,12 +50,15 @@ def is_basic_challenge(a: Answer) -> bool:
     return a.status == 401 and a.headers.get("WWW-Authenticate", "").startswith("Basic ")
 
 
-async def check_basic_auth(url: str, context: ssl.SSLContext, protected: list[tuple[str, str]], open_paths: list[str]) -> None:
+async def check_basic_auth(
+    url: str, context: ssl.SSLContext, protected: list[tuple[str, str]], open_paths: list[str], answers_unknown_paths: bool = True
+) -> None:
     """Every protected path: 401 with a Basic challenge without credentials or with wrong
     ones, 200 with the right ones; every open path: 200 without credentials."""
     for method, path in protected:
         bare = await call(url + path, method, context=context)
         assert is_basic_challenge(bare), (method, path, bare)
+        assert bare.headers.get("X-Test-Header") == "from-web-config", bare.headers  # on refusals too
         for user in WRONG:
             wrong = await call(url + path, method, context=context, user=user)
             assert is_basic_challenge(wrong), (method, path, user[0], len(user[1]), wrong)
@@ -66,6 +69,10 @@ async def check_basic_auth(url: str, context: ssl.SSLContext, protected: list[tu
         a = await call(url + path, context=context)
         assert a.status == 200, (path, a)
         assert a.headers.get("X-Test-Header") == "from-web-config", a.headers
+    if not answers_unknown_paths:  # the gate forwards unknown paths to its upstream
+        return
+    missing = await call(url + "/no-such-path", context=context, user=(USER, PASSWORD))
+    assert missing.status == 404 and missing.headers.get("X-Test-Header") == "from-web-config", missing
 
 
 async def check_tls_only(url: str, port: int) -> None:
@@ -109,7 +116,7 @@ async def test_gate_serves_tls_and_basic_auth_on_its_own_endpoints_only(tmp_path
     web_file, context = secure_web_config(tmp_path)
     cfg = gate_config(tmp_path / "gate.yml", redis_url, upstream.url, {"chat": "open"})
     proc = llm_health("gate", "--config.file", cfg, "--web.config.file", web_file, scheme="https").wait_ready(context=context)
-    await check_basic_auth(proc.url, context, protected=[("GET", "/metrics"), ("POST", "/-/reload")], open_paths=["/-/healthy"])
+    await check_basic_auth(proc.url, context, protected=[("GET", "/metrics"), ("POST", "/-/reload")], open_paths=["/-/healthy"], answers_unknown_paths=False)
     # the operator's controls are /-/ endpoints: not open to a bare caller
     bare = await call(proc.url + "/-/routes/chat/drain", "POST", context=context)
     assert bare.status == 401, bare
