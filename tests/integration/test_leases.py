@@ -445,3 +445,13 @@ def test_derived_key_names_never_look_like_leases():
     assert keys.gpu_of("gpu:leaseinfo:g") is None and keys.gpu_of("gpu:lease:g") == "g"
     with pytest.raises(ValueError, match="info_prefix"):
         LeaseKeys("lease")
+
+
+async def test_the_safety_recheck_is_once_a_second_by_default():
+    """README and docs/redis-schema.md: events wake the waiter; every GPU is re-checked
+    once a second by default, as the safety net for a lost notification."""
+    client = LeaseClient.from_url("redis://127.0.0.1:1/0")  # never connects: no command is sent
+    try:
+        assert client.fallback_interval_s == 1.0
+    finally:
+        await client.aclose()
