@@ -287,17 +287,18 @@ class Gate:
             self._redis(False)
             recorded = False
             log.warning("redis unreachable for route %s (%s): failing %s", route.name, type(exc).__name__, route.policy.redis_down)
+            slack = deadline_ms - now
+            # A rejection's body has every documented key; the queue age is unknown (null).
+            fields.update(queue_age_ms=None, deadline_slack_ms=slack, retry_count=header_retries)
             if route.policy.redis_down == "closed":
                 d = admission.Decision(
                     admission.REJECT_REDIS_DOWN, "Redis unreachable: queue age unknown; route fails closed", 503, retry_after_s=5.0, retryable=True
                 )
-                return self._reject(route.name, d, request_id)
+                return self._reject(route.name, d, request_id, fields)
             # Fail open: the policy still sees this request's own deadline and retries.
-            slack = deadline_ms - now
             decision = admission.decide(admission.Request(queue_age_ms=0, deadline_slack_ms=slack, retry_count=header_retries), route.policy)
             if decision.admitted:
                 decision = replace(decision, decision=admission.ADMIT_UNRECORDED, reason=f"{decision.reason}; Redis unreachable, failing open")
-            fields.update(deadline_slack_ms=slack, retry_count=header_retries)
 
         except RedisError as exc:
             # Redis answered, and refused: a value of this request, or a bug; Redis is up.
@@ -317,7 +318,7 @@ class Gate:
             # Record the attempt (status 499, as nginx names it) without holding up the cancellation.
             self.m_upstream.labels(route.name, "499").inc()
             if recorded:
-                self._background(self._quiet(self.queue.complete(queue_id, 499, route=route.name)))
+                self._background(self._quiet(self._finish(queue_id, route.name, tenant, 0, 499, fields.get("retry_count"))))
             raise
         except UpstreamBroke as exc:
             # The upstream reset or spoke no HTTP after the answer began: the client's
