@@ -36,6 +36,7 @@ from typing import Any
 from tests.harness import llamacpp as llamacpp_harness
 from tests.harness import vllm as vllm_harness
 
+from bench._goal import goal_line
 from bench._machine import machine_line
 
 READ_TIMEOUT = 120.0  # a /metrics read at full speed may take seconds; slow is load
@@ -387,6 +388,8 @@ def measure(eng: Engine, reads: int, probes: int, own: bool) -> dict[str, str]:
             cells["check_reads"] = f"{result['rounds']}"
             cells["check_seconds"] = f"{result['seconds']:.1f} / {ended - started:.1f} / {ended - stopped_at:.1f}"
             cells["check_probes"] = f"{result['probes_sent']}; {result['profile']}"
+            met = result["state"] == "hung" and rc == 1 and result["probes_sent"] == 0
+            cells["_goal"] = f"{result['state']}, exit {rc}, {result['probes_sent']} probes sent, at read {result['rounds']}:{'met' if met else 'NOT met'}"
     finally:
         cells["sizes"] = " / ".join(sizes.values())
         if own:
@@ -445,6 +448,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{eng.key}: measured in {time.monotonic() - started:.0f} s", flush=True)
     print()
     print(table(engines, cells))
+    print()
+    for eng in engines:
+        if "_goal" in cells[eng.key]:
+            measured, verdict = cells[eng.key]["_goal"].rsplit(":", 1)
+            print(goal_line(f"{eng.key}: `llm-health check` on the stopped engine says hung, exit 1, no probe sent", measured, verdict == "met"))
+        else:
+            print(f"{eng.key}: no goal judged (idle rows only, or the check gave no JSON)")
     return 0
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tests.harness.vllm import venv_python
 
+from bench._goal import goal_line
 from bench._machine import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,9 +107,8 @@ def main() -> int:
     worst = max(r["restart command starts"] for r in runs)
     goal = GOALS[args.stack]
     met = worst < goal
-    print(
-        f"\nhang to restart command: worst {worst:.1f} s of {len(runs)} runs; goal under {goal:.0f} s on the {args.stack} stack: {'met' if met else 'NOT met'}"
-    )
+    print()
+    print(goal_line(f"a real hang to its restart command in under {goal:.0f} s on the {args.stack} stack", f"worst {worst:.1f} s of {len(runs)} runs", met))
     return 0 if met else 1
 
 
