@@ -199,6 +199,7 @@ def test_config_shared_state_and_outputs(tmp_path, monkeypatch):
         (("[systemctl, restart, vllm@gpu0]", '"systemctl restart vllm@gpu0"'), "backends[0].restart", "without a shell"),
         (("    restart: [systemctl, restart, vllm@gpu0]\n", ""), "backends[0].restart", "missing"),
         (("restart: [systemctl, restart, vllm@gpu0]", "restart: []"), "backends[0].restart", "non-empty list"),
+        (("restart: [systemctl, restart, vllm@gpu0]", "restart: true"), "backends[0].restart", "expected a non-empty list"),  # write /bin/true
         (("window: 1h", "window: soon"), "restarter.budget.window", "duration"),
         (("backoff: 2", "backoff: 0.5"), "restarter.budget.backoff", ">= 1"),
         (("max_restarts: 3", "max_restarts: 0"), "restarter.budget.max_restarts", "positive integer"),
