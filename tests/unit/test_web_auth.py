@@ -11,6 +11,7 @@ import threading
 import time
 
 import bcrypt
+import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from llm_health import web
@@ -102,3 +103,19 @@ async def test_bcrypt_checks_run_off_the_event_loop_two_at_a_time(monkeypatch):
         release.set()
     assert await asyncio.gather(*tasks) == [None] * 6
     assert peak == 2 and loop_thread not in threads
+
+
+@pytest.mark.parametrize("value", ["RequestClientCert", "RequireAnyClientCert"])
+def test_client_auth_types_that_take_an_unverified_certificate_are_refused_by_name(tmp_path, value):
+    """exporter-toolkit's two values that accept a client certificate without verifying it:
+    Python's ssl cannot do that, so they are refused, naming the key, instead of silently
+    verifying (docs/limits.md)."""
+    from llm_health.config.errors import ConfigError
+    from llm_health.config.web import parse_web_config
+
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("x")
+    key.write_text("x")
+    tls = {"cert_file": str(cert), "key_file": str(key), "client_auth_type": value}
+    with pytest.raises(ConfigError, match=rf"web\.yml: tls_server_config\.client_auth_type: {value} .*not supported"):
+        parse_web_config({"tls_server_config": tls}, "web.yml")

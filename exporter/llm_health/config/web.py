@@ -5,7 +5,7 @@ the format Prometheus exporters read (prometheus/exporter-toolkit):
 tls_server_config:
   cert_file: /etc/llm-health/tls.crt
   key_file: /etc/llm-health/tls.key
-  client_auth_type: RequireAndVerifyClientCert   # or NoClientCert (default), RequireAnyClientCert, ...
+  client_auth_type: RequireAndVerifyClientCert   # or NoClientCert (default), VerifyClientCertIfGiven
   client_ca_file: /etc/llm-health/ca.crt
   min_version: TLS12                             # TLS10 .. TLS13
   max_version: TLS13
@@ -34,11 +34,12 @@ from .load import load_yaml
 
 CLIENT_AUTH = {
     "NoClientCert": ssl.CERT_NONE,
-    "RequestClientCert": ssl.CERT_OPTIONAL,
-    "RequireAnyClientCert": ssl.CERT_REQUIRED,
     "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
     "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
 }
+# exporter-toolkit's values that take a client certificate without verifying it: Python's
+# ssl module cannot, so they are refused rather than silently made to verify.
+UNVERIFIED_CLIENT_AUTH = ("RequestClientCert", "RequireAnyClientCert")
 TLS_VERSIONS = {
     "TLS10": ssl.TLSVersion.TLSv1,
     "TLS11": ssl.TLSVersion.TLSv1_1,
@@ -77,6 +78,12 @@ def parse_web_config(data: object, where: str) -> WebConfig:
         cert, key_file = _readable(tls, "cert_file"), _readable(tls, "key_file")
         if cert is None or key_file is None:
             raise tls.error("cert_file" if cert is None else "key_file", "missing: TLS needs both cert_file and key_file")
+        if tls.raw("client_auth_type") in UNVERIFIED_CLIENT_AUTH:
+            raise tls.error(
+                "client_auth_type",
+                f"{tls.raw('client_auth_type')} (a client certificate taken unverified) is not supported: "
+                "use VerifyClientCertIfGiven or RequireAndVerifyClientCert with client_ca_file",
+            )
         auth = tls.choice("client_auth_type", tuple(CLIENT_AUTH), "NoClientCert")
         ca = _readable(tls, "client_ca_file")
         if auth in ("RequireAndVerifyClientCert", "VerifyClientCertIfGiven") and ca is None:
