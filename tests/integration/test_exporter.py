@@ -6,6 +6,7 @@ import asyncio
 import shutil
 import subprocess
 import time
+from dataclasses import replace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,7 +24,8 @@ T = Timing(interval=0.2, hung_after_seconds=0.4, probe_interval=60, probe_timeou
 @pytest.fixture
 async def serve(aiohttp_client):
     async def start(backends, timing=T):
-        exporter = Exporter(Config(timing=timing, backends=tuple(Backend(n, u, k, timing) for n, u, k in backends)))
+        """`backends`: (name, url, kind), or (name, url, kind, the backend's own timing)."""
+        exporter = Exporter(Config(timing=timing, backends=tuple(Backend(n, u, k, t[0] if t else timing) for n, u, k, *t in backends)))
         client = await aiohttp_client(exporter.app())
         return exporter, client
 
@@ -212,21 +214,51 @@ async def test_progress_digest_moves_with_progress_and_stands_still_with_a_hang(
 
 
 async def test_live_endpoint_for_a_kubelet(sim_server, ticker, serve):
-    """503 only for a proven hang; every other state 200; no request reaches the backend
+    """503 only for a proven hang; every other state 200 (busy, idle, down, stalled,
+    sleeping, restarted, no_metrics, unknown, unresponsive); no request reaches the backend
     because of the call."""
     idle = await sim_server("idle", scenario="idle")
     busy = await sim_server("busy", scenario="saturated")
     hung = await sim_server("hung", scenario="hung")
-    ticker.extend([busy, hung])
-    _, client = await serve([("idle", idle.url, "vllm"), ("busy", busy.url, "vllm"), ("hung", hung.url, "vllm"), ("dead", sim.dead_url(), "vllm")])
-    await wait_for(client, "hung", "hung")
-    await wait_for(client, "busy", "busy")
-    reads = {s.name: s.metrics_reads for s in (idle, busy, hung)}
-    sent = {s.name: len(s.received) for s in (idle, busy, hung)}
-    for name, code in {"hung": 503, "busy": 200, "idle": 200, "dead": 200}.items():
-        resp = await client.get("/-/live", params={"backend": name})
-        assert resp.status == code, (name, await resp.text())
-        assert (await resp.text()).startswith(f"{name}: ")
+    stalled = await sim_server("stalled", scenario="hung")  # never `hung`: hung_after_seconds is an hour
+    sleeping = await sim_server("sleeping", scenario="sleeping")
+    restarted = await sim_server("restarted", scenario="idle")
+    html = await sim_server("no_metrics", scenario="idle")
+    html.metrics_mode = "html"
+    slow = await sim_server("unknown", scenario="saturated")  # /metrics past its timeout, /v1/models answers
+    slow.metrics_mode, slow.slow_seconds = "slow", 30.0
+    unresponsive = await sim_server("unresponsive", scenario="idle")
+    unresponsive.probe_hangs = True
+    ticker.extend([busy, hung, stalled])
+    others = [(s.name, s.url, "vllm") for s in (sleeping, restarted, html, slow, unresponsive)]
+    backends = [("idle", idle.url, "vllm"), ("busy", busy.url, "vllm"), ("hung", hung.url, "vllm"), ("dead", sim.dead_url(), "vllm"), *others]
+    exporter, client = await serve([*backends, ("stalled", stalled.url, "vllm", replace(T, hung_after_seconds=3600))])
+
+    async def restarts() -> None:  # a new process before every round: `restarted` each time
+        while True:
+            restarted.restart()
+            await asyncio.sleep(0.05)
+
+    restarting = asyncio.create_task(restarts())
+    try:
+        for name in ("hung", "busy", "stalled", "sleeping", "restarted", "no_metrics", "unresponsive"):
+            await wait_for(client, name, name)
+        deadline = time.monotonic() + 10
+        while exporter.slots["unknown"].monitor.rounds < 1:  # unknown after a round, not for want of one
+            assert time.monotonic() < deadline, "no round of the slow backend"
+            await asyncio.sleep(0.1)
+        reads = {s.name: s.metrics_reads for s in (idle, busy, hung)}
+        sent = {s.name: len(s.received) for s in (idle, busy, hung)}
+        codes = {"hung": 503, "busy": 200, "idle": 200, "dead": 200, "stalled": 200, "sleeping": 200, "restarted": 200}
+        codes |= {"no_metrics": 200, "unknown": 200, "unresponsive": 200}
+        for name, code in codes.items():
+            resp = await client.get("/-/live", params={"backend": name})
+            assert resp.status == code, (name, await resp.text())
+            assert (await resp.text()).startswith(f"{name}: ")
+            if name not in ("idle", "busy", "dead"):
+                assert (await resp.text()).startswith(f"{name}: {name}"), await resp.text()  # in the state named
+    finally:
+        restarting.cancel()
     unknown = await client.get("/-/live", params={"backend": "<script>" * 40})
     assert unknown.status == 404 and len(await unknown.text()) < 200
     assert (await client.get("/-/live")).status == 200

@@ -39,8 +39,11 @@ class ProbeTargets:
         """One round for the slot, or the one another caller ran while this one waited
         (an HA pair of Prometheus servers scraping the same target at once)."""
         asked = time.monotonic()
+        # A round under way when this caller asks reads the target as freshly as its own
+        # would: wait for it and answer from it, rather than read the target a second time.
+        shared = slot.lock.locked()
         async with slot.lock:
-            if slot.round_started is None or slot.round_started < asked:
+            if not shared and (slot.round_started is None or slot.round_started < asked):
                 slot.round_started = time.monotonic()
                 await run_round(slot)
 

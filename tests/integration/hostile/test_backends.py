@@ -144,7 +144,8 @@ async def test_a_trickling_neighbour_on_the_same_host_port_changes_nothing(tmp_p
 async def test_probe_follows_no_redirect_and_reads_only_plain_targets(tmp_path, hostile, llm_health):
     """Rows 6 and 15: a target answering the probe's POST with a 307 had the exporter POST
     to a path of its choosing; `?x=` or `#` at the end swallowed the fixed path; `http://`
-    and `http://[::1` gave 200 `down`; credentials landed in the `backend` label."""
+    and `http://[::1` gave 200 `down`; credentials landed in the `backend` label. Each of
+    docs/limits.md's refusals is a 400 that says why (a bad port and `..` included)."""
     evil = await hostile()
     evil.text("GET", "/metrics", vllm_payload(running=0))
     models_ok(evil)
@@ -159,16 +160,18 @@ async def test_probe_follows_no_redirect_and_reads_only_plain_targets(tmp_path, 
     status, text = await get(exporter.url + "/probe", target=evil.url)
     assert status == 200 and ("POST", "/v1/completions") in evil.requests  # idle: probed once
     assert ("POST", "/admin/wipe") not in evil.requests
-    for bad in (
-        f"{evil.url}/admin/secrets?x=",
-        f"{evil.url}/admin/secrets#",
-        "http://",
-        "http://[::1",
-        "file:///etc/passwd",
-        f"http://user:hunter2@127.0.0.1:{urllib.parse.urlsplit(evil.url).port}",
-    ):
+    for bad, why in {
+        f"{evil.url}/admin/secrets?x=": "must not have a query (?) or a fragment (#)",
+        f"{evil.url}/admin/secrets#": "must not have a query (?) or a fragment (#)",
+        "http://": "has no host",
+        "http://[::1": "is not a valid URL",
+        "file:///etc/passwd": "is not an http(s) URL",
+        f"http://user:hunter2@127.0.0.1:{urllib.parse.urlsplit(evil.url).port}": "must not carry credentials",
+        "http://h:99999": "is not a valid URL: Port out of range 0-65535",  # a bad port
+        f"{evil.url}/v1/../admin/secrets": "path '/v1/../admin/secrets' is not a plain path prefix",  # `..`
+    }.items():
         status, text = await get(exporter.url + "/probe", target=bad)
-        assert status == 400, (bad, status, text)
+        assert status == 400 and why in text, (bad, status, text)
         assert "hunter2" not in text
     assert ("GET", "/admin/secrets") not in evil.requests
     _, page = await get(exporter.url + "/status")
