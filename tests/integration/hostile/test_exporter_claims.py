@@ -25,7 +25,6 @@ import sys
 import time
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,6 +33,7 @@ from llm_health.core import engines
 from llm_health.core.exposition import Budget, TooManySamples, parse
 from llm_health.exporter.app import Exporter
 from llm_health.sim import servers as sim
+from tests.fixtures.exporter_status import get, settled
 from tests.fixtures.hostile import models_ok, vllm_payload
 from tests.harness.processes import free_port
 
@@ -53,28 +53,6 @@ def config(tmp_path, backends: dict[str, tuple[str, str]], sections: str = "") -
     path = tmp_path / "llm-health.yml"
     path.write_text("\n".join(lines) + "\n" + sections)
     return str(path)
-
-
-async def get(url: str) -> str:
-    async with aiohttp.ClientSession() as http, http.get(url, timeout=aiohttp.ClientTimeout(total=60)) as r:
-        assert r.status == 200, r.status
-        return await r.text()
-
-
-async def statuses(exporter) -> dict[str, dict[str, Any]]:
-    return {b["backend"]: b for b in json.loads(await get(exporter.url + "/status"))["backends"]}
-
-
-async def settled(exporter, want: dict[str, str], rounds: int = 2) -> dict[str, dict[str, Any]]:
-    """/status once every backend named has had `rounds` rounds and is in the state wanted."""
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        now = await statuses(exporter)
-        if all(now[b]["rounds"] >= rounds and now[b]["state"] == state for b, state in want.items()):
-            return now
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {want}: {[(b, now[b]['state'], now[b]['rounds'], now[b]['reason'][:200]) for b in want]}")
-        await asyncio.sleep(0.2)
 
 
 def counters(text: str, name: str) -> dict[tuple[str, str], float]:

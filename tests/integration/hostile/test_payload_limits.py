@@ -12,25 +12,22 @@ series; and the other backends go on being read.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_health.core import engines
 from llm_health.core.engines import Limits
 from llm_health.sim.render import SimEngine, render_vllm
+from tests.fixtures.exporter_status import get, settled, statuses
 
 # The defaults as docs/limits.md states them (test_limits_doc.py holds the doc to the code):
 # written out here, so that a default the code moves by one fails these tests too.
 DEFAULT = Limits(max_engines=256, max_label_length=512)
-DEADLINE = 90.0  # a failure bound for polls, never a measured time
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # vLLM's /metrics (prometheus_client)
 
 
@@ -101,28 +98,6 @@ def config(tmp_path, backends: dict[str, str], global_extra: str = "", per_backe
     path = tmp_path / "llm-health.yml"
     path.write_text("\n".join(lines) + "\n")
     return str(path)
-
-
-async def get(url: str) -> str:
-    async with aiohttp.ClientSession() as http, http.get(url, timeout=aiohttp.ClientTimeout(total=60)) as r:
-        assert r.status == 200, r.status
-        return await r.text()
-
-
-async def statuses(exporter) -> dict[str, dict[str, Any]]:
-    return {b["backend"]: b for b in json.loads(await get(exporter.url + "/status"))["backends"]}
-
-
-async def settled(exporter, want: dict[str, str], rounds: int = 2) -> dict[str, dict[str, Any]]:
-    """/status once every backend named has had `rounds` rounds and is in the state wanted."""
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        now = await statuses(exporter)
-        if all(now[b]["rounds"] >= rounds and now[b]["state"] == state for b, state in want.items()):
-            return now
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {want}: {[(b, now[b]['state'], now[b]['rounds'], now[b]['reason'][:200]) for b in want]}")
-        await asyncio.sleep(0.2)
 
 
 async def engine_series(exporter) -> tuple[dict[str, set[tuple[str, str]]], dict[tuple[str, str], float]]:
