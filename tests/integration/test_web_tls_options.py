@@ -12,79 +12,48 @@ a client certificate it signed and a server certificate all made in the test:
 
 from __future__ import annotations
 
-import datetime
 import json
 import socket
 import ssl
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from tests.fixtures.websec import DEADLINE, exporter_config, self_signed, trusting, web_config
-
-
-def _key_usage(ca: bool) -> x509.KeyUsage:
-    return x509.KeyUsage(
-        digital_signature=True,
-        content_commitment=False,
-        key_encipherment=False,
-        data_encipherment=False,
-        key_agreement=False,
-        key_cert_sign=ca,
-        crl_sign=ca,
-        encipher_only=False,
-        decipher_only=False,
-    )
+from tests.fixtures.websec import DEADLINE, certificate, exporter_config, key_usage, self_signed, trusting, web_config, write_pem
 
 
 def make_ca(directory: Path, name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"llm-health test CA {name}")])
-    now = datetime.datetime.now(datetime.UTC)
-    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=2))
+        certificate(subject, subject, key)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(_key_usage(ca=True), critical=True)
-        .add_extension(ski, critical=False)
+        .add_extension(key_usage(ca=True), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
     path = directory / f"ca-{name}.crt"
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    write_pem(cert, path)
     return cert, key, path
 
 
 def client_cert(directory: Path, name: str, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey) -> tuple[Path, Path]:
     """A client certificate (clientAuth) signed by `ca`, and its key, as PEM files."""
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"llm-health test client {name}")]))
-        .issuer_name(ca.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=2))
+        certificate(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"llm-health test client {name}")]), ca.subject, key)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(_key_usage(ca=False), critical=True)
+        .add_extension(key_usage(ca=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     cert_path, key_path = directory / f"client-{name}.crt", directory / f"client-{name}.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    write_pem(cert, cert_path, key, key_path)
     return cert_path, key_path
 
 
