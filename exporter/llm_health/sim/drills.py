@@ -128,9 +128,12 @@ class RetryDrillResult:
     token_units: int
     statuses: list[int]
     timeline: str
-    first_retry_rejected: bool
     rejection: Rejection | None
     scale: float
+
+    @property
+    def first_retry_rejected(self) -> bool:
+        return self.rejection is not None and len(self.statuses) == 2  # the first retry was the one refused
 
 
 async def run_retry(redis_url: str, gated: bool, scale: float = 1.0, fault: bool = True) -> RetryDrillResult:
@@ -166,8 +169,7 @@ async def run_retry(redis_url: str, gated: bool, scale: float = 1.0, fault: bool
         if grunner:
             await grunner.cleanup()
         await wrunner.cleanup()
-    rejected = rejection is not None and len(statuses) == 2  # the first retry was the one refused
-    return RetryDrillResult(gated, len(statuses), worker.calls, worker.units.get("lab-1", 0), statuses, tl.render(scale), rejected, rejection, scale)
+    return RetryDrillResult(gated, len(statuses), worker.calls, worker.units.get("lab-1", 0), statuses, tl.render(scale), rejection, scale)
 
 
 @contextlib.contextmanager
