@@ -308,10 +308,11 @@ def in_flight_text(eng: Engine, c: dict) -> str:
     return f"{running:g} running + {waiting:g} waiting"
 
 
-def measure(eng: Engine, reads: int, probes: int, own: bool) -> dict[str, str]:
-    """The table's cells for one engine. With own=False the server is someone else's:
-    idle rows only."""
+def measure(eng: Engine, reads: int, probes: int, own: bool) -> tuple[dict[str, str], tuple[str, bool] | None]:
+    """The table's cells for one engine, and its goal (measured, met) once the check ran on
+    the stopped engine. With own=False the server is someone else's: idle rows only."""
     cells = {"loadavg": f"{os.getloadavg()[0]:.2f}"}
+    goal: tuple[str, bool] | None = None
     sizes = dict.fromkeys(("idle", "throttled", "full", "stopped"), "-")
     if own:
         eng.start()
@@ -334,7 +335,7 @@ def measure(eng: Engine, reads: int, probes: int, own: bool) -> dict[str, str]:
         cells["probe"] = latency(lat)
         cells["probe_witness"] = f"+{eng.generated(c1) - eng.generated(c0):g} ({eng.generated_series})"
         if not own:
-            return cells
+            return cells, goal
 
         # busy on a throttled engine: the load starts under the throttle, so no request
         # of it ends at full speed before the reads
@@ -389,13 +390,13 @@ def measure(eng: Engine, reads: int, probes: int, own: bool) -> dict[str, str]:
             cells["check_seconds"] = f"{result['seconds']:.1f} / {ended - started:.1f} / {ended - stopped_at:.1f}"
             cells["check_probes"] = f"{result['probes_sent']}; {result['profile']}"
             met = result["state"] == "hung" and rc == 1 and result["probes_sent"] == 0
-            cells["_goal"] = f"{result['state']}, exit {rc}, {result['probes_sent']} probes sent, at read {result['rounds']}:{'met' if met else 'NOT met'}"
+            goal = (f"{result['state']}, exit {rc}, {result['probes_sent']} probes sent, at read {result['rounds']}", met)
     finally:
         cells["sizes"] = " / ".join(sizes.values())
         if own:
             eng.close()
         cells["loadavg"] += f" -> {os.getloadavg()[0]:.2f}"
-    return cells
+    return cells, goal
 
 
 def table(engines: list[Engine], cells: dict[str, dict[str, str]]) -> str:
@@ -442,17 +443,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"the server at {args.url}, idle rows only: {args.reads} reads, {args.probes} probes, {PAUSE:g} s apart; p95 by nearest rank")
     cells: dict[str, dict[str, str]] = {}
+    goals: dict[str, tuple[str, bool] | None] = {}
     for eng in engines:
         started = time.monotonic()
-        cells[eng.key] = measure(eng, args.reads, args.probes, own)
+        cells[eng.key], goals[eng.key] = measure(eng, args.reads, args.probes, own)
         print(f"{eng.key}: measured in {time.monotonic() - started:.0f} s", flush=True)
     print()
     print(table(engines, cells))
     print()
     for eng in engines:
-        if "_goal" in cells[eng.key]:
-            measured, verdict = cells[eng.key]["_goal"].rsplit(":", 1)
-            print(goal_line(f"{eng.key}: `llm-health check` on the stopped engine says hung, exit 1, no probe sent", measured, verdict == "met"))
+        if (goal := goals[eng.key]) is not None:
+            print(goal_line(f"{eng.key}: `llm-health check` on the stopped engine says hung, exit 1, no probe sent", *goal))
         else:
             print(f"{eng.key}: no goal judged (idle rows only, or the check gave no JSON)")
     return 0
