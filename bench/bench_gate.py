@@ -29,6 +29,7 @@ from tests.harness.processes import free_port
 
 from bench._goal import goal_line
 from bench._machine import machine_line
+from bench._stats import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_ADDED_P99_MS = 1.0
@@ -124,8 +125,8 @@ async def closed_loop(session, url: str, concurrency: int, seconds: float) -> fl
 
 
 def pct(values, p):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(p / 100 * len(values)))] * 1000
+    """The percentile of latencies in seconds, in ms."""
+    return percentile(values, p) * 1000
 
 
 PATHS = ("direct", "gate", "hop")

@@ -34,6 +34,7 @@ from tests.fixtures.hostile import HostileServer, vllm_payload
 
 from bench._goal import goal_line
 from bench._machine import machine_line
+from bench._stats import percentile
 from bench.bench_scale import CachedServer
 from llm_health.config import exporter as config_mod
 from llm_health.exporter.app import Exporter
@@ -83,11 +84,6 @@ def record_starts(monitor: Any, starts: list[float]) -> None:
         return await real(now)
 
     monitor.round = round_
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 async def measure(exporter: Exporter, names: list[str], seconds: float) -> dict:
