@@ -97,8 +97,10 @@ def test_saturated_is_busy_and_nothing_of_ours_arrives(srv):
 
 
 def test_throttled_slow_engine_is_busy_never_hung(srv):
-    # 5 ms of every 500 ms: ~1.5 engine steps per second, some half-seconds with none
-    with srv.throttle(run_ms=5, period_ms=500):
+    # 20 ms of every 500 ms: a few engine steps per second, some half-seconds with none
+    # (engines_measure: 7-12 steps/s). At 5 ms a machine running at half its speed can make
+    # no step for the 4 s the check allows: a correct check then rightly says hung.
+    with srv.throttle(run_ms=20, period_ms=500):
         load = srv.load(4, max_tokens=1000, prompt="Hello")
         srv.wait_for(lambda c: c["num_requests_running"] == 4 and (c["generation_tokens_total"] or 0) > 0, timeout=60)
         results = [check(srv.url, "--kind", "vllm", "--interval", "1", "--rounds", "8", "--hung-after", "4", "--probe-timeout", "10") for _ in range(2)]
