@@ -2,7 +2,7 @@
 
 ```yaml
 redis:
-  url: redis://127.0.0.1:6379/0
+  url: redis://127.0.0.1:6379/0     # or redis+sentinel://h1:26379,h2:26379/mymaster/0, redis+cluster://h1:7000,h2:7001
   lease_prefix: "gpu:lease:"          # what the schedulers already use
   pools:
     - {name: a100, gpus: [gpu0, gpu1], backends: {gpu0: vllm-a}}
@@ -18,9 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..store.keys import DEFAULT_LEASE_PREFIX, DEFAULT_QUEUE_PREFIX, DEFAULT_RETENTION_MS, LeaseKeys, QueueKeys
+from ..store.target import ALL_SCHEMES, TargetError, parse_target
 from .fields import Section
 
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_SCHEMES = ALL_SCHEMES
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,13 @@ class RedisConfig:
 
 
 def redis_url(s: Section, name: str = "url", default: str = RedisConfig.url) -> str:
+    """A Redis URL of any deployment (store.target): one server, Sentinel or Cluster.
+    The error never repeats the URL: it may hold a password."""
     url = s.string(name, default)
-    if url.split("://", 1)[0] not in REDIS_SCHEMES or "://" not in url:
-        raise s.error(name, f"must start with redis://, rediss:// or unix://, got {url!r}")
+    try:
+        parse_target(url)
+    except TargetError as e:
+        raise s.error(name, str(e)) from None
     return url
 
 
@@ -75,7 +80,9 @@ def parse_redis_config(data: object, where: str, path: str = "redis") -> RedisCo
     try:
         lease_keys = LeaseKeys(
             s.string("lease_prefix", DEFAULT_LEASE_PREFIX),
-            *(s.string(k, None) for k in ("info_prefix", "fence_prefix", "waiters_prefix")),
+            info_prefix=s.string("info_prefix", None),
+            fence_prefix=s.string("fence_prefix", None),
+            waiters_prefix=s.string("waiters_prefix", None),
         )
     except ValueError as e:
         raise s.error("lease_prefix", str(e)) from None

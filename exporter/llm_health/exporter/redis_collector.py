@@ -45,6 +45,21 @@ class RedisCollector(SnapshotCollector):
         up = GaugeMetricFamily("llm_redis_up", "1 if the last refresh read Redis, 0 if it failed.")
         up.add_metric([], 1.0 if v.up else 0.0)
         yield up
+        info = GaugeMetricFamily("llm_redis_deployment_info", "The Redis deployment the exporter reads: single, sentinel or cluster.", labels=["deployment"])
+        info.add_metric([v.deployment.kind], 1.0)
+        yield info
+        failovers = CounterMetricFamily(
+            "llm_redis_failovers",
+            "Primary changes the exporter followed: a Sentinel failover, or a Cluster topology change (failover, slot moves between primaries).",
+        )
+        failovers.add_metric([], float(v.deployment.failovers_seen))
+        yield failovers
+        gaps = CounterMetricFamily(
+            "llm_redis_keyevent_feed_gaps",
+            "Times the keyevent feed was lost (a dead connection, a failover); releases of the gap are counted after it is back.",
+        )
+        gaps.add_metric([], float(v.gaps))
+        yield gaps
 
         releases = CounterMetricFamily(
             "llm_gpu_lease_releases",

@@ -20,16 +20,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from redis import asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from ..config.redis import RedisConfig
 from ..core.drift import Identity, PoolSnapshot, pool_snapshot
-from ..store.bulk import add_read_leases, parse_read_leases, read_leases_chunks
-from ..store.connection import db_of, text
-from ..store.feed import RELEASE_REASONS, KeyeventSubscriber, required_keyspace_command
+from ..store.bulk import add_cluster_reads, add_read_leases, parse_cluster_reads, parse_read_leases, read_leases_chunks
+from ..store.connection import text
+from ..store.deployment import connect, wrap
+from ..store.feed import RELEASE_REASONS, required_keyspace_command
 from ..store.queue import ROUTE_STATS_COMMANDS, RouteStats, add_route_stats_commands, now_ms, parse_route_stats
 from ..store.scripts import GC_LUA
 
@@ -50,21 +48,18 @@ class RedisView:
     is down), then `await refresh(backend_states)` every round, `await stop()`.
     """
 
-    def __init__(self, config: RedisConfig, *, redis: aioredis.Redis | None = None):
+    def __init__(self, config: RedisConfig, *, redis: Any = None):
         self.config = config
-        self.keys = config.lease_keys
-        self.qkeys = config.queue_keys
-        # One retry without backoff: a pooled connection that died with a Redis restart
-        # is replaced at once; a Redis that is down fails the refresh fast.
-        self.redis = redis or aioredis.Redis.from_url(
-            config.url,
-            retry=Retry(NoBackoff(), 1),
-            decode_responses=True,
-            socket_timeout=config.timeout_s,
-            socket_connect_timeout=config.timeout_s,
-        )
+        # One server, Sentinel or Cluster, from the URL (store.deployment). One retry: a
+        # pooled connection that died with a Redis restart is replaced at once; a Redis
+        # that is down fails the refresh fast.
+        self.deployment = wrap(redis) if redis is not None else connect(config.url, socket_timeout=config.timeout_s, retries=1)
+        self.redis = self.deployment.client
+        self.cluster = self.deployment.cluster
+        self.keys = self.deployment.lease_keys(config.lease_keys)
+        self.qkeys = self.deployment.queue_keys(config.queue_prefix)
         self._owns_redis = redis is None
-        self.db = db_of(self.redis)
+        self.db = self.deployment.db
 
         self.up = False
         self.error: str | None = "not refreshed yet"
@@ -94,9 +89,7 @@ class RedisView:
         self.sub_error: str | None = None
         # Test hook: awaited before every (re)subscription.
         self._before_subscribe: Any = None
-        self.subscriber = KeyeventSubscriber(
-            self.redis,
-            self.db,
+        self.subscriber = self.deployment.keyevent_subscriber(
             self._on_event,
             name="redis-view-keyevents",
             on_subscribed=self._subscribed,
@@ -126,18 +119,18 @@ class RedisView:
     async def stop(self) -> None:
         await self.subscriber.aclose()
         if self._owns_redis:
-            await self.redis.aclose()
+            await self.deployment.aclose()
 
     @property
     def _sub_connected(self) -> bool:
         return self.subscriber.connected
 
     async def _check_keyspace_events(self) -> None:
-        try:
-            reply = await self.redis.config_get("notify-keyspace-events")
-        except ResponseError:  # CONFIG disabled: cannot tell
+        found = await self.deployment.config_get("notify-keyspace-events")
+        if not found:  # CONFIG disabled: cannot tell
             return
-        flags = text(next(iter(reply.values()), "")) if reply else ""
+        # Every primary must publish them (Cluster): report the first that does not.
+        flags = next((f for f in found.values() if required_keyspace_command(f)), next(iter(found.values())))
         self.keyspace_flags = flags
         self.keyspace_fix = required_keyspace_command(flags)
         if self.keyspace_fix:
@@ -203,8 +196,17 @@ class RedisView:
         discover = [p for p in self.config.pools if p.discover]
         if discover and time.monotonic() >= self._discover_due:
             found: set[str] = set()
+            if self.cluster:  # every primary, bounded the same way
+                async for k in self.redis.scan_iter(match=self.keys.lease_prefix + "*", count=1000):
+                    gpu = self.keys.gpu_of(text(k))
+                    if gpu is not None:
+                        found.add(gpu)
+                    if len(found) >= self.config.discover_max_keys:
+                        break
+                round_trips += 1
+                self.commands_last += 1
             cursor = 0
-            while True:  # bounded: stops after discover_max_keys keys
+            while not self.cluster:  # bounded: stops after discover_max_keys keys
                 cursor, batch = await self.redis.scan(cursor, match=self.keys.lease_prefix + "*", count=1000)
                 round_trips += 1
                 self.commands_last += 1
@@ -231,16 +233,23 @@ class RedisView:
 
         wall = now_ms()  # queue and waiter times are the writers' clocks (Unix ms)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.time()  # lease times are the Redis clock (written by the claim script)
+        if self.cluster:  # TIME has no key to route by: asked of one primary beside
+            cluster_ms = await self.deployment.server_ms()
+            round_trips += 1
+        else:
+            pipe.time()  # lease times are the Redis clock (written by the claim script)
         for p, gpus in pools:
-            for _chunk, joined in self._chunks(p.name, gpus):
-                add_read_leases(pipe, self.keys, joined)
+            if self.cluster:  # scripts cannot read other slots: plain commands, per node
+                add_cluster_reads(pipe, self.keys, gpus)
+            else:
+                for _chunk, joined in self._chunks(p.name, gpus):
+                    add_read_leases(pipe, self.keys, joined)
             pipe.zcount(self.keys.waiters(p.name), wall, "+inf")
         gc_cutoff = wall - self.config.queue_retention_ms
         for route in routes:
             add_route_stats_commands(pipe, self.qkeys, route, wall)
-            if self.config.queue_gc:
-                pipe.eval(GC_LUA, 6, "", *self.qkeys.route_keys(route), gc_cutoff, 1000)
+            if self.config.queue_gc:  # KEYS[1] is unused; the routes key keeps it in the queue's slot
+                pipe.eval(GC_LUA, 6, self.qkeys.routes(), *self.qkeys.route_keys(route), gc_cutoff, 1000)
         replies = await pipe.execute(raise_on_error=False)
         round_trips += 1
         self.commands_last += len(replies)
@@ -257,16 +266,22 @@ class RedisView:
                     raise r
             return chunk
 
-        sec, usec = take(1)[0]
-        server_ms = int(sec) * 1000 + int(usec) // 1000
+        if self.cluster:
+            server_ms = cluster_ms
+        else:
+            sec, usec = take(1)[0]
+            server_ms = int(sec) * 1000 + int(usec) // 1000
         pool_snaps: dict[str, PoolSnapshot] = {}
         held_now: dict[str, dict[str, Identity]] = {}
         baseline: dict[str, tuple[str, int | None, float]] = {}
         for p, gpus in pools:
-            chunks = self._chunks(p.name, gpus)
             leased: dict[str, Any] = {}
-            for (chunk, _joined), reply in zip(chunks, take(len(chunks))):
-                leased.update(parse_read_leases(chunk, reply))
+            if self.cluster:
+                leased.update(parse_cluster_reads(gpus, take(3 * len(gpus))))
+            else:
+                chunks = self._chunks(p.name, gpus)
+                for (chunk, _joined), reply in zip(chunks, take(len(chunks))):
+                    leased.update(parse_read_leases(chunk, reply))
             (waiters,) = take(1)
             found = pool_snapshot(gpus, leased, int(waiters), p.backends, backend_states, self._prev_states, self._prev_held.get(p.name, {}), server_ms)
             pool_snaps[p.name] = found.snapshot
@@ -337,13 +352,11 @@ class RedisView:
             return
         gpus = list(baseline)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.time()
         for gpu in gpus:
             pipe.get(self.keys.lease(gpu))
             pipe.hget(self.keys.info(gpu), "token")
-        replies = await pipe.execute()
-        sec, usec = replies[0]
-        server_ms = int(sec) * 1000 + int(usec) // 1000
+        replies = [None, *await pipe.execute()]
+        server_ms = await self.deployment.server_ms()
         for i, gpu in enumerate(gpus):
             holder, token, expire_at = baseline[gpu]
             cur_holder, cur_token = replies[1 + 2 * i], replies[2 + 2 * i]

@@ -41,6 +41,7 @@ from ..config.gate import GateConfig, Route, parse_gate_config
 from ..config.load import load_yaml
 from ..config.web import WebConfig
 from ..core import admission
+from ..store.deployment import connect, wrap
 from ..store.queue import ROUTE_STATS_COMMANDS, AdmissionQueue, QueueRecord, RouteStats, add_route_stats_commands, now_ms, parse_route_stats
 from ..web import OPEN_PATHS, BearerToken, add_reload, healthy, metrics_handler, secure
 from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant, token_units
@@ -67,17 +68,15 @@ def tune_gc() -> None:
 
 
 class Gate:
-    def __init__(self, cfg: GateConfig, redis: aioredis.Redis | None = None, config_file: str | os.PathLike[str] | None = None):
+    def __init__(self, cfg: GateConfig, redis: aioredis.Redis | Any = None, config_file: str | os.PathLike[str] | None = None):
         self.cfg = cfg
         self.config_file = config_file
         self._admin = BearerToken(cfg.admin_token) if cfg.admin_token else None
-        if redis is None:
-            pool = aioredis.BlockingConnectionPool.from_url(
-                cfg.redis_url, decode_responses=True, socket_timeout=1.0, socket_connect_timeout=1.0, max_connections=64, timeout=1.0
-            )
-            redis = aioredis.Redis(connection_pool=pool)
-        self.redis = redis
-        self.queue = AdmissionQueue(self.redis, prefix=cfg.queue_prefix)
+        # One server, Sentinel or Cluster, from the URL (store.deployment); on one server
+        # at most 64 connections, a caller waiting up to 1 s for a free one.
+        self.deployment = wrap(redis) if redis is not None else connect(cfg.redis_url, socket_timeout=1.0, max_connections=64, blocking_timeout=1.0)
+        self.redis = self.deployment.client
+        self.queue = AdmissionQueue(self.deployment, prefix=cfg.queue_prefix)
         self.session: aiohttp.ClientSession | None = None
         self.redis_up = True
         self._by_model = any(r.models for r in cfg.routes.values())
@@ -136,7 +135,7 @@ class Gate:
             await asyncio.gather(self._sampler, return_exceptions=True)
         if self.session:
             await self.session.close()
-        await self.redis.aclose()
+        await self.deployment.aclose()
 
     async def _sample(self) -> None:
         """Every sample_interval, note per closed route whether queue age is under the deadline."""

@@ -40,7 +40,8 @@ from redis.exceptions import RedisError
 from ..config.restarter import SharedState, Target
 from ..core.restart_policy import KEY_TTL, Admission, Budget, Policy, RestartRecord, budget_verdict
 from ..core.webhook import Alert
-from ..store.connection import TRANSIENT, server_ms
+from ..store.connection import TRANSIENT
+from ..store.deployment import NotReplicated, connect
 from ..store.heartbeat import Heartbeat
 from ..store.keys import LeaseKeys
 from ..store.leases import LeaseClient
@@ -68,7 +69,10 @@ class RedisState:
         self.policy: Policy[Target] = Policy(targets, budget)  # only its pure checks are used
         self.config = config
         self.prefix = config.key_prefix
-        self.leases = LeaseClient.from_url(config.url, socket_timeout=config.timeout, keys=LeaseKeys(lease_prefix=self.prefix + "lease:"))
+        # One server, Sentinel or Cluster (store.deployment); on Cluster every key of a
+        # backend carries it as a hash tag, so one MULTI or script can touch them all.
+        self.deployment = connect(config.url, socket_timeout=config.timeout)
+        self.leases = LeaseClient(self.deployment, keys=LeaseKeys(lease_prefix=self.prefix + "lease:"))
         self.redis = self.leases.redis
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.held: dict[str, _Held] = {}
@@ -77,11 +81,11 @@ class RedisState:
 
     # --- keys -----------------------------------------------------------------------------
     def _k(self, what: str, backend: str) -> str:
-        return f"{self.prefix}{what}:{backend}"
+        return f"{self.prefix}{what}:{self.deployment.tag(backend)}"
 
     def _done_key(self, backend: str, key: tuple[str, str]) -> str:
         digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:32]
-        return f"{self.prefix}done:{backend}:{digest}"
+        return f"{self.prefix}done:{self.deployment.tag(backend)}:{digest}"
 
     # --- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -111,7 +115,10 @@ class RedisState:
         try:
             if await self.redis.exists(self._done_key(name, alert.key)):
                 return Admission(alert, "duplicate", name, "this alert (fingerprint, startsAt) was already acted on")
-            lease = await self.leases.claim(name, self.holder, ttl_ms=int(self.config.lease_ttl * 1000), job_id=alert.fingerprint)
+            # A holder id per admission: a claim is idempotent for its holder (a retry
+            # gets the same lease back), so two deliveries at once must not share one.
+            holder = f"{self.holder}:{uuid.uuid4().hex[:8]}"
+            lease = await self.leases.claim(name, holder, ttl_ms=int(self.config.lease_ttl * 1000), job_id=alert.fingerprint)
         except ERRORS as exc:
             return Admission(alert, "state_unavailable", name, f"shared state (Redis) unavailable: {type(exc).__name__}")
         if lease is None:
@@ -132,7 +139,7 @@ class RedisState:
     # --- budget ------------------------------------------------------------------------------
     async def _records(self, backend: str) -> tuple[list[RestartRecord], float]:
         """The restarts in the budget's window (start, and end once recorded) and the Redis clock now, in seconds."""
-        now_ms = await server_ms(self.redis)
+        now_ms = await self.deployment.server_ms(self._k("restarts", backend))
         window_ms = int(self.policy.budget.window * 1000)
         pipe = self.redis.pipeline(transaction=False)
         pipe.zrangebyscore(self._k("restarts", backend), now_ms - window_ms, "+inf", withscores=True)
@@ -155,13 +162,24 @@ class RedisState:
             held = self.held[backend]
             held.restart_id = f"{int(now * 1000)}-{held.lease.token}"
             window_ms = int(self.policy.budget.window * 1000)
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.zadd(self._k("restarts", backend), {held.restart_id: int(now * 1000)})
-            pipe.zremrangebyscore(self._k("restarts", backend), "-inf", int(now * 1000) - window_ms)
-            pipe.pexpire(self._k("restarts", backend), window_ms + 60_000)
-            pipe.delete(self._k("exhausted", backend))
-            await pipe.execute()
+            restarts = self._k("restarts", backend)
+            # One MULTI, then WAIT on the same connection: the restart counts against the
+            # budget only once a replica has it, so a failover cannot reset the budget.
+            await self.deployment.run_confirmed(
+                restarts,
+                [
+                    ("MULTI",),
+                    ("ZADD", restarts, int(now * 1000), held.restart_id),
+                    ("ZREMRANGEBYSCORE", restarts, "-inf", int(now * 1000) - window_ms),
+                    ("PEXPIRE", restarts, window_ms + 60_000),
+                    ("DEL", self._k("exhausted", backend)),
+                    ("EXEC",),
+                ],
+            )
             self._exhausted.pop(backend, None)
+        except NotReplicated as exc:
+            log.warning("%s: the budget claim reached no replica (%s): not acting, a failover could forget it", backend, exc)
+            return "state_unavailable", 0.0
         except ERRORS as exc:
             log.warning("%s: shared state unavailable while claiming the budget: %s", backend, type(exc).__name__)
             return "state_unavailable", 0.0
@@ -186,16 +204,17 @@ class RedisState:
         held = self.held.get(backend)
         self.handoff.take(backend)
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.delete(self._k("evidence", backend))
+            commands: list[tuple[object, ...]] = [("DEL", self._k("evidence", backend))]
             if restarted:
-                now_ms = await server_ms(self.redis)
-                pipe.set(self._done_key(backend, key), "1", px=int(KEY_TTL * 1000))
+                now_ms = await self.deployment.server_ms(self._k("restarts", backend))
+                commands.append(("SET", self._done_key(backend, key), "1", "PX", int(KEY_TTL * 1000)))
                 if held is not None and held.restart_id is not None:
                     window_ms = int(self.policy.budget.window * 1000)
-                    pipe.hset(self._k("ended", backend), held.restart_id, str(now_ms))
-                    pipe.pexpire(self._k("ended", backend), window_ms + 60_000)
-            await pipe.execute()
+                    commands.append(("HSET", self._k("ended", backend), held.restart_id, str(now_ms)))
+                    commands.append(("PEXPIRE", self._k("ended", backend), window_ms + 60_000))
+            # The done key makes every later delivery of this alert a duplicate: it
+            # must survive a failover (WAIT).
+            await self.deployment.run_confirmed(self._k("evidence", backend), commands, confirm=restarted)
         except ERRORS as exc:
             log.warning("%s: could not record the end of the action in Redis: %s", backend, type(exc).__name__)
         await self._let_go(backend)

@@ -42,3 +42,29 @@ def parse_read_leases(chunk: Sequence[str], reply: Sequence[Any]) -> dict[str, L
         else:
             out[gpu] = LeaseState(gpu, holder, ttl_ms, int(token) if token else None, int(claimed) if claimed else None)
     return out
+
+
+def add_cluster_reads(pipe: Any, keys: LeaseKeys, gpus: Sequence[str]) -> None:
+    """Redis Cluster: a script may only touch its own slot, so each GPU is read with
+    GET, PTTL and HMGET on a cluster pipeline (one batch per node, sent in parallel)."""
+    for g in gpus:
+        pipe.get(keys.lease(g))
+        pipe.pttl(keys.lease(g))
+        pipe.hmget(keys.info(g), "holder", "token", "claimed_ms")
+
+
+def parse_cluster_reads(gpus: Sequence[str], replies: Sequence[Any]) -> dict[str, LeaseState]:
+    """The held leases of ``gpus`` from the replies of add_cluster_reads."""
+    out: dict[str, LeaseState] = {}
+    for i, g in enumerate(gpus):
+        holder, pttl, info = replies[3 * i], replies[3 * i + 1], replies[3 * i + 2]
+        if holder is None:
+            continue
+        holder = text(holder)
+        info_holder, token, claimed = (text(x) if x is not None else None for x in info)
+        ttl_ms = int(pttl) if int(pttl) >= 0 else None
+        if info_holder != holder:
+            out[g] = LeaseState(g, holder, ttl_ms)
+        else:
+            out[g] = LeaseState(g, holder, ttl_ms, int(token) if token else None, int(claimed) if claimed else None)
+    return out

@@ -86,10 +86,17 @@ class KeyeventSubscriber:
         reconnect_max_s: float = 1.0,
         confirm_timeout_s: float = 5.0,
         idle_ping_s: float = FEED_IDLE_PING_S,
+        sub_redis: aioredis.Redis | None = None,
+        still_valid: Callable[[Any], Awaitable[bool]] | None = None,
+        check_interval_s: float = 1.0,
     ):
         self.redis = redis  # publishes the liveness messages
         # The subscription must SEE every broken connection: no retries on it.
-        self._sub_redis = without_retries(redis)
+        self._sub_redis = sub_redis if sub_redis is not None else without_retries(redis)
+        # Asked every check_interval_s with the pubsub: False (a Sentinel subscription
+        # left on a demoted primary) makes the feed resubscribe.
+        self.still_valid = still_valid
+        self.check_interval_s = check_interval_s
         self.liveness_channel = f"llm-health:feed:{uuid.uuid4().hex}"
         self.channels = (*keyevent_channels(db), self.liveness_channel)
         self.on_event = on_event
@@ -156,9 +163,20 @@ class KeyeventSubscriber:
 
     async def _read(self, pubsub: Any) -> None:
         awaiting_pong = False
+        loop = asyncio.get_running_loop()
+        silent_since = loop.time()
+        next_check = loop.time() + self.check_interval_s
         while True:
-            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=self.idle_ping_s)
+            timeout = self.idle_ping_s if self.still_valid is None else max(0.0, min(next_check, silent_since + self.idle_ping_s) - loop.time())
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout)
+            if self.still_valid is not None and loop.time() >= next_check:
+                next_check = loop.time() + self.check_interval_s
+                if not await self.still_valid(pubsub):
+                    raise ConnectionError("keyevent feed: the server it is subscribed on is no longer the primary")
+            if msg is None and loop.time() < silent_since + self.idle_ping_s:
+                continue
             if msg is None:
+                silent_since = loop.time()
                 # Silence: send ourselves a message; if it does not come back, the feed is broken.
                 if awaiting_pong:
                     raise TimeoutError("keyevent feed: our own liveness message did not come back")
@@ -166,6 +184,7 @@ class KeyeventSubscriber:
                 awaiting_pong = True
                 continue
             awaiting_pong = False
+            silent_since = loop.time()
             if msg.get("type") != "message":
                 continue
             reason = text(msg["channel"]).rsplit(":", 1)[-1]
@@ -184,14 +203,13 @@ class KeyeventFeed:
     events still queued hands them on. If the connection breaks it is made again and
     every waiter gets RESUBSCRIBED (then all re-check: events were lost)."""
 
-    def __init__(self, redis: aioredis.Redis, keys: LeaseKeys, db: int, reconnect_max_s: float = 1.0):
+    def __init__(self, deployment: Any, keys: LeaseKeys, reconnect_max_s: float = 1.0):
         self.keys = keys
         self.waiters: dict[asyncio.Queue[Any], set[str]] = {}
         self._live = asyncio.Event()
         self._lock = asyncio.Lock()
-        self.subscriber = KeyeventSubscriber(
-            redis,
-            db,
+        # One subscription (one server, Sentinel's primary) or one per primary (Cluster).
+        self.subscriber = deployment.keyevent_subscriber(
             self._on_event,
             name="lease-keyevent-feed",
             on_subscribed=self._subscribed,

@@ -19,6 +19,16 @@ class LeaseKeys:
     info_prefix: str | None = None
     fence_prefix: str | None = None
     waiters_prefix: str | None = None
+    # Redis Cluster: each GPU id is a hash tag (`gpu:lease:{gpu0}`), so the three keys of
+    # one GPU share a slot and a claim script can touch them together.
+    hash_tag: bool = False
+
+    def tagged(self) -> LeaseKeys:
+        """The Cluster layout of these keys (docs/redis-schema.md)."""
+        return LeaseKeys(self.lease_prefix, self.info_prefix, self.fence_prefix, self.waiters_prefix, hash_tag=True)
+
+    def _id(self, name: str) -> str:
+        return "{" + name + "}" if self.hash_tag else name
 
     def __post_init__(self) -> None:
         if not self.lease_prefix:
@@ -46,27 +56,39 @@ class LeaseKeys:
                 )
 
     def lease(self, gpu: str) -> str:
-        return self.lease_prefix + gpu
+        return self.lease_prefix + self._id(gpu)
 
     def info(self, gpu: str) -> str:
-        return f"{self.info_prefix}{gpu}"
+        return f"{self.info_prefix}{self._id(gpu)}"
 
     def fence(self, gpu: str) -> str:
-        return f"{self.fence_prefix}{gpu}"
+        return f"{self.fence_prefix}{self._id(gpu)}"
 
     def waiters(self, pool: str) -> str:
-        return f"{self.waiters_prefix}{pool}"
+        return f"{self.waiters_prefix}{self._id(pool)}"
 
     def gpu_of(self, key: str) -> str | None:
         """The GPU id of a lease key, None for any other key."""
-        if key.startswith(self.lease_prefix):
-            return key[len(self.lease_prefix) :]
-        return None
+        if not key.startswith(self.lease_prefix):
+            return None
+        rest = key[len(self.lease_prefix) :]
+        if self.hash_tag:
+            return rest[1:-1] if len(rest) > 2 and rest[0] == "{" and rest[-1] == "}" else None
+        return rest
 
 
 @dataclass(frozen=True)
 class QueueKeys:
     prefix: str = DEFAULT_QUEUE_PREFIX
+
+    def tagged(self) -> QueueKeys:
+        """The Cluster layout: the whole queue in one hash tag (its scripts touch a
+        request's record and its route's sets together, and a record is found by id
+        alone), `{llm:admission}:...`. A prefix that already has a tag is kept."""
+        if "{" in self.prefix and "}" in self.prefix.split("{", 1)[1]:
+            return self
+        base = self.prefix.rstrip(":")
+        return QueueKeys("{" + base + "}" + self.prefix[len(base) :])
 
     def record(self, request_id: str) -> str:
         return f"{self.prefix}req:{request_id}"

@@ -28,10 +28,10 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from redis import asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
-from .connection import TRANSIENT, db_of, server_ms, text
+from .connection import TRANSIENT, text
+from .deployment import Deployment, NotReplicated, connect, wrap
 from .feed import RESUBSCRIBED, KeyeventFeed, required_keyspace_command
 from .heartbeat import Heartbeat
 from .keys import LeaseKeys
@@ -44,17 +44,21 @@ T = TypeVar("T")
 
 DEFAULT_TTL_MS = 30_000
 DEFAULT_FALLBACK_INTERVAL_S = 1.0
+NOT_REPLICATED_RETRY_S = 0.1  # a waiter whose claim no replica acknowledged tries again this soon
 
 
 class LeaseClient:
-    """Lease operations on one Redis database.
+    """Lease operations on one Redis database: one server, Sentinel or Cluster.
 
-    ``redis`` should be created with ``decode_responses=True`` or not; both work.
+    Give it a :class:`~llm_health.store.deployment.Deployment` (``from_url`` makes one
+    from any Redis URL), or a redis-py ``Redis`` or ``RedisCluster`` client, created with
+    ``decode_responses=True`` or not; both work. On Cluster the keys take the Cluster
+    layout (``gpu:lease:{gpu0}``, docs/redis-schema.md).
     """
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: Any,
         *,
         keys: LeaseKeys | None = None,
         ttl_ms: int = DEFAULT_TTL_MS,
@@ -62,31 +66,26 @@ class LeaseClient:
     ):
         if ttl_ms <= 0:
             raise ValueError("ttl_ms must be positive")
-        self.redis = redis
-        self.keys = keys or LeaseKeys()
+        self.deployment = redis if isinstance(redis, Deployment) else wrap(redis)
+        self.redis = self.deployment.client
+        self.keys = self.deployment.lease_keys(keys)
         self.ttl_ms = ttl_ms
         self.fallback_interval_s = fallback_interval_s
-        self.db = db_of(redis)
-        self._claim = redis.register_script(CLAIM_LUA)
-        self._renew = redis.register_script(RENEW_LUA)
-        self._release = redis.register_script(RELEASE_LUA)
-        self._check_fence = redis.register_script(CHECK_FENCE_LUA)
-        self._delete_if_holder = redis.register_script(DELETE_IF_HOLDER_LUA)
-        self._add_waiter = redis.register_script(ADD_WAITER_LUA)
+        self.db = self.deployment.db
         self._notifications_ok = False
-        self._feed = KeyeventFeed(redis, self.keys, self.db)
+        self._feed = KeyeventFeed(self.deployment, self.keys)
+        self.not_replicated = 0  # claims and renewals undone because no replica had them
 
     @classmethod
     def from_url(cls, url: str, *, socket_timeout: float = 5.0, **kwargs: Any) -> LeaseClient:
         """A client with read and connect timeouts on its connections: a black-holed
         connection fails a call instead of blocking it (the heartbeat also bounds each
-        renewal by the lease's validity)."""
-        redis = aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
-        return cls(redis, **kwargs)
+        renewal by the lease's validity). ``url``: any form of `store.target`."""
+        return cls(connect(url, socket_timeout=socket_timeout), **kwargs)
 
     async def aclose(self) -> None:
         await self._feed.aclose()
-        await self.redis.aclose()
+        await self.deployment.aclose()
 
     # ------------------------------------------------------------ claim / renew / release
 
@@ -112,29 +111,69 @@ class LeaseClient:
         ttl = int(ttl_ms or self.ttl_ms)
         if start is None:
             start = random.randrange(len(gpus))
-        keys = [self.keys.lease(g) for g in gpus] + [self.keys.info(g) for g in gpus] + [self.keys.fence(g) for g in gpus]
         sent = time.monotonic()  # the lease is surely valid until sent + TTL (heartbeat)
-        got = await self._claim(keys=keys, args=[holder, ttl, job_id, start])
+        if self.deployment.cluster:
+            got = await self._claim_cluster(gpus, holder, ttl, job_id, start)
+        else:
+            keys = [self.keys.lease(g) for g in gpus] + [self.keys.info(g) for g in gpus] + [self.keys.fence(g) for g in gpus]
+            got = await self._claim_script(keys, [holder, ttl, job_id, start])
         if not got:
             return None
         index, token, now = int(got[0]), int(got[1]), int(got[2])
+        if self.deployment.cluster:
+            index, _ = got[3]
         return Lease(gpus[index], holder, token, ttl, now, job_id, via, sent_at=sent)
 
+    async def _claim_script(self, keys: list[str], args: list[Any]) -> Any:
+        """The claim script, counted only once a replica has it (Deployment.wait_replicas):
+        a claim the primary applied but no replica acknowledged is released again and
+        reported as NotReplicated, never returned. A claim whose reply was lost is safe
+        to send again: the script gives a holder the lease it already has."""
+        try:
+            return await self.deployment.script(CLAIM_LUA, keys, args)
+        except NotReplicated as e:
+            self.not_replicated += 1
+            got = e.replies[0] if e.replies else None
+            if got:
+                n = len(keys) // 3
+                j = int(got[0])
+                with contextlib.suppress(*TRANSIENT, RedisError):
+                    await self.deployment.script(RELEASE_LUA, [keys[j], keys[n + j]], [args[0], int(got[1])], confirm=False)
+            raise
+
+    async def _claim_cluster(self, gpus: Sequence[str], holder: str, ttl: int, job_id: str, start: int) -> Any:
+        """Cluster: each GPU's keys are in its own slot, so "the first free GPU of N" is
+        one script per GPU, tried in order from ``start``: first the GPUs this holder
+        already holds (the idempotent retry), then those a pipelined read found free,
+        then the rest (freed since the read)."""
+        order = [gpus[(i + start) % len(gpus)] for i in range(len(gpus))]
+        pipe = self.redis.pipeline(transaction=False)
+        for g in order:
+            pipe.get(self.keys.lease(g))
+        holders = [text(h) for h in await pipe.execute()]
+        mine = [g for g, h in zip(order, holders) if h == holder]
+        free = [g for g, h in zip(order, holders) if h is None]
+        rest = [g for g in order if g not in mine and g not in free]
+        for g in (*mine, *free, *rest):
+            got = await self._claim_script([self.keys.lease(g), self.keys.info(g), self.keys.fence(g)], [holder, ttl, job_id, 0])
+            if got:
+                return [*got, (gpus.index(g), g)]
+        return None
+
     async def renew(self, lease: Lease, ttl_ms: int | None = None) -> bool:
-        """Extend the lease; refused (False) unless this claim still holds it."""
+        """Extend the lease; refused (False) unless this claim still holds it. A renewal
+        no replica acknowledged raises NotReplicated (the heartbeat retries it)."""
         ttl = int(ttl_ms or lease.ttl_ms)
-        ok = await self._renew(
-            keys=[self.keys.lease(lease.gpu), self.keys.info(lease.gpu)],
-            args=[lease.holder, lease.token, ttl],
-        )
+        try:
+            ok = await self.deployment.script(RENEW_LUA, [self.keys.lease(lease.gpu), self.keys.info(lease.gpu)], [lease.holder, lease.token, ttl])
+        except NotReplicated:
+            self.not_replicated += 1
+            raise
         return bool(ok)
 
     async def release(self, lease: Lease) -> bool:
         """Delete the lease; refused (False) unless this claim still holds it."""
-        ok = await self._release(
-            keys=[self.keys.lease(lease.gpu), self.keys.info(lease.gpu)],
-            args=[lease.holder, lease.token],
-        )
+        ok = await self.deployment.script(RELEASE_LUA, [self.keys.lease(lease.gpu), self.keys.info(lease.gpu)], [lease.holder, lease.token], confirm=False)
         return bool(ok)
 
     async def check_fence(self, gpu: str, token: int) -> bool:
@@ -142,7 +181,7 @@ class LeaseClient:
         held on ``gpu`` right now. A holder whose lease expired (and was perhaps claimed
         again, with a larger token) is refused. Workers that also remember the largest
         token they have served can refuse older ones without asking Redis."""
-        ok = await self._check_fence(keys=[self.keys.lease(gpu), self.keys.info(gpu)], args=[int(token)])
+        ok = await self.deployment.script(CHECK_FENCE_LUA, [self.keys.lease(gpu), self.keys.info(gpu)], [int(token)], confirm=False)
         return bool(ok)
 
     async def read(self, gpu: str) -> LeaseState | None:
@@ -207,23 +246,24 @@ class LeaseClient:
         """Verify that Redis publishes ``del`` and ``expired`` keyevents; return the
         flags. Raises :class:`KeyspaceEventsOff` naming the exact ``CONFIG SET`` to run.
         Where CONFIG is disabled (managed Redis) it cannot check: it logs and returns ''."""
-        try:
-            reply = await self.redis.config_get("notify-keyspace-events")
-        except ResponseError as e:
-            log.warning("cannot read notify-keyspace-events (%s); make sure it includes Egx", e)
+        found = await self.deployment.config_get("notify-keyspace-events")
+        if not found:
+            log.warning("cannot read notify-keyspace-events (CONFIG refused); make sure it includes Egx on every primary")
             return ""
-        flags = text(next(iter(reply.values()), "")) if reply else ""
-        command = required_keyspace_command(flags)
-        if command:
-            raise KeyspaceEventsOff(flags, command)
+        for where, flags in found.items():
+            command = required_keyspace_command(flags)
+            if command:
+                raise KeyspaceEventsOff(flags, command if len(found) == 1 else f"{command} (on {where} and every other primary)")
         self._notifications_ok = True
-        return flags
+        return next(iter(found.values()))
 
     # ------------------------------------------------------------ waiting
 
     async def _register_waiter(self, pool: Pool, waiter: str, deadline_ms: int) -> None:
         now = int(time.time() * 1000)
-        await self._add_waiter(keys=[self.keys.waiters(pool.name)], args=[waiter, deadline_ms, now, max(1, deadline_ms - now) + 60_000])
+        await self.deployment.script(
+            ADD_WAITER_LUA, [self.keys.waiters(pool.name)], [waiter, deadline_ms, now, max(1, deadline_ms - now) + 60_000], confirm=False
+        )
 
     async def _claim_cancel_safe(self, gpus: Sequence[str], holder: str, **kw: Any) -> Lease | None:
         """A claim whose result is not lost if the caller is cancelled while Redis runs
@@ -279,7 +319,13 @@ class LeaseClient:
                 queue = await self._feed.join(set(pool.gpus), deadline)
             except TimeoutError:
                 return None
-            lease = await self._claim_cancel_safe(pool.gpus, holder, **claim_kw)
+            try:
+                lease = await self._claim_cancel_safe(pool.gpus, holder, **claim_kw)
+            except NotReplicated as e:
+                log.warning("claim for %s not replicated, undone; again in %.1fs: %s", holder, NOT_REPLICATED_RETRY_S, e)
+                lease, first_not_replicated = None, True
+            else:
+                first_not_replicated = False
             if lease is not None:
                 return lease
             # Listed only once it really waits (the feed is already joined, so the
@@ -288,28 +334,42 @@ class LeaseClient:
             registered = True
             if after_first_miss is not None:
                 await after_first_miss()
-            next_fallback = loop.time() + fallback
+            next_fallback = loop.time() + (min(fallback, NOT_REPLICATED_RETRY_S) if first_not_replicated else fallback)
             while True:
                 now = loop.time()
                 if now >= deadline:
+                    # One last look: a release whose event was lost in the last fallback
+                    # interval must not let us time out beside a free GPU.
+                    with contextlib.suppress(NotReplicated):
+                        return await self._claim_cancel_safe(pool.gpus, holder, via="deadline", **claim_kw)
                     return None
                 if now >= next_fallback:
-                    lease = await self._claim_cancel_safe(pool.gpus, holder, via="fallback", **claim_kw)
+                    try:
+                        lease = await self._claim_cancel_safe(pool.gpus, holder, via="fallback", **claim_kw)
+                    except NotReplicated as e:
+                        log.warning("claim for %s not replicated, undone; again in %.1fs: %s", holder, NOT_REPLICATED_RETRY_S, e)
+                        lease, next_fallback = None, loop.time() + min(fallback, NOT_REPLICATED_RETRY_S)
+                    else:
+                        next_fallback = loop.time() + fallback
                     if lease is not None:
                         return lease
-                    next_fallback = loop.time() + fallback
                     continue
                 try:
                     async with asyncio.timeout(min(deadline, next_fallback) - now):
                         event = await queue.get()
                 except TimeoutError:
                     continue
-                if event is RESUBSCRIBED:
-                    # The feed was down: its events are lost. Re-check everything.
-                    lease = await self._claim_cancel_safe(pool.gpus, holder, via="resubscribe", **claim_kw)
-                else:
-                    gpu, reason = event
-                    lease = await self._claim_cancel_safe([gpu], holder, start=0, via=reason, **claim_kw)
+                try:
+                    if event is RESUBSCRIBED:
+                        # The feed was down: its events are lost. Re-check everything.
+                        lease = await self._claim_cancel_safe(pool.gpus, holder, via="resubscribe", **claim_kw)
+                    else:
+                        gpu, reason = event
+                        lease = await self._claim_cancel_safe([gpu], holder, start=0, via=reason, **claim_kw)
+                except NotReplicated as e:  # undone already: try all again soon (a failover settling)
+                    log.warning("claim for %s not replicated, undone; again in %.1fs: %s", holder, NOT_REPLICATED_RETRY_S, e)
+                    next_fallback = min(next_fallback, loop.time() + NOT_REPLICATED_RETRY_S)
+                    continue
                 if lease is not None:
                     return lease
         finally:
@@ -336,7 +396,7 @@ class LeaseClient:
         """GPU ids that have a lease right now, found by a SCAN that stops after
         ``limit`` keys. For seeding a pool set, not for the hot path."""
         found: list[str] = []
-        async for key in self.redis.scan_iter(match=self.keys.lease_prefix + "*", count=count):
+        async for key in self.redis.scan_iter(match=self.keys.lease_prefix + "*", count=count):  # every primary on Cluster
             gpu = self.keys.gpu_of(text(key))
             if gpu is not None:
                 found.append(gpu)
@@ -383,7 +443,7 @@ class LeaseClient:
         answers = await asyncio.gather(*(ask(g) for g in pool.gpus))
         # Read the leases after the answers: a lease claimed while we asked is then seen.
         states = await self.read_many(pool.gpus)
-        server_now = await server_ms(self.redis)
+        server_now = await self.deployment.server_ms()
         for gpu, doing, error in answers:
             state = states[gpu]
             if error is not None:
@@ -399,7 +459,7 @@ class LeaseClient:
                 if state.claimed_ms is not None and server_now - state.claimed_ms < grace_ms:
                     report.kept_young.append((gpu, state.holder))
                     continue
-                deleted = await self._delete_if_holder(keys=[self.keys.lease(gpu), self.keys.info(gpu)], args=[state.holder])
+                deleted = await self.deployment.script(DELETE_IF_HOLDER_LUA, [self.keys.lease(gpu), self.keys.info(gpu)], [state.holder], confirm=False)
                 if deleted:
                     report.deleted.append((gpu, state.holder))
                     log.warning("reconcile: deleted lease on %s held by %s; the worker is idle", gpu, state.holder)

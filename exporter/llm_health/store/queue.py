@@ -34,9 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis import asyncio as aioredis
-
 from .connection import text
+from .deployment import Deployment, connect, wrap
 from .keys import DEFAULT_QUEUE_PREFIX, DEFAULT_RETENTION_MS, QueueKeys
 from .scripts import ENQUEUE_LUA, GC_LIMIT, GC_LUA, LEAVE_QUEUE_LUA, RECORD_ATTEMPT_LUA
 
@@ -118,7 +117,7 @@ class AdmissionQueue:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: Any,
         *,
         prefix: str = DEFAULT_QUEUE_PREFIX,
         retention_ms: int = DEFAULT_RETENTION_MS,
@@ -127,8 +126,11 @@ class AdmissionQueue:
         """``clock`` returns the writer's time in Unix ms (tests pass a fake one)."""
         if retention_ms <= 0:
             raise ValueError("retention_ms must be positive")
-        self.redis = redis
-        self.keys = QueueKeys(prefix)
+        # A Deployment, or a redis-py Redis/RedisCluster client; on Cluster the whole
+        # queue shares one hash tag (QueueKeys.tagged).
+        self.deployment = redis if isinstance(redis, Deployment) else wrap(redis)
+        self.redis = redis = self.deployment.client
+        self.keys = self.deployment.queue_keys(prefix)
         self.retention_ms = retention_ms
         self.clock = clock
         self._enqueue = redis.register_script(ENQUEUE_LUA)
@@ -138,10 +140,10 @@ class AdmissionQueue:
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> AdmissionQueue:
-        return cls(aioredis.Redis.from_url(url, decode_responses=True), **kwargs)
+        return cls(connect(url), **kwargs)
 
     async def aclose(self) -> None:
-        await self.redis.aclose()
+        await self.deployment.aclose()
 
     # Each script's (keys, args), in one place: the methods below run them one at a time,
     # the gate queues them on a pipeline (`pipe_*`).

@@ -2,8 +2,10 @@
 renew, release, fence check, waiters, reconcile's delete, the bulk read) and the admission
 queue's (enqueue, leave, record an attempt, GC). Each runs atomically on one Redis.
 
-Single Redis instance (or one primary): the scripts touch several keys, so in Redis
-Cluster all of a pool's keys would need one hash tag, e.g. ``lease_prefix: "{gpu}:lease:"``.
+Every script declares its keys, and on Redis Cluster all of them share one hash slot
+(`keys.LeaseKeys.tagged`, `keys.QueueKeys.tagged`), except READ_LEASES_LUA, which is
+for one server or a Sentinel primary only (on Cluster the view reads leases with plain
+pipelined commands).
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from __future__ import annotations
 
 # KEYS: n lease keys, then n info keys, then n fence keys.
 # ARGV: holder, ttl_ms, job_id, first index to try (0-based).
-# Claims the first free GPU, trying from ARGV[4] round the list. The side hash is written
+# A holder that already holds one of the GPUs gets that lease back, TTL renewed, same
+# token: a claim sent again after its reply was lost (a broken connection, a client
+# retry) never takes a second GPU nor loses the token it was given. Otherwise it
+# claims the first free GPU, trying from ARGV[4] round the list. The side hash is written
 # in the same script, so no reader ever sees a lease of ours without its token. Time comes
 # from the Redis clock, the same for every claimer.
 #
@@ -27,6 +32,14 @@ local start = tonumber(ARGV[4]) or 0
 local t = redis.call('TIME')
 local now = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+for j = 1, n do
+  if redis.call('GET', KEYS[j]) == ARGV[1] and redis.call('HGET', KEYS[n + j], 'holder') == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[j], ARGV[2])
+    redis.call('HSET', KEYS[n + j], 'ttl_ms', ARGV[2])
+    redis.call('PEXPIRE', KEYS[n + j], ARGV[2])
+    return {j - 1, redis.call('HGET', KEYS[n + j], 'token'), redis.call('HGET', KEYS[n + j], 'claimed_ms')}
+  end
+end
 for i = 0, n - 1 do
   local j = ((i + start) % n) + 1
   if redis.call('SET', KEYS[j], ARGV[1], 'NX', 'PX', ARGV[2]) then
