@@ -5,6 +5,7 @@ pytest_plugins = [
     "tests.fixtures.ci",
     "tests.fixtures.sim",
     "tests.fixtures.redis",
+    "tests.fixtures.redis_any",
     "tests.fixtures.stack",
     "tests.fixtures.vllm",
     "tests.fixtures.llamacpp",

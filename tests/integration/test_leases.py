@@ -16,6 +16,15 @@ from llm_health.store.feed import keyevent_channels
 from llm_health.store.keys import LeaseKeys
 from llm_health.store.leases import LeaseClient
 from llm_health.store.records import KeyspaceEventsOff, Lease, LeaseLost, Pool
+from tests.fixtures.redis_any import only_single
+from tests.fixtures.redis_ops import keyevent_subscribers, kill_our_feeds, our_feeds, set_everywhere
+
+
+@pytest.fixture
+def redis_url(any_redis_url: str) -> str:
+    """Every test of this module on one server, Sentinel and Cluster (tests/fixtures/redis_any.py)."""
+    return any_redis_url
+
 
 LONG = 3600.0  # a fallback interval no test lives long enough to reach
 
@@ -43,8 +52,8 @@ async def eventually(predicate, what: str, bound_s: float = 10.0):
 
 
 async def subscribers(c: LeaseClient) -> int:
-    counts = await c.redis.pubsub_numsub(*keyevent_channels(c.db))
-    return sum(int(n) for _, n in counts)
+    """Keyevent subscribers on every primary, per primary (Cluster has one feed on each)."""
+    return await keyevent_subscribers(c.deployment) // len(await c.deployment.primaries())
 
 
 # ----------------------------------------------------------------------------- claim
@@ -62,7 +71,7 @@ async def test_claim_has_exactly_one_winner(client: LeaseClient):
 async def test_old_style_scheduler_reads_and_writes_the_same_keys(client: LeaseClient):
     r = client.redis
     # An old scheduler claims g0 the old way: our claim must lose...
-    assert await r.set("gpu:lease:g0", "old-worker", nx=True, px=10_000)
+    assert await r.set(client.keys.lease("g0"), "old-worker", nx=True, px=10_000)
     assert await client.claim("g0", "new") is None
     state = await client.read("g0")
     assert state is not None and state.holder == "old-worker" and state.token is None
@@ -70,13 +79,13 @@ async def test_old_style_scheduler_reads_and_writes_the_same_keys(client: LeaseC
     # ...and our lease's value is the plain holder id an old reader compares with.
     lease = await client.claim("g1", "new-worker", job_id="job-1")
     assert lease is not None
-    assert await r.get("gpu:lease:g1") == "new-worker"
-    assert await r.set("gpu:lease:g1", "old-worker", nx=True, px=10_000) is None
+    assert await r.get(client.keys.lease("g1")) == "new-worker"
+    assert await r.set(client.keys.lease("g1"), "old-worker", nx=True, px=10_000) is None
     # The side hash has the same TTL as the lease.
-    assert await r.pttl("gpu:leaseinfo:g1") > 0
-    assert await r.hget("gpu:leaseinfo:g1", "job_id") == "job-1"
+    assert await r.pttl(client.keys.info("g1")) > 0
+    assert await r.hget(client.keys.info("g1"), "job_id") == "job-1"
     # The old scheduler's own release (plain DEL) frees the GPU for us.
-    await r.delete("gpu:lease:g0")
+    await r.delete(client.keys.lease("g0"))
     assert await client.claim("g0", "new") is not None
 
 
@@ -85,8 +94,9 @@ async def test_lease_prefix_is_configurable(redis_url: str):
     try:
         lease = await c.claim("g0", "w")
         assert lease is not None
-        assert await c.redis.get("sched:gpu:lease:g0") == "w"
-        assert await c.redis.exists("sched:gpu:leaseinfo:g0", "sched:gpu:fence:g0") == 2
+        assert c.keys.lease("g0") in ("sched:gpu:lease:g0", "sched:gpu:lease:{g0}")  # one server / Cluster
+        assert await c.redis.get(c.keys.lease("g0")) == "w"
+        assert await c.redis.exists(c.keys.info("g0"), c.keys.fence("g0")) == 2
     finally:
         await c.aclose()
 
@@ -118,7 +128,7 @@ async def test_many_tasks_on_few_gpus_never_share_a_gpu(client: LeaseClient):
     await asyncio.gather(*(job(n) for n in names))
     assert double_claims == []
     assert sorted(done) == sorted(names)
-    assert await client.redis.zcard("gpu:waiters:p") == 0
+    assert await client.redis.zcard(client.keys.waiters("p")) == 0
     assert await subscribers(client) == 0
 
 
@@ -153,7 +163,7 @@ async def naive_wait(c: LeaseClient, pool: Pool, holder: str, timeout: float, af
     if lease is not None:
         return lease
     await after_first_miss()
-    pubsub = c.redis.pubsub()
+    pubsub = c.redis.pubsub()  # one server or Sentinel's primary (the test skips this on Cluster)
     try:
         await pubsub.subscribe(*keyevent_channels(c.db))
         loop = asyncio.get_running_loop()
@@ -188,7 +198,10 @@ async def test_release_between_check_and_wait_is_not_lost(client: LeaseClient):
     assert await client.release(lease)
 
     # The naive order misses the very same interleaving and waits out its timeout
-    # although the GPU is free the whole time.
+    # although the GPU is free the whole time (shown on one primary: on Cluster the
+    # naive subscription would need a connection per node).
+    if client.deployment.cluster:
+        return
     hook = await hold_then_release_on_first_miss()
     assert await naive_wait(client, pool, "naive", 0.5, hook) is None
     assert await client.read("g0") is None
@@ -256,7 +269,7 @@ async def test_failed_renewal_cancels_the_job(client: LeaseClient):
 
     async def steal() -> None:
         await started.wait()
-        await client.redis.delete("gpu:lease:g0")  # e.g. a reconcile, or an operator
+        await client.redis.delete(client.keys.lease("g0"))  # e.g. a reconcile, or an operator
         assert await client.claim("g0", "thief") is not None
 
     stealer = asyncio.create_task(steal())
@@ -274,7 +287,7 @@ async def test_heartbeat_sets_an_event_the_job_can_watch(client: LeaseClient):
     assert lease is not None
     hb = client.heartbeat(lease, interval_s=0.02)
     try:
-        await client.redis.delete("gpu:lease:g0")
+        await client.redis.delete(client.keys.lease("g0"))
         await asyncio.wait_for(hb.lost.wait(), 10)
         assert hb.reason and "refused" in hb.reason
     finally:
@@ -290,12 +303,12 @@ async def test_timeout_and_cancel_leave_no_subscription_and_no_waiter(client: Le
 
     assert await client.wait_for_gpu(pool, "late", timeout=0.2) is None
     assert await subscribers(client) == 0
-    assert await client.redis.zcard("gpu:waiters:p") == 0
+    assert await client.redis.zcard(client.keys.waiters("p")) == 0
 
     task = asyncio.create_task(client.wait_for_gpu(pool, "cancelled", timeout=60))
 
     async def waiting() -> bool:
-        return await client.redis.zcard("gpu:waiters:p") == 1
+        return await client.redis.zcard(client.keys.waiters("p")) == 1
 
     await eventually(waiting, "the waiter to be listed")
     assert await subscribers(client) == 2  # del and expired
@@ -303,7 +316,7 @@ async def test_timeout_and_cancel_leave_no_subscription_and_no_waiter(client: Le
     with pytest.raises(asyncio.CancelledError):
         await task
     assert await subscribers(client) == 0
-    assert await client.redis.zcard("gpu:waiters:p") == 0
+    assert await client.redis.zcard(client.keys.waiters("p")) == 0
 
 
 async def test_waiters_share_one_feed_that_survives_a_broken_connection(client: LeaseClient):
@@ -313,16 +326,17 @@ async def test_waiters_share_one_feed_that_survives_a_broken_connection(client: 
     tasks = [asyncio.create_task(client.wait_for_gpu(pool, f"w{i}", timeout=60, fallback_interval_s=LONG)) for i in range(10)]
 
     async def all_waiting() -> bool:
-        return await client.redis.zcard("gpu:waiters:p") == 10
+        return await client.redis.zcard(client.keys.waiters("p")) == 10
 
     await eventually(all_waiting, "ten waiters")
-    assert len(await client.redis.client_list(_type="pubsub")) == 1  # one connection for all
+    # One connection for all (per primary: keyevents are node-local on Cluster).
+    assert len(await our_feeds(client.deployment)) == len(await client.deployment.primaries())
     # A release the feed cannot see (events off), then the feed's connection breaks:
     # only the re-subscription (which re-checks every GPU) can find the free GPU.
-    await client.redis.config_set("notify-keyspace-events", "")
+    await set_everywhere(client.deployment, "notify-keyspace-events", "")
     assert await client.release(held)
-    await client.redis.config_set("notify-keyspace-events", "Egx")
-    await client.redis.client_kill_filter(_type="pubsub")
+    await set_everywhere(client.deployment, "notify-keyspace-events", "Egx")
+    assert await kill_our_feeds(client.deployment) >= 1
     done, pending = await asyncio.wait(tasks, timeout=30, return_when=asyncio.FIRST_COMPLETED)
     assert len(done) == 1
     winner = done.pop().result()
@@ -331,7 +345,7 @@ async def test_waiters_share_one_feed_that_survives_a_broken_connection(client: 
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     assert await subscribers(client) == 0
-    assert await client.redis.zcard("gpu:waiters:p") == 0
+    assert await client.redis.zcard(client.keys.waiters("p")) == 0
 
 
 async def test_a_short_waiter_never_shortens_the_waiter_list_ttl(client: LeaseClient):
@@ -340,14 +354,14 @@ async def test_a_short_waiter_never_shortens_the_waiter_list_ttl(client: LeaseCl
     long = asyncio.create_task(client.wait_for_gpu(pool, "long", timeout=600))
 
     async def listed() -> bool:
-        return await client.redis.zcard("gpu:waiters:p") == 1
+        return await client.redis.zcard(client.keys.waiters("p")) == 1
 
     await eventually(listed, "the long waiter")
     assert await client.wait_for_gpu(pool, "short", timeout=0.1) is None
-    assert await client.redis.pttl("gpu:waiters:p") > 500_000  # still the long one's
+    assert await client.redis.pttl(client.keys.waiters("p")) > 500_000  # still the long one's
     long.cancel()
     await asyncio.gather(long, return_exceptions=True)
-    assert await client.redis.zcard("gpu:waiters:p") == 0
+    assert await client.redis.zcard(client.keys.waiters("p")) == 0
 
 
 async def test_waiter_that_wins_first_try_never_waits(client: LeaseClient):
@@ -363,15 +377,16 @@ async def test_fallback_recheck_finds_a_gpu_freed_without_an_event(client: Lease
 
     async def free_silently() -> None:
         # Events off for a moment: the release is invisible to the feed.
-        await client.redis.config_set("notify-keyspace-events", "")
+        await set_everywhere(client.deployment, "notify-keyspace-events", "")
         assert await client.release(held)
-        await client.redis.config_set("notify-keyspace-events", "Egx")
+        await set_everywhere(client.deployment, "notify-keyspace-events", "Egx")
 
     lease = await client.wait_for_gpu(pool, "w", timeout=30, fallback_interval_s=0.05, after_first_miss=free_silently)
     assert lease is not None and lease.via == "fallback"
 
 
-async def test_keyspace_events_off_names_the_exact_config_set(client: LeaseClient):
+async def test_keyspace_events_off_names_the_exact_config_set(client: LeaseClient, redis_kind: str):
+    only_single(redis_kind, "CONFIG SET on one server; on Cluster every primary is checked, below")
     await client.redis.config_set("notify-keyspace-events", "")
     with pytest.raises(KeyspaceEventsOff) as err:
         await client.wait_for_gpu(Pool("p", ["g0"]), "w", timeout=1)
@@ -394,6 +409,19 @@ async def test_keyspace_events_off_names_the_exact_config_set(client: LeaseClien
     await client.check_notifications()
 
 
+async def test_keyspace_events_off_on_one_primary_is_named(client: LeaseClient, redis_kind: str):
+    primaries = await client.deployment.primaries()
+    host, port = primaries[-1]
+    node = client.deployment.node(host, port) if client.deployment.cluster else client.redis
+    await node.config_set("notify-keyspace-events", "")
+    with pytest.raises(KeyspaceEventsOff) as err:
+        await client.wait_for_gpu(Pool("p", ["g0"]), "w", timeout=1)
+    assert err.value.command == "CONFIG SET notify-keyspace-events Egx"
+    assert (err.value.where == f"{host}:{port}") if redis_kind == "cluster" else err.value.where is None
+    await node.config_set("notify-keyspace-events", "Egx")
+    assert set("Egx") <= set(await client.check_notifications())
+
+
 # ----------------------------------------------------------------------------- reconcile
 
 
@@ -404,7 +432,7 @@ async def test_reconcile_deletes_orphans_and_reports_busy_gpus_without_lease(cli
     young = await client.claim("g4", "just-claimed")
     assert orphan and ok and young
     # Make g0's lease old enough to be judged (claimed_ms is the Redis clock).
-    await client.redis.hset("gpu:leaseinfo:g0", "claimed_ms", orphan.claimed_ms - 60_000)
+    await client.redis.hset(client.keys.info("g0"), "claimed_ms", orphan.claimed_ms - 60_000)
 
     doing = {"g0": None, "g1": "batch-job", "g2": "job-2", "g4": None}
 

@@ -9,6 +9,12 @@ import pytest_asyncio
 from llm_health.store.queue import AdmissionQueue, QueueRecord, now_ms
 
 
+@pytest.fixture
+def redis_url(any_redis_url: str) -> str:
+    """Every test of this module on one server, Sentinel and Cluster (tests/fixtures/redis_any.py)."""
+    return any_redis_url
+
+
 @pytest_asyncio.fixture
 async def queue(redis_url: str):
     q = AdmissionQueue.from_url(redis_url)
@@ -127,7 +133,7 @@ async def test_everything_expires(redis_url: str):
         assert await q.gc("chat", now=t0 + 10 * 60_000) == 1
         assert await q.redis.zcard(q.keys.route("chat", "live")) == 0
         # Every key the queue writes either expires or is a per-route set the GC bounds.
-        for key in await q.redis.keys("llm:admission:*"):  # test only; the code never uses KEYS
+        for key in await q.redis.keys(q.keys.prefix + "*"):  # test only; the code never uses KEYS
             kind = await q.redis.type(key)
             assert kind in ("zset", "set") or await q.redis.pttl(key) > 0, key
     finally:

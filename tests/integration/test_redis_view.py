@@ -22,6 +22,14 @@ from llm_health.exporter.redis_view import RedisView
 from llm_health.store.keys import LeaseKeys
 from llm_health.store.leases import LeaseClient
 from llm_health.store.queue import AdmissionQueue, now_ms
+from tests.fixtures.redis_ops import kill_our_feeds
+
+
+@pytest.fixture
+def redis_url(any_redis_url: str) -> str:
+    """Every test of this module on one server, Sentinel and Cluster (tests/fixtures/redis_any.py)."""
+    return any_redis_url
+
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -162,9 +170,9 @@ async def test_series_of_pools_and_routes(redis_url: str, leases: LeaseClient, m
     r = leases.redis
     ours = await leases.claim("g0", "w0", ttl_ms=10_000, job_id="j0")
     assert ours is not None
-    await r.set("gpu:lease:g1", "old-sched", nx=True, px=5_000)  # an old-style lease
+    await r.set(leases.keys.lease("g1"), "old-sched", nx=True, px=5_000)  # an old-style lease
     wall = now_ms()
-    await r.zadd("gpu:waiters:a100", {"w-a": wall + 60_000, "w-b": wall + 60_000, "w-dead": wall - 1})
+    await r.zadd(leases.keys.waiters("a100"), {"w-a": wall + 60_000, "w-b": wall + 60_000, "w-dead": wall - 1})
     q = AdmissionQueue.from_url(redis_url)
     try:
         await q.enqueue("old", "chat", "t", deadline_ms=wall + 5_000, enqueued_ms=wall - 47_000)
@@ -269,12 +277,12 @@ async def test_subscriber_gap_is_repaired_by_comparing_leases(redis_url: str, le
         assert RedisCollector(view).status()["pools"]["a100"]["leases_held"] == 2  # both in the baseline
         # Cut the feed and keep it down while g0 is released and g1 expires.
         gate.clear()
-        await leases.redis.client_kill_filter(_type="pubsub")
+        assert await kill_our_feeds(leases.deployment) >= 1
         await eventually(lambda: not view._sub_connected, "the subscriber to notice")
         assert await leases.release(deleted)
 
         async def g1_gone() -> bool:
-            return not await leases.redis.exists("gpu:lease:g1")
+            return not await leases.redis.exists(leases.keys.lease("g1"))
 
         await eventually(g1_gone, "g1 to expire")
         s = render(view)

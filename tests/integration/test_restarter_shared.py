@@ -7,12 +7,20 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from llm_health.config.restarter import SharedState, default_instance
 from llm_health.core.restart_policy import Budget
 from llm_health.sim import servers as sim
 from tests.fixtures.restarter import RestartEffect, make_config, marker_target, metrics, post_json, sample, status, wait_done
 from tests.fixtures.webhooks import webhook_msteams
 from tests.integration.test_restarter_evidence import evidence_of, hung_alert
+
+
+@pytest.fixture
+def redis_url(any_redis_url: str) -> str:
+    """Every test of this module on one server, Sentinel and Cluster (tests/fixtures/redis_any.py)."""
+    return any_redis_url
 
 
 def shared(url: str, **kw) -> SharedState:

@@ -183,7 +183,7 @@ class RedisView:
             for p in set_pools:
                 pipe.smembers(str(p.set_key))
             if routes_from_set:
-                pipe.smembers(self.config.routes_key)
+                pipe.smembers(self.config.routes_set_key or self.qkeys.routes())
             replies = await pipe.execute()
             round_trips += 1
             self.commands_last += len(replies)
@@ -232,10 +232,11 @@ class RedisView:
         feed_live_before = self.subscriber.connected
 
         wall = now_ms()  # queue and waiter times are the writers' clocks (Unix ms)
+        if self.cluster:
+            await self.redis.initialize()  # the slot map (once; again after a failover)
         pipe = self.redis.pipeline(transaction=False)
-        if self.cluster:  # TIME has no key to route by: asked of one primary beside
-            cluster_ms = await self.deployment.server_ms()
-            round_trips += 1
+        if self.cluster:  # TIME has no key to route by: sent to one primary, in the same batch
+            pipe.execute_command("TIME", target_nodes=self.redis.get_primaries()[0])
         else:
             pipe.time()  # lease times are the Redis clock (written by the claim script)
         for p, gpus in pools:
@@ -266,11 +267,8 @@ class RedisView:
                     raise r
             return chunk
 
-        if self.cluster:
-            server_ms = cluster_ms
-        else:
-            sec, usec = take(1)[0]
-            server_ms = int(sec) * 1000 + int(usec) // 1000
+        sec, usec = take(1)[0]
+        server_ms = int(sec) * 1000 + int(usec) // 1000
         pool_snaps: dict[str, PoolSnapshot] = {}
         held_now: dict[str, dict[str, Identity]] = {}
         baseline: dict[str, tuple[str, int | None, float]] = {}

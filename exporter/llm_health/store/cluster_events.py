@@ -50,6 +50,7 @@ class ClusterKeyevents:
         self._ever_all = False
         self._pending_change = False
         self._task: asyncio.Task[None] | None = None
+        self._hook_lock = asyncio.Lock()
 
     @property
     def connected(self) -> bool:
@@ -85,10 +86,17 @@ class ClusterKeyevents:
             name=f"{self.name}@{addr[0]}:{addr[1]}",
             on_subscribed=lambda first: self._node_subscribed(),
             on_lost=self._node_lost,
-            before_subscribe=self.before_subscribe,
+            before_subscribe=self._before_subscribe if self.before_subscribe is not None else None,
             **self._kw,
         )
         return sub
+
+    async def _before_subscribe(self) -> None:
+        # One node at a time: the owner's hook (the view's gap repair) must not run
+        # three times over the same state when every feed was cut at once.
+        assert self.before_subscribe is not None
+        async with self._hook_lock:
+            await self.before_subscribe()
 
     def _node_subscribed(self) -> None:
         if self.connected and self.on_subscribed is not None:

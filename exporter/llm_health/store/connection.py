@@ -10,6 +10,9 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+# CLIENT SETNAME of every keyevent subscription: what an operator sees in CLIENT LIST.
+FEED_CLIENT_NAME = "llm-health-keyevents"
+
 # Errors that mean "the connection or the server", not "this command was wrong".
 TRANSIENT: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
 
@@ -30,6 +33,7 @@ def without_retries(redis: aioredis.Redis) -> aioredis.Redis:
     kwargs = {k: v for k, v in pool.connection_kwargs.items() if not k.startswith(("maint_notifications", "orig_")) and k != "himport_registry"}
     kwargs["retry"] = Retry(NoBackoff(), 0)
     kwargs["socket_timeout"] = None  # an idle subscription is silent for long stretches
+    kwargs["client_name"] = FEED_CLIENT_NAME
     return aioredis.Redis(connection_pool=type(pool)(connection_class=pool.connection_class, **kwargs))
 
 

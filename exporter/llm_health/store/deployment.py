@@ -37,7 +37,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, RedisError, ResponseError, TryAgainError
 
 from .cluster_events import ClusterKeyevents
-from .connection import TRANSIENT, text
+from .connection import FEED_CLIENT_NAME, TRANSIENT, text
 from .feed import KeyeventSubscriber
 from .keys import LeaseKeys, QueueKeys
 from .target import RedisTarget, parse_target
@@ -119,8 +119,27 @@ class Deployment:
             acked = int(replies[-1])
             replies = replies[:-1]
             if acked < self.wait_replicas:
+                # Sentinel: after `SENTINEL FAILOVER` the old primary lives on, demoted only
+                # seconds later, and pooled connections to it still take writes; no replica
+                # follows it any more. Leave it so the caller's retry reaches the new one.
+                await self.follow_primary()
                 raise NotReplicated(acked, self.wait_replicas, self.wait_timeout_ms, replies)
         return replies
+
+    async def follow_primary(self) -> bool:
+        """Sentinel: ask where the primary is and drop pooled connections to any other
+        server (redis-py's pool does this on a lookup). True if it moved."""
+        if self.sentinel is None:
+            return False
+        pool = self.client.connection_pool
+        before = getattr(pool, "master_address", None)
+        with contextlib.suppress(*ERRORS):
+            after = await pool.get_master_address()
+            if before is not None and tuple(after) != tuple(before):
+                self.failovers_seen += 1
+                log.warning("redis: the Sentinel primary moved from %s:%s to %s:%s; following it", *before, *after)
+                return True
+        return False
 
     async def script(self, lua: str, keys: Sequence[str], args: Sequence[Any], *, confirm: bool = True) -> Any:
         """Run a Lua script on the primary owning its first key (all its keys share a
@@ -210,6 +229,7 @@ class Deployment:
     async def refresh_topology(self) -> None:
         if self.cluster:
             with contextlib.suppress(*ERRORS):
+                await self.client.initialize()  # the client's first slot map and command table, once
                 await self.client.nodes_manager.initialize()
 
     async def primaries(self) -> list[tuple[str, int]]:
@@ -293,6 +313,7 @@ class Deployment:
                 retry=Retry(NoBackoff(), 0),
                 socket_timeout=None,
                 decode_responses=True,
+                client_name=FEED_CLIENT_NAME,
             )
             return KeyeventSubscriber(self.client, self.db, on_event, sub_redis=sub, still_valid=self._on_primary, **kw)
         return KeyeventSubscriber(self.client, self.db, on_event, **kw)
@@ -309,7 +330,7 @@ class Deployment:
             return True  # cannot tell now: keep it
         same = (str(conn.host), int(conn.port)) == (str(host), int(port))
         if not same:
-            self.failovers_seen += 1
+            await self.follow_primary()  # the command pool too, not only this feed
         return same
 
     async def aclose(self) -> None:

@@ -253,7 +253,7 @@ class LeaseClient:
         for where, flags in found.items():
             command = required_keyspace_command(flags)
             if command:
-                raise KeyspaceEventsOff(flags, command if len(found) == 1 else f"{command} (on {where} and every other primary)")
+                raise KeyspaceEventsOff(flags, command, where if len(found) > 1 else None)
         self._notifications_ok = True
         return next(iter(found.values()))
 

@@ -275,7 +275,8 @@ class AdmissionQueue:
         """Remove ids whose retention window has passed from ``route``'s sets; returns
         how many (at most ``limit``)."""
         cutoff = (now if now is not None else self.clock()) - self.retention_ms
-        return int(await self._gc(keys=["", *self.keys.route_keys(route)], args=[cutoff, limit]))
+        # KEYS[1] is unused by the script; the routes key keeps every key in the queue's slot (Cluster).
+        return int(await self._gc(keys=[self.keys.routes(), *self.keys.route_keys(route)], args=[cutoff, limit]))
 
     async def routes(self) -> list[str]:
         return sorted(text(r) for r in await self.redis.smembers(self.keys.routes()))

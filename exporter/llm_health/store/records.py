@@ -63,10 +63,11 @@ class LeaseLost(Exception):
 class KeyspaceEventsOff(RuntimeError):
     """Redis does not publish the keyspace events the waiters need."""
 
-    def __init__(self, current: str, command: str):
-        self.current, self.command = current, command
+    def __init__(self, current: str, command: str, where: str | None = None):
+        self.current, self.command, self.where = current, command, where
+        on = f" on {where} (run it on every primary)" if where else ""
         super().__init__(
-            f"Redis notify-keyspace-events is {current!r}; waiting for a GPU needs "
+            f"Redis notify-keyspace-events is {current!r}{on}; waiting for a GPU needs "
             f"E (keyevent channel) with g (del) and x (expired), or A. Run: {command} "
             f"(it keeps the flags already set; put the same in redis.conf to survive a restart)"
         )
