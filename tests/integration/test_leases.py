@@ -52,8 +52,7 @@ async def eventually(predicate, what: str, bound_s: float = 10.0):
 
 
 async def no_feed_left(c: LeaseClient) -> None:
-    """The feed's subscription is gone. Eventually: the server drops a closed connection's
-    subscriptions when it reads the close, which a command on another connection can beat."""
+    """Eventually: Redis drops a closed connection's subscriptions when it reads the close."""
 
     async def none() -> bool:
         return await subscribers(c) == 0

@@ -111,6 +111,8 @@ class RedisView:
     async def start(self) -> None:
         try:
             await self._check_keyspace_events()
+            for note in await self.deployment.startup_warnings():
+                log.warning("redis view: %s", note)
         except (RedisError, OSError, TimeoutError):
             pass
         if self.config.pools:

@@ -91,6 +91,8 @@ class RedisState:
     async def start(self) -> None:
         try:
             await self.redis.ping()
+            for note in await self.deployment.startup_warnings():
+                log.warning("shared state: %s", note)
         except ERRORS as exc:  # not fatal: the restarter refuses to act until Redis answers
             log.warning("shared state: Redis does not answer yet (%s); alerts are refused as state_unavailable until it does", type(exc).__name__)
 
