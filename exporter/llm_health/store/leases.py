@@ -44,7 +44,9 @@ T = TypeVar("T")
 
 DEFAULT_TTL_MS = 30_000
 DEFAULT_FALLBACK_INTERVAL_S = 1.0
-NOT_REPLICATED_RETRY_S = 0.1  # a waiter whose claim no replica acknowledged tries again this soon
+NOT_REPLICATED_RETRY_S = 0.1  # a waiter whose claim failed (no replica had it, Redis unreachable) tries again this soon
+# What a waiter outlives (a failover in progress) rather than raising to its caller.
+RETRY_SOON: tuple[type[BaseException], ...] = (NotReplicated, *TRANSIENT)
 
 
 class LeaseClient:
@@ -321,8 +323,8 @@ class LeaseClient:
                 return None
             try:
                 lease = await self._claim_cancel_safe(pool.gpus, holder, **claim_kw)
-            except NotReplicated as e:
-                log.warning("claim for %s not replicated, undone; again in %.1fs: %s", holder, NOT_REPLICATED_RETRY_S, e)
+            except RETRY_SOON as e:
+                log.warning("claim for %s failed, again in %.1fs: %r", holder, NOT_REPLICATED_RETRY_S, e)
                 lease, first_not_replicated = None, True
             else:
                 first_not_replicated = False
@@ -330,8 +332,9 @@ class LeaseClient:
                 return lease
             # Listed only once it really waits (the feed is already joined, so the
             # order of these two does not matter for the race).
-            await self._register_waiter(pool, waiter, int((time.time() + timeout) * 1000))
-            registered = True
+            with contextlib.suppress(*RETRY_SOON):  # the list is for observers; waiting goes on
+                await self._register_waiter(pool, waiter, int((time.time() + timeout) * 1000))
+                registered = True
             if after_first_miss is not None:
                 await after_first_miss()
             next_fallback = loop.time() + (min(fallback, NOT_REPLICATED_RETRY_S) if first_not_replicated else fallback)
@@ -340,14 +343,14 @@ class LeaseClient:
                 if now >= deadline:
                     # One last look: a release whose event was lost in the last fallback
                     # interval must not let us time out beside a free GPU.
-                    with contextlib.suppress(NotReplicated):
+                    with contextlib.suppress(*RETRY_SOON):
                         return await self._claim_cancel_safe(pool.gpus, holder, via="deadline", **claim_kw)
                     return None
                 if now >= next_fallback:
                     try:
                         lease = await self._claim_cancel_safe(pool.gpus, holder, via="fallback", **claim_kw)
-                    except NotReplicated as e:
-                        log.warning("claim for %s not replicated, undone; again in %.1fs: %s", holder, NOT_REPLICATED_RETRY_S, e)
+                    except RETRY_SOON as e:
+                        log.warning("claim for %s failed, again in %.1fs: %r", holder, NOT_REPLICATED_RETRY_S, e)
                         lease, next_fallback = None, loop.time() + min(fallback, NOT_REPLICATED_RETRY_S)
                     else:
                         next_fallback = loop.time() + fallback
@@ -366,8 +369,8 @@ class LeaseClient:
                     else:
                         gpu, reason = event
                         lease = await self._claim_cancel_safe([gpu], holder, start=0, via=reason, **claim_kw)
-                except NotReplicated as e:  # undone already: try all again soon (a failover settling)
-                    log.warning("claim for %s not replicated, undone; again in %.1fs: %s", holder, NOT_REPLICATED_RETRY_S, e)
+                except RETRY_SOON as e:  # undone, or not sent: try all again soon (a failover settling)
+                    log.warning("claim for %s failed, again in %.1fs: %r", holder, NOT_REPLICATED_RETRY_S, e)
                     next_fallback = min(next_fallback, loop.time() + NOT_REPLICATED_RETRY_S)
                     continue
                 if lease is not None:
