@@ -46,3 +46,19 @@ async def test_start_up_names_primaries_without_min_replicas_to_write(any_redis_
         assert f"llm_redis_deployment_info{{'deployment': '{redis_kind}'}}1.0" in text
     finally:
         await view.stop()
+
+
+async def test_a_redis_py_cluster_client_works_as_given(redis_cluster):
+    """redis-py's own RedisCluster handed to LeaseClient: the Cluster layout and routing."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    redis_cluster.flushall()
+    host, port = "127.0.0.1", redis_cluster.primary_ports()[0]
+    c = LeaseClient(RedisCluster(startup_nodes=[ClusterNode(host, port)], decode_responses=True))
+    try:
+        lease = await c.claim_any(["g0", "g1", "g2"], "w")
+        assert lease is not None and c.keys.lease(lease.gpu) == f"gpu:lease:{{{lease.gpu}}}"
+        assert await c.redis.get(c.keys.lease(lease.gpu)) == "w"
+        assert await c.check_fence(lease.gpu, lease.token) and await c.release(lease)
+    finally:
+        await c.aclose()

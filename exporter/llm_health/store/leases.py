@@ -320,6 +320,10 @@ class LeaseClient:
             try:
                 queue = await self._feed.join(set(pool.gpus), deadline)
             except TimeoutError:
+                # The feed never came up in time (a primary failing over): still look once,
+                # so no waiter times out beside a free GPU.
+                with contextlib.suppress(*RETRY_SOON):
+                    return await self._claim_cancel_safe(pool.gpus, holder, via="deadline", **claim_kw)
                 return None
             try:
                 lease = await self._claim_cancel_safe(pool.gpus, holder, **claim_kw)
