@@ -8,6 +8,11 @@
    - polling: redis-py's `Lock.acquire(blocking=True)` with its default 100 ms sleep
      (the release lands at a random phase of the waiter's poll loop); its claim is the
      `do_acquire` that returns True.
+   The same hand-off ("ours") by deployment, all started here on loopback: one server
+   (also with 1 replica), Sentinel (a primary, 2 replicas, 3 sentinels) and Cluster (3
+   primaries, 1 replica each), each with wait_replicas=0 and with WAIT (wait_replicas=1,
+   the Sentinel and Cluster default; on one server only with the replica), in
+   interleaved rounds (bench/_leases_deployments.py).
 2. Contention: 64 waiters on 8 GPUs for a few seconds, each claim held 1 ms (then
    10 ms) and released; claims per second and double claims (checked with an
    in-process occupancy map). Polling comparison: the same with a claim-then-sleep-100 ms
@@ -15,8 +20,10 @@
    running all 64 waiters is CPU-bound on the client side.
 
     python -m bench.bench_leases [--handoffs 500] [--poll-handoffs 100] [--seconds 5]
+        [--deployment-handoffs N (default --handoffs)] [--rounds 10] [--deployments single,sentinel,cluster]
 
-Goal: hand-off p99 under 5 ms on loopback; zero double claims.
+Goal: hand-off p99 under 5 ms on loopback, on every deployment, with and without WAIT;
+zero double claims.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from redis import asyncio as aioredis
 from tests.fixtures.redis_server import RedisServer
 
 from bench._goal import goal_line
+from bench._leases_deployments import DEPLOYMENTS, GOAL_HANDOFF_P99_MS, Handoffs, deployment_handoffs, pct
 from bench._machine import machine_line
 from llm_health.store.leases import LeaseClient
 from llm_health.store.records import Pool
@@ -42,64 +50,20 @@ from llm_health.store.records import Pool
 ROOT = Path(__file__).resolve().parents[1]
 
 
-LONG = 3600.0
-GOAL_HANDOFF_P99_MS = 5.0
-
-
 def machine() -> str:
     server = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, check=False).stdout.strip()
     return f"machine: {machine_line(f'redis-py {redis.__version__}')}\n{server}"
 
 
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
-
-
 async def handoff_ours(url: str, n: int) -> tuple[list[float], list[float]]:
     """(release -> claim confirmed, release -> wait_for_gpu returned) in ms."""
-    holder = LeaseClient.from_url(url)
-    waiter = LeaseClient.from_url(url)
-    pool = Pool("bench", ["g0"])
-    claimed_at: list[float] = []
-    plain_claim = waiter.claim_any
-
-    async def timed_claim(*args, **kwargs):
-        lease = await plain_claim(*args, **kwargs)
-        if lease is not None:
-            claimed_at.append(time.perf_counter())
-        return lease
-
-    waiter.claim_any = timed_claim  # type: ignore[method-assign]
-    to_claim, to_return = [], []
+    h = Handoffs(url)
     try:
-        for _ in range(n):
-            held = await holder.claim("g0", "holder")
-            assert held is not None
-            blocked = asyncio.Event()
-
-            async def wait(blocked: asyncio.Event = blocked):
-                async def on_miss():
-                    blocked.set()
-
-                lease = await waiter.wait_for_gpu(pool, "waiter", 10, fallback_interval_s=LONG, after_first_miss=on_miss)
-                return lease, time.perf_counter()
-
-            task = asyncio.create_task(wait())
-            await blocked.wait()
-            await asyncio.sleep(random.uniform(0, 0.002))
-            claimed_at.clear()
-            t0 = time.perf_counter()
-            await holder.release(held)
-            lease, t1 = await task
-            assert lease is not None and lease.via == "del", lease
-            to_claim.append((claimed_at[0] - t0) * 1000)
-            to_return.append((t1 - t0) * 1000)
-            await waiter.release(lease)
+        await h.run(n)
     finally:
-        await holder.aclose()
-        await waiter.aclose()
-    return to_claim, to_return
+        await h.aclose()
+    assert h.via == {"del": n}, h.via
+    return h.to_claim, h.to_return
 
 
 async def handoff_polling(url: str, n: int) -> tuple[list[float], list[float]]:
@@ -217,6 +181,9 @@ async def main() -> None:
     ap.add_argument("--waiters", type=int, default=64)
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--hold-ms", default="1,10", help="comma-separated hold times per claim")
+    ap.add_argument("--deployment-handoffs", type=int, help="hand-offs per row of the deployment table (default: --handoffs)")
+    ap.add_argument("--rounds", type=int, default=10, help="interleaved rounds of the deployment table")
+    ap.add_argument("--deployments", default=",".join(DEPLOYMENTS), help="comma-separated, of: " + ", ".join(DEPLOYMENTS))
     args = ap.parse_args()
     print(machine())
     print(f"load average before the run: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -238,6 +205,10 @@ async def main() -> None:
         print(
             goal_line(f"hand-off p99 under {GOAL_HANDOFF_P99_MS:g} ms on loopback, to wait_for_gpu returning", f"p99 {mine:.3f} ms", mine < GOAL_HANDOFF_P99_MS)
         )
+        which = tuple(d.strip() for d in args.deployments.split(",") if d.strip())
+        if unknown := set(which) - set(DEPLOYMENTS):
+            ap.error(f"--deployments: unknown {sorted(unknown)}")
+        await deployment_handoffs(server.url, args.deployment_handoffs or args.handoffs, args.rounds, which)
 
         print()
         print(f"contention: {args.waiters} waiters on {args.gpus} GPUs, {args.seconds:g} s per row, one process")
