@@ -73,6 +73,9 @@ class ClusterKeyevents:
         for sub in list(self.subs.values()):
             await sub.aclose()
         self.subs.clear()
+        # A feed started again later starts afresh: its first full subscription is a
+        # first, not a topology change (no failover counted, no re-check queued).
+        self._ever_all = False
 
     async def aclose(self) -> None:
         await self.stop()
