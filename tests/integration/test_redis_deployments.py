@@ -62,3 +62,28 @@ async def test_a_redis_py_cluster_client_works_as_given(redis_cluster):
         assert await c.check_fence(lease.gpu, lease.token) and await c.release(lease)
     finally:
         await c.aclose()
+
+
+async def test_each_new_wait_is_woken_by_the_release_and_counts_no_failover(any_redis_url: str):
+    """The feed is made and dropped with every wait: made again, it is a fresh
+    subscription, not a topology change (which would re-check every GPU and count one)."""
+    import asyncio
+
+    from llm_health.store.records import Pool
+
+    c = LeaseClient.from_url(any_redis_url)
+    try:
+        for i in range(3):
+            held = await c.claim("g0", f"busy{i}")
+            assert held is not None
+
+            async def release(h=held) -> None:
+                assert await c.release(h)
+
+            got = await c.wait_for_gpu(Pool("p", ["g0"]), f"w{i}", timeout=30, fallback_interval_s=3600, after_first_miss=release)
+            assert got is not None and got.via == "del", got
+            assert await c.release(got)
+            await asyncio.sleep(0)
+        assert c.deployment.failovers_seen == 0
+    finally:
+        await c.aclose()

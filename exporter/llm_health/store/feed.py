@@ -25,6 +25,7 @@ from .keys import LeaseKeys
 log = logging.getLogger(__name__)
 
 RESUBSCRIBED = object()  # queued to every waiter after the feed was lost and re-made
+STOP_GRACE_S = 1.0  # how long stop() waits for the feed's task before closing its connection
 FEED_IDLE_PING_S = 15.0  # a feed silent this long sends itself a message; none back in as long: broken
 
 # What the waiters need from notify-keyspace-events: E (keyevent channels) plus
@@ -108,6 +109,7 @@ class KeyeventSubscriber:
         self.idle_ping_s = idle_ping_s
         self.name = name
         self.connected = False
+        self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -121,9 +123,19 @@ class KeyeventSubscriber:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
+            self._stopping = True
             task.cancel()
+            # redis-py's pub/sub read can swallow a cancellation; then closing the
+            # connection under it ends the read, and the loop sees _stopping.
+            done, _ = await asyncio.wait({task}, timeout=STOP_GRACE_S)
+            while not done:
+                with contextlib.suppress(Exception):
+                    await self._sub_redis.connection_pool.disconnect()
+                task.cancel()
+                done, _ = await asyncio.wait({task}, timeout=STOP_GRACE_S)
             with contextlib.suppress(BaseException):
-                await task
+                task.result()
+            self._stopping = False
         self.connected = False
 
     async def aclose(self) -> None:
@@ -134,7 +146,7 @@ class KeyeventSubscriber:
         loop = asyncio.get_running_loop()
         backoff = 0.05
         first = True
-        while True:
+        while not self._stopping:
             pubsub = self._sub_redis.pubsub()
             try:
                 if self.before_subscribe is not None:
@@ -149,6 +161,8 @@ class KeyeventSubscriber:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the connection broke, Redis is down, a bug: retry, never die
+                if self._stopping:
+                    return
                 was_connected, self.connected = self.connected, False
                 if was_connected:
                     log.warning("%s: keyevent feed lost (%r); resubscribing", self.name, exc)
