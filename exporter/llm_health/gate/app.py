@@ -33,8 +33,8 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis import asyncio as aioredis
+from redis.exceptions import ClusterDownError, MovedError, NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..config.gate import GateConfig, Route, parse_gate_config
@@ -49,8 +49,10 @@ from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_c
 log = logging.getLogger("llm_health.gate")
 
 # Redis is down or unreachable: the route's redis_down policy applies. Any other Redis
-# error (a refused script, a bad value) means Redis is up and answered.
-REDIS_DOWN: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+# error (a refused script, a bad value) means Redis is up and answered. On Cluster: a
+# cluster that says it is down (CLUSTERDOWN, a failover under way) or whose slot map
+# cannot be had (RedisClusterException) is down too.
+REDIS_DOWN: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, RedisClusterException)
 
 
 class UpstreamBroke(Exception):
@@ -186,7 +188,7 @@ class Gate:
         """One round trip: enqueue (or recognise a resent id), the route's queue stats,
         the tenant's spend this minute, and the id taken off the waiting set."""
         q = self.queue
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = await self._pipeline()
         # The queue as this request finds it (the others waiting), before it joins.
         add_route_stats_commands(pipe, q.keys, route, now)
         q.pipe_enqueue(pipe, request_id, route, tenant, deadline_ms, now, now)
@@ -208,7 +210,7 @@ class Gate:
         done, the tenant charged."""
         q = self.queue
         now = now_ms()
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = await self._pipeline()
         q.pipe_attempt(pipe, request_id, route, units, status, retry_count, now)
         q.pipe_leave(pipe, request_id, route, "done", status, now)
         if tenant in self.cfg.tenants and units:
@@ -217,18 +219,40 @@ class Gate:
             pipe.expire(key, 120)
         await self._execute(pipe, rerun_reads=False)
 
+    async def _pipeline(self) -> Any:
+        """A pipeline for the queue's commands. On Cluster the whole queue is one hash tag
+        (one slot) and redis-py's cluster pipeline refuses EVALSHA: a plain pipeline on the
+        primary owning that slot (the slot map is asked again after a failover: `_execute`)."""
+        if not self.deployment.cluster:
+            return self.redis.pipeline(transaction=False)
+        await self.redis.initialize()  # the slot map, once
+        node = self.redis.get_node_from_key(self.queue.keys.routes())
+        return self.deployment.node(node.host, node.port).pipeline(transaction=False)
+
     async def _execute(self, pipe: Any, rerun_reads: bool = True) -> list[Any]:
         """Run a pipeline holding EVALSHAs. On a Redis that lost its scripts (NOSCRIPT: a
-        restart) load them and run again the scripts, which all failed, and the reads
-        (`rerun_reads`); writes that did run (INCRBY) are not repeated."""
+        restart, a failover) load them and run again the scripts, which all failed, and the
+        reads (`rerun_reads`); writes that did run (INCRBY) are not repeated. On Cluster, a
+        MOVED (nothing ran: one slot) runs it all again on the slot's primary now."""
         commands = list(pipe.command_stack)
         try:
-            return await pipe.execute()
+            try:
+                return await pipe.execute()
+            except MovedError:
+                if not self.deployment.cluster:
+                    raise
+                await self.deployment.refresh_topology()
+                pipe = await self._pipeline()
+                pipe.command_stack = list(commands)
+                return await pipe.execute()
         except NoScriptError:
             await self.queue.load_scripts()
-            again = self.redis.pipeline(transaction=False)
+            again = await self._pipeline()
             again.command_stack = [c for c in commands if rerun_reads or c[0][0] == "EVALSHA"]
             return await again.execute()
+        except REDIS_DOWN:
+            await self.deployment.refresh_topology()  # Cluster: the next request finds the new primary
+            raise
 
     def _reject(self, route: str, decision: admission.Decision, request_id: str, extra: dict | None = None) -> web.Response:
         self.m_decisions.labels(route, decision.decision).inc()

@@ -181,6 +181,13 @@ class RedisState:
             self._exhausted.pop(backend, None)
         except NotReplicated as exc:
             log.warning("%s: the budget claim reached no replica (%s): not acting, a failover could forget it", backend, exc)
+            # Undone: a restart that does not happen must not spend the budget once the
+            # replicas catch up (best effort: left in, it only refuses a restart early).
+            held = self.held.get(backend)
+            if held is not None and held.restart_id is not None:
+                with contextlib.suppress(*ERRORS):
+                    await self.redis.zrem(self._k("restarts", backend), held.restart_id)
+                held.restart_id = None
             return "state_unavailable", 0.0
         except ERRORS as exc:
             log.warning("%s: shared state unavailable while claiming the budget: %s", backend, type(exc).__name__)
