@@ -183,11 +183,11 @@ class RedisState:
             log.warning("%s: the budget claim reached no replica (%s): not acting, a failover could forget it", backend, exc)
             # Undone: a restart that does not happen must not spend the budget once the
             # replicas catch up (best effort: left in, it only refuses a restart early).
-            held = self.held.get(backend)
-            if held is not None and held.restart_id is not None:
+            ours = self.held.get(backend)
+            if ours is not None and ours.restart_id is not None:
                 with contextlib.suppress(*ERRORS):
-                    await self.redis.zrem(self._k("restarts", backend), held.restart_id)
-                held.restart_id = None
+                    await self.redis.zrem(self._k("restarts", backend), ours.restart_id)
+                ours.restart_id = None
             return "state_unavailable", 0.0
         except ERRORS as exc:
             log.warning("%s: shared state unavailable while claiming the budget: %s", backend, type(exc).__name__)
