@@ -50,6 +50,7 @@ class ClusterKeyevents:
         self._ever_all = False
         self._pending_change = False
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._hook_lock = asyncio.Lock()
 
     @property
@@ -67,9 +68,13 @@ class ClusterKeyevents:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
+            # On Python 3.11 a redis-py command can swallow the cancellation (its
+            # asyncio.wait_for, CPython gh-86296): the loop then ends at its next check.
+            self._stopping = True
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
+            self._stopping = False
         for sub in list(self.subs.values()):
             await sub.aclose()
         self.subs.clear()
@@ -111,13 +116,15 @@ class ClusterKeyevents:
             self.on_lost(exc)
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 primaries = set(await self.deployment.primaries())
             except ERRORS as exc:
                 self._node_lost(exc)
                 await asyncio.sleep(TOPOLOGY_CHECK_S)
                 continue
+            if self._stopping:
+                return
             gone = [a for a in self.subs if a not in primaries]
             new = [a for a in primaries if a not in self.subs]
             for addr in gone:  # no longer a primary: its events are not the cluster's

@@ -34,7 +34,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, RedisError, ResponseError, TryAgainError
+from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, RedisError, ResponseError, SlotNotCoveredError, TryAgainError
 
 from .cluster_events import ClusterKeyevents
 from .connection import FEED_CLIENT_NAME, TRANSIENT, text
@@ -112,6 +112,10 @@ class Deployment:
             # The primary has no copy of a script (a failover, a restart): send the bodies.
             cmds = [self._as_eval(c) for c in cmds]
             replies = await self._send(key, cmds)
+        if wait and isinstance(replies[-1], ResponseError) and str(replies[-1]).startswith("UNBLOCKED"):
+            # The server stopped being a primary while WAIT blocked (a failover demoted
+            # it): nothing was confirmed, the same as no replica acknowledging.
+            replies[-1] = 0
         for r in replies:
             if isinstance(r, Exception):
                 raise r
@@ -173,10 +177,10 @@ class Deployment:
             if asking is not None:
                 addr = asking
             else:
-                node = self.client.get_node_from_key(key)
+                node = self._node_for(key)
                 if node is None:
                     await self.refresh_topology()
-                    node = self.client.get_node_from_key(key)
+                    node = self._node_for(key)
                 if node is None:
                     raise ClusterDownError(f"no primary serves the slot of {key!r}")
                 addr = (node.host, node.port)
@@ -214,6 +218,15 @@ class Deployment:
                 continue
             return replies
         raise last if last is not None else ClusterDownError(f"gave up after {CLUSTER_REDIRECTS} redirects for {key!r}")
+
+    def _node_for(self, key: str) -> Any:
+        """The primary serving ``key``'s slot by the client's slot map, None if the map has
+        none (redis-py raises SlotNotCoveredError, no RedisError, where the map is empty:
+        a client that has not loaded it yet, or a refresh made while the slot had no primary)."""
+        try:
+            return self.client.get_node_from_key(key)
+        except SlotNotCoveredError:
+            return None
 
     # ------------------------------------------------------------------ nodes and topology
 

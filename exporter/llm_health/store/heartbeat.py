@@ -53,6 +53,7 @@ class Heartbeat:
         # From the claim's send time; a lease made without one is trusted from now.
         self.valid_until = (lease.sent_at or time.monotonic()) + ttl
         self.margin = safety_margin(lease.ttl_ms)
+        self._stopping = False
         self.task = asyncio.create_task(self._run(), name=f"lease-heartbeat-{lease.gpu}")
 
     @property
@@ -74,12 +75,18 @@ class Heartbeat:
                     async with asyncio.timeout(left):
                         ok = await self.renew(self.lease)
                 except TimeoutError:
+                    if self._stopping:
+                        return
                     return self._lose("no renewal confirmed before the lease could expire (Redis did not answer in time)")
                 except RENEW_ERRORS as e:
+                    if self._stopping:
+                        return
                     log.warning("lease %s: renewal failed, retrying: %r", self.lease.gpu, e)
                     await asyncio.sleep(min(0.05, max(0.0, self.trusted_until - time.monotonic())))
                     continue
                 break
+            if self._stopping:  # stop() came during the renewal, its cancellation lost (see stop)
+                return
             if not ok:
                 return self._lose("renewal refused: the lease expired or another holder has it")
             self.renewals += 1
@@ -94,6 +101,14 @@ class Heartbeat:
             self.on_lost()
 
     async def stop(self) -> None:
+        """Stop renewing; returns once the heartbeat's task has ended. On Python 3.11,
+        ``asyncio.wait_for`` (redis-py sends every command under it when a socket
+        timeout is set) drops a cancellation that arrives as the command completes
+        (CPython gh-86296, fixed in 3.12): the renewal then returns as if nothing
+        happened, and a loop that relied on the cancellation alone would renew the
+        lease for ever while this awaited it. So the loop also ends at the first
+        check of ``_stopping`` after a renewal."""
+        self._stopping = True
         self.task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
