@@ -13,7 +13,7 @@ hand-offs in interleaved rounds, so a noisy machine slows all rows alike:
   WAIT needs a replica to answer it, so the WAIT row has one, and the row without WAIT on
   the same two servers isolates what WAIT itself costs;
 - Sentinel (a primary, 2 replicas, 3 sentinels) and Cluster (3 primaries, 1 replica
-  each), wait_replicas=0 and the default 1.
+  each), wait_replicas=0 and 1 (Cluster's default; Sentinel's default is every replica).
 
 Only the waiter's claim is inside the timed window (the release is never confirmed by
 WAIT), so with WAIT a hand-off holds one replication round trip more: the claim script,
@@ -180,11 +180,11 @@ def start_rows(stack: contextlib.ExitStack, single_url: str, which: tuple[str, .
             elif kind == "sentinel":
                 topo = stack.enter_context(SentinelTopology())
                 setup = "1 primary, 2 replicas, 3 sentinels"
-                rows += [Row("Sentinel", setup, 0, with_wait(topo.url, 0)), Row("Sentinel", setup, 1, with_wait(topo.url, None))]
+                rows += [Row("Sentinel", setup, 0, with_wait(topo.url, 0)), Row("Sentinel", setup, 1, with_wait(topo.url, 1))]
             else:
                 cluster = stack.enter_context(ClusterTopology())
                 setup = "3 primaries, 1 replica each"
-                rows += [Row("Cluster", setup, 0, with_wait(cluster.url, 0)), Row("Cluster", setup, 1, with_wait(cluster.url, None))]
+                rows += [Row("Cluster", setup, 0, with_wait(cluster.url, 0)), Row("Cluster", setup, 1, with_wait(cluster.url, 1))]
         except RedisServerMissing as e:
             name = {"single": "one server", "sentinel": "Sentinel", "cluster": "Cluster"}[kind]
             rows += [Row(name, "", w, "", not_run=str(e)) for w in (0, 1)]

@@ -8,7 +8,7 @@ import pytest
 from llm_health.config.errors import ConfigError
 from llm_health.config.redis import parse_redis_config
 from llm_health.store.keys import LeaseKeys, QueueKeys
-from llm_health.store.target import TargetError, parse_target
+from llm_health.store.target import ALL_REPLICAS, TargetError, parse_target
 
 
 def test_one_server_url_keeps_redis_py_form_and_drops_our_parameters():
@@ -24,7 +24,10 @@ def test_sentinel_url_names_the_sentinels_the_service_and_the_database():
     t = parse_target("redis+sentinel://app:pw@s1:26379,s2,[::1]:26380/mymaster/3?sentinel_password=sp")
     assert t.kind == "sentinel" and t.service == "mymaster" and t.db == 3
     assert t.hosts == (("s1", 26379), ("s2", 26379), ("::1", 26380))
-    assert (t.username, t.password, t.sentinel_password, t.wait_replicas) == ("app", "pw", "sp", 1)
+    assert (t.username, t.password, t.sentinel_password) == ("app", "pw", "sp")
+    assert t.wait_replicas == ALL_REPLICAS  # every replica Sentinel lists as up, by default
+    assert parse_target("redis+sentinel://s1/m?wait_replicas=1").wait_replicas == 1
+    assert parse_target("redis+sentinel://s1/m?wait_replicas=all").wait_replicas == ALL_REPLICAS
     assert parse_target("rediss+sentinel://s1/m").tls and parse_target("redis+sentinel://s1/m").db == 0
 
 

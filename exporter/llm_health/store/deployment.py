@@ -40,11 +40,12 @@ from .cluster_events import ClusterKeyevents
 from .connection import FEED_CLIENT_NAME, TRANSIENT, text
 from .feed import KeyeventSubscriber
 from .keys import LeaseKeys, QueueKeys
-from .target import RedisTarget, parse_target
+from .target import ALL_REPLICAS, RedisTarget, parse_target
 
 log = logging.getLogger(__name__)
 
 ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT, RedisError)
+REPLICAS_RECHECK_S = 5.0  # wait_replicas=all: how often Sentinel is asked for the replicas
 CLUSTER_REDIRECTS = 16  # MOVED/ASK/TRYAGAIN hops one confirmed write may follow
 
 
@@ -70,6 +71,8 @@ class Deployment:
         self.client = client
         self.db = target.db
         self.wait_replicas = target.wait_replicas
+        self._replicas = 1  # wait_replicas=all: the last count Sentinel gave
+        self._replicas_at = 0.0
         self.wait_timeout_ms = target.wait_timeout_ms
         self.sentinel = sentinel
         self._node_kwargs = node_kwargs
@@ -103,10 +106,11 @@ class Deployment:
         """Send ``commands`` on one connection to the primary owning ``key`` and, when
         ``confirm`` and the deployment waits for replicas, ``WAIT`` after them. Returns
         their replies; raises the first error reply, or NotReplicated."""
-        wait = confirm and self.wait_replicas > 0
+        wanted = await self.replicas_wanted() if confirm else 0
+        wait = wanted > 0
         cmds = [tuple(c) for c in commands]
         if wait:
-            cmds.append(("WAIT", self.wait_replicas, self.wait_timeout_ms))
+            cmds.append(("WAIT", wanted, self.wait_timeout_ms))
         replies = await self._send(key, cmds)
         if any(isinstance(r, NoScriptError) for r in replies):
             # The primary has no copy of a script (a failover, a restart): send the bodies.
@@ -122,13 +126,29 @@ class Deployment:
         if wait:
             acked = int(replies[-1])
             replies = replies[:-1]
-            if acked < self.wait_replicas:
+            if acked < wanted:
                 # Sentinel: after `SENTINEL FAILOVER` the old primary lives on, demoted only
                 # seconds later, and pooled connections to it still take writes; no replica
                 # follows it any more. Leave it so the caller's retry reaches the new one.
                 await self.follow_primary()
-                raise NotReplicated(acked, self.wait_replicas, self.wait_timeout_ms, replies)
+                self._replicas_at = 0.0  # ask Sentinel again: a replica may have gone
+                raise NotReplicated(acked, wanted, self.wait_timeout_ms, replies)
         return replies
+
+    async def replicas_wanted(self) -> int:
+        """How many replicas a confirmed write waits for. `wait_replicas=all` (the Sentinel
+        default): every replica Sentinel lists as up, asked again every 5 s and after a
+        write that too few acknowledged. With one of two, a forced failover can promote the
+        replica that did not have a claim, while the old primary still counts the other
+        (the chaos test saw acknowledged claims lost and tokens go backwards)."""
+        if self.wait_replicas != ALL_REPLICAS:
+            return self.wait_replicas
+        now = time.monotonic()
+        if self.sentinel is not None and now - self._replicas_at > REPLICAS_RECHECK_S:
+            with contextlib.suppress(*ERRORS):
+                self._replicas = max(1, len(await self.sentinel.discover_slaves(str(self.target.service))))
+                self._replicas_at = now
+        return self._replicas
 
     async def follow_primary(self) -> bool:
         """Sentinel: ask where the primary is and drop pooled connections to any other

@@ -13,8 +13,9 @@ The `+sentinel` and `+cluster` forms also come as `rediss+...` (TLS to the data 
 The user and password are the data nodes' (Sentinel's own `requirepass`, if any, is
 `sentinel_password` in the query). Query parameters every form takes:
 
-- `wait_replicas` (default 0 on one server, 1 on Sentinel and Cluster): a claim, renewal
-  or restart record counts only once this many replicas acknowledged it (`WAIT`);
+- `wait_replicas` (default 0 on one server, `all` on Sentinel, 1 on Cluster): a claim,
+  renewal or restart record counts only once this many replicas acknowledged it
+  (`WAIT`); `all` is every replica Sentinel lists as up for the service;
 - `wait_timeout_ms` (default 500): how long to wait for them before the write is undone
   and reported as failed.
 """
@@ -22,6 +23,7 @@ The user and password are the data nodes' (Sentinel's own `requirepass`, if any,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 SINGLE_SCHEMES = ("redis", "rediss", "unix")
@@ -29,6 +31,7 @@ SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 ALL_SCHEMES = SINGLE_SCHEMES + SENTINEL_SCHEMES + CLUSTER_SCHEMES
 KINDS = ("single", "sentinel", "cluster")
+ALL_REPLICAS = -1  # wait_replicas=all: every replica Sentinel lists as up
 DEFAULT_WAIT_TIMEOUT_MS = 500
 _OWN_PARAMS = ("wait_replicas", "wait_timeout_ms", "sentinel_password")
 
@@ -67,10 +70,12 @@ class RedisTarget:
         return f"{self.kind} {nodes}" + (f" service {self.service} db {self.db}" if self.service else "")
 
 
-def _int_param(params: dict[str, list[str]], name: str, default: int, minimum: int) -> int:
+def _int_param(params: dict[str, list[str]], name: str, default: int, minimum: int, allow_all: bool = False) -> int:
     if name not in params:
         return default
     raw = params[name][-1]
+    if allow_all and raw == "all":
+        return ALL_REPLICAS
     try:
         value = int(raw)
     except ValueError:
@@ -110,7 +115,7 @@ def parse_target(url: str) -> RedisTarget:
     params = parse_qs(query)
     userinfo = netloc.rsplit("@", 1)[0] if "@" in netloc else ""
     user, _, password = userinfo.partition(":")
-    common = {
+    common: dict[str, Any] = {
         "url": url,
         "username": unquote(user) or None,
         "password": unquote(password) or None,
@@ -124,7 +129,7 @@ def parse_target(url: str) -> RedisTarget:
             db_text = params.get("db", ["0"])[-1]
         if not db_text.isdigit():
             raise TargetError(f"database {db_text!r} is not a number")
-        return RedisTarget("single", db=int(db_text), wait_replicas=_int_param(params, "wait_replicas", 0, 0), **common)  # type: ignore[arg-type]
+        return RedisTarget("single", db=int(db_text), wait_replicas=_int_param(params, "wait_replicas", 0, 0), **common)
     if scheme in SENTINEL_SCHEMES:
         hosts = _hosts(netloc, scheme, 26379)
         pieces = [p for p in path.split("/") if p]
@@ -133,8 +138,10 @@ def parse_target(url: str) -> RedisTarget:
         if len(pieces) > 2 or (len(pieces) == 2 and not pieces[1].isdigit()):
             raise TargetError(f"{scheme}://: the path must be /<service>[/<db>], got /{path}")
         db = int(pieces[1]) if len(pieces) == 2 else 0
-        return RedisTarget("sentinel", hosts=hosts, service=pieces[0], db=db, wait_replicas=_int_param(params, "wait_replicas", 1, 0), **common)  # type: ignore[arg-type]
+        return RedisTarget(
+            "sentinel", hosts=hosts, service=pieces[0], db=db, wait_replicas=_int_param(params, "wait_replicas", ALL_REPLICAS, 0, allow_all=True), **common
+        )
     hosts = _hosts(netloc, scheme, 6379)
     if path.strip("/") not in ("", "0"):
         raise TargetError(f"{scheme}://: Redis Cluster has database 0 only, got /{path}")
-    return RedisTarget("cluster", hosts=hosts, wait_replicas=_int_param(params, "wait_replicas", 1, 0), **common)  # type: ignore[arg-type]
+    return RedisTarget("cluster", hosts=hosts, wait_replicas=_int_param(params, "wait_replicas", 1, 0), **common)
