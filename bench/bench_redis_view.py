@@ -40,6 +40,7 @@ from llm_health.exporter.redis_collector import redis_status
 from llm_health.exporter.redis_view import RedisView
 from llm_health.store.leases import LeaseClient
 from llm_health.store.queue import AdmissionQueue, now_ms
+from llm_health.store.scripts import CLAIM_LUA
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,6 +88,7 @@ async def populate(url: str, gpus: int, queued: int, routes: list[str]) -> None:
     queue = AdmissionQueue.from_url(url)
     r = leases.redis
     rnd = random.Random(7)
+    claim = r.register_script(CLAIM_LUA)  # the lease library's claim script, pipelined here
     try:
         # 60% of the GPUs leased (our claims, with side hash and fencing token).
         for start in range(0, gpus, 1000):
@@ -94,7 +96,7 @@ async def populate(url: str, gpus: int, queued: int, routes: list[str]) -> None:
             for i in range(start, min(gpus, start + 1000)):
                 if rnd.random() < 0.6:
                     g = f"gpu{i}"
-                    await leases._claim(
+                    await claim(
                         keys=[leases.keys.lease(g), leases.keys.info(g), leases.keys.fence(g)],
                         args=[f"worker{i}", 600_000, f"job{i}", 0],
                         client=pipe,
