@@ -16,7 +16,6 @@ from llm_health.store.feed import keyevent_channels
 from llm_health.store.keys import LeaseKeys
 from llm_health.store.leases import LeaseClient
 from llm_health.store.records import KeyspaceEventsOff, Lease, LeaseLost, Pool
-from tests.fixtures.redis_any import only_single
 from tests.fixtures.redis_ops import keyevent_subscribers, kill_our_feeds, our_feeds, set_everywhere
 
 
@@ -394,8 +393,8 @@ async def test_fallback_recheck_finds_a_gpu_freed_without_an_event(client: Lease
     assert lease is not None and lease.via == "fallback"
 
 
-async def test_keyspace_events_off_names_the_exact_config_set(client: LeaseClient, redis_kind: str):
-    only_single(redis_kind, "CONFIG SET on one server; on Cluster every primary is checked, below")
+async def test_keyspace_events_off_names_the_exact_config_set(single_lease_client: LeaseClient):
+    client = single_lease_client  # one server: CONFIG SET on it (every primary: the next test)
     await client.redis.config_set("notify-keyspace-events", "")
     with pytest.raises(KeyspaceEventsOff) as err:
         await client.wait_for_gpu(Pool("p", ["g0"]), "w", timeout=1)
