@@ -33,6 +33,7 @@ from pathlib import Path
 from aiohttp import web
 
 from llm_health.sim.servers import serve_app
+from tests.fixtures.fencing import Resource
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.summary import show
 from tests.fixtures.tcpproxy import TcpProxy
@@ -40,24 +41,6 @@ from tests.fixtures.tcpproxy import TcpProxy
 TTL_MS = 5000
 GPUS = ("g0", "g1")
 AOF = ("--appendonly", "yes", "--appendfsync", "always")
-
-
-class Resource:
-    """The GPU side of fencing: a write is accepted only with a token at least as large
-    as the largest it has accepted for that GPU."""
-
-    def __init__(self) -> None:
-        self.largest: dict[str, int] = {}
-        self.log: list[dict] = []
-
-    async def handle(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        gpu, token = body["gpu"], int(body["token"])
-        accepted = token >= self.largest.get(gpu, 0)
-        if accepted:
-            self.largest[gpu] = token
-        self.log.append({"t": time.monotonic(), "gpu": gpu, "token": token, "worker": body["worker"], "accepted": accepted})
-        return web.json_response({"accepted": accepted})
 
 
 def start_worker(redis_url: str, name: str, resource: str, log: Path, steps: str = "3,12") -> subprocess.Popen[bytes]:

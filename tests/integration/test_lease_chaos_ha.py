@@ -61,6 +61,7 @@ from redis.exceptions import AskError, TryAgainError
 from llm_health.sim.servers import serve_app
 from llm_health.store.deployment import connect
 from llm_health.store.keys import LeaseKeys
+from tests.fixtures.fencing import Resource
 from tests.fixtures.redis_topology import ClusterTopology, SentinelTopology
 from tests.fixtures.summary import show
 
@@ -72,24 +73,6 @@ WAIT_TIMEOUT_S = 4.0  # each wait_for_gpu; its fallback re-check every 1 s (the 
 CHAOS_S = 30.0
 FREE_S = 2.0  # a GPU sampled free this long during a wait that timed out: overslept
 SAMPLE_LUA = "redis.call('SET', KEYS[4], ARGV[1])\nreturn redis.call('GET', KEYS[1])"
-
-
-class Resource:
-    """The GPU side of fencing: a write is accepted only with a token at least as large
-    as the largest it has accepted for that GPU. ``log`` is in arrival order."""
-
-    def __init__(self) -> None:
-        self.largest: dict[str, int] = {}
-        self.log: list[dict] = []
-
-    async def handle(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        gpu, token = body["gpu"], int(body["token"])
-        accepted = token >= self.largest.get(gpu, 0)
-        if accepted:
-            self.largest[gpu] = token
-        self.log.append({"t": time.monotonic(), "gpu": gpu, "token": token, "worker": body["worker"], "accepted": accepted})
-        return web.json_response({"accepted": accepted})
 
 
 class Chaos:
