@@ -11,6 +11,8 @@ import pytest
 
 from llm_health.config.restarter import SharedState, default_instance
 from llm_health.core.restart_policy import Budget
+from llm_health.core.webhook import parse_webhook
+from llm_health.restarter.shared_state import RedisState
 from llm_health.sim import servers as sim
 from tests.fixtures.restarter import RestartEffect, make_config, marker_target, metrics, post_json, sample, status, wait_done
 from tests.fixtures.webhooks import webhook_msteams
@@ -122,3 +124,34 @@ async def test_redis_down_refuses_to_act_and_status_says_so(sim_server, ticker, 
     assert st["backends"][0]["budget"] == "unknown" and "shared state unavailable" in st["backends"][0]["budget_error"]
     assert sample(await metrics(a), "llm_restarter_refusals_total", reason="state_unavailable") == 1
     assert not marker.exists()
+
+
+async def test_an_alert_finished_between_the_look_and_the_claim_is_a_duplicate(sim_server, tmp_path, redis_url):
+    """The interleaving a fresh-clone CI run hit on Cluster: replica B looks for the done
+    key (absent), replica A then writes it and releases the lease, and B's claim succeeds.
+    B must look again under the lease and call the alert a duplicate, not act twice."""
+    server = await sim_server(scenario="hung")
+    config = make_config(marker_target("gpu0", server, tmp_path / "marker"), redis=shared(redis_url))
+    alert = parse_webhook(json.dumps(hung_alert("gpu0", "e"))).alerts[0]
+    a = RedisState(config.targets, config.budget, config.redis)
+    b = RedisState(config.targets, config.budget, config.redis)
+    try:
+        assert (await a.admit(alert)).decision == "accepted"
+        assert await a.claim("gpu0") == (None, 0.0)
+        claim = b.leases.claim
+
+        async def a_finishes_first(*args, **kw):
+            await a.finish("gpu0", alert.key, restarted=True)
+            return await claim(*args, **kw)
+
+        b.leases.claim = a_finishes_first  # type: ignore[method-assign]
+        second = await b.admit(alert)
+        assert (second.decision, second.detail) == ("duplicate", "this alert (fingerprint, startsAt) was already acted on")
+        assert "gpu0" not in b.held
+        # The lease B took for its second look is given back: a new hang can be acted on.
+        b.leases.claim = claim  # type: ignore[method-assign]
+        fresh = parse_webhook(json.dumps(hung_alert("gpu0", "e", starts_at="2026-12-01T00:00:00Z"))).alerts[0]
+        assert (await b.admit(fresh)).decision == "accepted"
+    finally:
+        await a.close()
+        await b.close()

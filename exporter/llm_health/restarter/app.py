@@ -256,9 +256,13 @@ class Restarter:
         finally:
             if action.outcome:
                 self.outcomes[(target.name, action.outcome)] = self.outcomes.get((target.name, action.outcome), 0) + 1
-            action.phase = "done"
             action.finished_at = time.time()
-            await asyncio.shield(self.state.finish(target.name, alert.key, restarted))
+            try:
+                await asyncio.shield(self.state.finish(target.name, alert.key, restarted))
+            finally:
+                # Done once the shared state knows it: /status never says done while a
+                # repeat of this alert could still be judged new.
+                action.phase = "done"
 
     # --- HTTP -----------------------------------------------------------------------------
     def authorised(self, request: web.Request) -> bool:

@@ -125,6 +125,20 @@ class RedisState:
             return Admission(alert, "state_unavailable", name, f"shared state (Redis) unavailable: {type(exc).__name__}")
         if lease is None:
             return Admission(alert, "duplicate", name, "another restarter replica is acting on this backend")
+        # Looked at again under the lease: a replica ending its action writes the done key
+        # (confirmed) before it releases the lease, so one that finished between the first
+        # look and the claim is seen here, and its alert is not acted on twice.
+        try:
+            done = await self.redis.exists(self._done_key(name, alert.key))
+        except ERRORS as exc:
+            done = None
+            why = f"shared state (Redis) unavailable: {type(exc).__name__}"
+        if done is None or done:
+            with contextlib.suppress(*ERRORS):
+                await self.leases.release(lease)
+            if done is None:
+                return Admission(alert, "state_unavailable", name, why)
+            return Admission(alert, "duplicate", name, "this alert (fingerprint, startsAt) was already acted on")
         hb = self.leases.heartbeat(lease)
         self.held[name] = _Held(alert.key, lease, hb)
         return Admission(alert, "accepted", name)
