@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 RESUBSCRIBED = object()  # queued to every waiter after the feed was lost and re-made
 STOP_GRACE_S = 1.0  # how long stop() waits for the feed's task before closing its connection
 FEED_IDLE_PING_S = 15.0  # a feed silent this long sends itself a message; none back in as long: broken
+FEED_LINGER_S = 10.0  # how long the waiters' feed stays subscribed after its last waiter left
 
 # What the waiters need from notify-keyspace-events: E (keyevent channels) plus
 # g (generic commands: del) and x (expired), or A which includes g and x.
@@ -207,7 +208,10 @@ class KeyeventSubscriber:
 
 
 class KeyeventFeed:
-    """The waiters' feed: subscribed while at least one waiter of the client waits.
+    """The waiters' feed: subscribed while at least one waiter of the client waits, and
+    for `linger_s` after the last one left (0: unsubscribed as it leaves). A waiter that
+    comes back within it finds the feed subscribed: no SUBSCRIBE round trip (one per
+    primary on Cluster) before its first claim, no UNSUBSCRIBE after its last.
 
     Each lease event goes, as ``(gpu, reason)``, to ONE local waiter whose pool has that
     GPU: the longest-waiting one with nothing queued, else the longest-waiting one. One
@@ -217,11 +221,17 @@ class KeyeventFeed:
     events still queued hands them on. If the connection breaks it is made again and
     every waiter gets RESUBSCRIBED (then all re-check: events were lost)."""
 
-    def __init__(self, deployment: Any, keys: LeaseKeys, reconnect_max_s: float = 1.0):
+    def __init__(self, deployment: Any, keys: LeaseKeys, reconnect_max_s: float = 1.0, linger_s: float = FEED_LINGER_S):
+        if linger_s < 0:
+            raise ValueError("linger_s must be 0 or more")
         self.keys = keys
+        self.linger_s = linger_s
         self.waiters: dict[asyncio.Queue[Any], set[str]] = {}
         self._live = asyncio.Event()
         self._lock = asyncio.Lock()
+        self._idle_since = 0.0  # loop time the last waiter left
+        self._linger: asyncio.Task[None] | None = None  # stops the feed once idle for linger_s
+        self._lingering = False  # the linger task is asleep (the only place it may be cancelled)
         # One subscription (one server, Sentinel's primary) or one per primary (Cluster).
         self.subscriber = deployment.keyevent_subscriber(
             self._on_event,
@@ -259,6 +269,31 @@ class KeyeventFeed:
                 self._dispatch(*event)
         if self.waiters:
             return
+        if self.linger_s > 0:
+            self._idle_since = asyncio.get_running_loop().time()
+            if self._linger is None or self._linger.done():
+                self._linger = asyncio.create_task(self._stop_when_idle(), name="lease-keyevent-feed-linger")
+            return
+        await self._stop_if_idle()
+
+    async def _stop_when_idle(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            left = self._idle_since + self.linger_s - loop.time()
+            if self.waiters:  # the next waiter to leave starts a new one
+                return
+            if left <= 0:
+                break
+            self._lingering = True
+            try:
+                await asyncio.sleep(left)
+            except asyncio.CancelledError:
+                return
+            finally:
+                self._lingering = False
+        await self._stop_if_idle()
+
+    async def _stop_if_idle(self) -> None:
         async with self._lock:
             if self.waiters:  # someone joined meanwhile: keep the feed
                 return
@@ -266,6 +301,12 @@ class KeyeventFeed:
             await self.subscriber.stop()
 
     async def aclose(self) -> None:
+        task, self._linger = self._linger, None
+        if task is not None:
+            if self._lingering:
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await task  # asleep: cancelled; stopping the feed: let it finish
         await self.subscriber.aclose()
 
     def _subscribed(self, first: bool) -> None:

@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 
 from .connection import TRANSIENT, text
 from .deployment import Deployment, NotReplicated, connect, wrap
-from .feed import RESUBSCRIBED, KeyeventFeed, required_keyspace_command
+from .feed import FEED_LINGER_S, RESUBSCRIBED, KeyeventFeed, required_keyspace_command
 from .heartbeat import Heartbeat
 from .keys import LeaseKeys
 from .records import KeyspaceEventsOff, Lease, LeaseLost, LeaseState, Pool, ReconcileReport, parse_lease
@@ -65,6 +65,7 @@ class LeaseClient:
         keys: LeaseKeys | None = None,
         ttl_ms: int = DEFAULT_TTL_MS,
         fallback_interval_s: float = DEFAULT_FALLBACK_INTERVAL_S,
+        feed_linger_s: float = FEED_LINGER_S,
     ):
         if ttl_ms <= 0:
             raise ValueError("ttl_ms must be positive")
@@ -75,7 +76,7 @@ class LeaseClient:
         self.fallback_interval_s = fallback_interval_s
         self.db = self.deployment.db
         self._notifications_ok = False
-        self._feed = KeyeventFeed(self.deployment, self.keys)
+        self._feed = KeyeventFeed(self.deployment, self.keys, linger_s=feed_linger_s)
         self.not_replicated = 0  # claims and renewals undone because no replica had them
 
     @classmethod
@@ -302,9 +303,10 @@ class LeaseClient:
         test hook run after the first claim found every GPU busy.
 
         The waiters of one client share one pub/sub connection (see :class:`KeyeventFeed`);
-        the last one to leave unsubscribes and closes it. A waiter whose first claim
+        it stays subscribed for ``feed_linger_s`` (default 10 s) after the last one left,
+        so a worker that waits again soon does not subscribe again, then it is closed. A waiter whose first claim
         failed is listed in ``<waiters_prefix><pool>`` (scored by its deadline, Unix ms)
-        until it returns. Timeout and cancellation remove it and its subscription.
+        until it returns. Timeout and cancellation remove it (and, after the linger, the feed).
         """
         if not self._notifications_ok:
             await self.check_notifications()

@@ -1,0 +1,112 @@
+"""The waiters' keyevent feed stays subscribed for `feed_linger_s` after its last waiter
+left (store/feed.py), on one server, Sentinel and Cluster: a worker that waits again soon
+finds it subscribed, and it is closed after the linger or with the client.
+
+No test asserts a wall-clock time: the lingers below are either far longer than any test
+(so "still there" cannot depend on the machine's speed) or short, with "gone" polled."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+
+from llm_health.store.feed import KeyeventFeed
+from llm_health.store.keys import LeaseKeys
+from llm_health.store.leases import LeaseClient
+from llm_health.store.records import Pool
+from tests.fixtures.redis_ops import kill_our_feeds, our_feeds
+from tests.integration.test_leases import eventually, no_feed_left
+
+LONG = 3600.0
+
+
+@pytest.fixture
+def redis_url(any_redis_url: str) -> str:
+    return any_redis_url
+
+
+@pytest_asyncio.fixture
+async def lingering(redis_url: str):
+    c = LeaseClient.from_url(redis_url, ttl_ms=10_000, feed_linger_s=LONG)
+    try:
+        yield c
+    finally:
+        await c.aclose()
+
+
+async def feed_ids(c: LeaseClient) -> set[str]:
+    return {f["id"] for f in await our_feeds(c.deployment)}
+
+
+async def test_a_waiter_back_within_the_linger_reuses_the_subscription(lingering: LeaseClient):
+    c = lingering
+    pool = Pool("p", ["g0"])
+    held = await c.claim("g0", "busy")
+    assert held is not None
+    assert await c.wait_for_gpu(pool, "first", timeout=0.2) is None
+    ids = await feed_ids(c)
+    assert len(ids) == len(await c.deployment.primaries())  # still subscribed, no waiter left
+    assert await c.wait_for_gpu(pool, "second", timeout=0.2) is None
+    assert await feed_ids(c) == ids  # the same connections: not subscribed again
+
+    # And the lingering feed still wakes a waiter on a release.
+    async def release_after_miss() -> None:
+        assert await c.release(held)
+
+    lease = await c.wait_for_gpu(pool, "third", timeout=30, fallback_interval_s=LONG, after_first_miss=release_after_miss)
+    assert lease is not None and lease.via == "del"
+    assert await feed_ids(c) == ids
+
+
+async def test_the_feed_closes_after_the_linger(redis_url: str):
+    c = LeaseClient.from_url(redis_url, ttl_ms=10_000, feed_linger_s=0.2)
+    try:
+        assert await c.claim("g0", "busy") is not None
+        assert await c.wait_for_gpu(Pool("p", ["g0"]), "w", timeout=0.1) is None
+        await no_feed_left(c)
+        # A later waiter subscribes again.
+        assert await c.wait_for_gpu(Pool("p", ["g0"]), "w2", timeout=0.1) is None
+        await no_feed_left(c)
+    finally:
+        await c.aclose()
+
+
+async def test_closing_the_client_while_it_lingers_leaves_no_feed(redis_url: str):
+    c = LeaseClient.from_url(redis_url, ttl_ms=10_000, feed_linger_s=LONG)
+    watcher = LeaseClient.from_url(redis_url)
+    try:
+        assert await c.claim("g0", "busy") is not None
+        assert await c.wait_for_gpu(Pool("p", ["g0"]), "w", timeout=0.1) is None
+        assert await feed_ids(c)
+        await c.aclose()
+        await no_feed_left(watcher)
+    finally:
+        await c.aclose()  # twice is fine
+        await watcher.aclose()
+
+
+async def test_a_feed_broken_while_it_lingers_is_made_again(lingering: LeaseClient):
+    c = lingering
+    pool = Pool("p", ["g0"])
+    held = await c.claim("g0", "busy")
+    assert held is not None
+    assert await c.wait_for_gpu(pool, "w", timeout=0.1) is None
+    before = await feed_ids(c)
+    assert await kill_our_feeds(c.deployment) >= 1
+
+    async def made_again() -> bool:
+        ids = await feed_ids(c)
+        return len(ids) == len(await c.deployment.primaries()) and not ids & before
+
+    await eventually(made_again, "the lingering feed subscribed again")
+
+    async def release_after_miss() -> None:
+        assert await c.release(held)
+
+    lease = await c.wait_for_gpu(pool, "w2", timeout=30, fallback_interval_s=LONG, after_first_miss=release_after_miss)
+    assert lease is not None and lease.via in ("del", "resubscribe")
+
+
+async def test_a_negative_linger_is_refused(lingering: LeaseClient):
+    with pytest.raises(ValueError, match="linger_s"):
+        KeyeventFeed(lingering.deployment, LeaseKeys(), linger_s=-1)
