@@ -371,6 +371,8 @@ def judge(c: Chaos) -> dict[str, Any]:
     lost = [e for e in ev if e["event"] == "lost"]
     out["leases_lost"] = len(lost)
     out["errors"] = sum(e["event"] == "error" for e in ev)
+    # What escaped wait_for_gpu (printed): a waiter outlives a failover (RETRY_SOON).
+    out["error_kinds"] = sorted({e["error"].split(":")[0] for e in ev if e["event"] == "error"})
     out["samples_free_held_unavailable"] = [sum(s[2] == k for g in GPUS for s in c.samples[g]) for k in ("free", "held", "unavailable")]
     return out
 

@@ -30,7 +30,7 @@ LONG = 3600.0  # a fallback interval no test lives long enough to reach
 
 @pytest_asyncio.fixture
 async def client(redis_url: str):
-    # No linger: the feed closes as its last waiter leaves (the linger: test_lease_feed_linger.py).
+    # No linger: the feed closes as its last waiter leaves (the linger: test_lease_waiting.py).
     c = LeaseClient.from_url(redis_url, ttl_ms=10_000, feed_linger_s=0)
     try:
         yield c

@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from redis.exceptions import RedisError
+from redis.exceptions import ClusterDownError, RedisError, SlotNotCoveredError, TryAgainError
 
 from .connection import TRANSIENT, text
 from .deployment import Deployment, NotReplicated, connect, wrap
@@ -45,8 +45,9 @@ T = TypeVar("T")
 DEFAULT_TTL_MS = 30_000
 DEFAULT_FALLBACK_INTERVAL_S = 1.0
 NOT_REPLICATED_RETRY_S = 0.1  # a waiter whose claim failed (no replica had it, Redis unreachable) tries again this soon
-# What a waiter outlives (a failover in progress) rather than raising to its caller.
-RETRY_SOON: tuple[type[BaseException], ...] = (NotReplicated, *TRANSIENT)
+# What a waiter outlives (a failover in progress, a Cluster settling: CLUSTERDOWN,
+# TRYAGAIN, a slot map with a hole) rather than raising to its caller.
+RETRY_SOON: tuple[type[BaseException], ...] = (NotReplicated, *TRANSIENT, ClusterDownError, TryAgainError, SlotNotCoveredError)
 
 
 class LeaseClient:
@@ -150,10 +151,13 @@ class LeaseClient:
         already holds (the idempotent retry), then those a pipelined read found free,
         then the rest (freed since the read)."""
         order = [gpus[(i + start) % len(gpus)] for i in range(len(gpus))]
-        pipe = self.redis.pipeline(transaction=False)
-        for g in order:
-            pipe.get(self.keys.lease(g))
-        holders = [text(h) for h in await pipe.execute()]
+        if len(order) == 1:  # the script alone gives a holder its own lease back: no read
+            holders: list[Any] = [None]
+        else:
+            pipe = self.redis.pipeline(transaction=False)
+            for g in order:
+                pipe.get(self.keys.lease(g))
+            holders = [text(h) for h in await pipe.execute()]
         mine = [g for g, h in zip(order, holders) if h == holder]
         free = [g for g, h in zip(order, holders) if h is None]
         rest = [g for g in order if g not in mine and g not in free]

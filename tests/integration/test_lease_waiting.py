@@ -1,6 +1,7 @@
-"""The waiters' keyevent feed stays subscribed for `feed_linger_s` after its last waiter
-left (store/feed.py), on one server, Sentinel and Cluster: a worker that waits again soon
-finds it subscribed, and it is closed after the linger or with the client.
+"""Waiting across time, on one server, Sentinel and Cluster: the waiters' keyevent feed
+stays subscribed for `feed_linger_s` after its last waiter left (store/feed.py), so a
+worker that waits again soon finds it subscribed, and it is closed after the linger or
+with the client; a waiter outlives a Cluster settling.
 
 No test asserts a wall-clock time: the lingers below are either far longer than any test
 (so "still there" cannot depend on the machine's speed) or short, with "gone" polled."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import pytest_asyncio
+from redis.exceptions import ClusterDownError, SlotNotCoveredError, TryAgainError
 
 from llm_health.store.feed import KeyeventFeed
 from llm_health.store.keys import LeaseKeys
@@ -34,8 +36,9 @@ async def lingering(redis_url: str):
         await c.aclose()
 
 
-async def feed_ids(c: LeaseClient) -> set[str]:
-    return {f["id"] for f in await our_feeds(c.deployment)}
+async def feed_ids(c: LeaseClient) -> set[tuple[str, str]]:
+    """Our subscriptions, as (server address, client id): ids are per server."""
+    return {(f["laddr"], f["id"]) for f in await our_feeds(c.deployment)}
 
 
 async def test_a_waiter_back_within_the_linger_reuses_the_subscription(lingering: LeaseClient):
@@ -44,8 +47,12 @@ async def test_a_waiter_back_within_the_linger_reuses_the_subscription(lingering
     held = await c.claim("g0", "busy")
     assert held is not None
     assert await c.wait_for_gpu(pool, "first", timeout=0.2) is None
-    ids = await feed_ids(c)
-    assert len(ids) == len(await c.deployment.primaries())  # still subscribed, no waiter left
+
+    async def subscribed() -> set[tuple[str, str]] | None:  # everywhere (a short wait may time out before)
+        ids = await feed_ids(c)
+        return ids if len(ids) == len(await c.deployment.primaries()) else None
+
+    ids = await eventually(subscribed, "the feed subscribed on every primary, with no waiter left")
     assert await c.wait_for_gpu(pool, "second", timeout=0.2) is None
     assert await feed_ids(c) == ids  # the same connections: not subscribed again
 
@@ -110,3 +117,29 @@ async def test_a_feed_broken_while_it_lingers_is_made_again(lingering: LeaseClie
 async def test_a_negative_linger_is_refused(lingering: LeaseClient):
     with pytest.raises(ValueError, match="linger_s"):
         KeyeventFeed(lingering.deployment, LeaseKeys(), linger_s=-1)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [ClusterDownError("CLUSTERDOWN The cluster is down"), TryAgainError("TRYAGAIN"), SlotNotCoveredError("slot 9454 not covered")],
+    ids=lambda e: type(e).__name__,
+)
+async def test_a_waiter_outlives_a_cluster_settling(lingering: LeaseClient, error: Exception):
+    """CLUSTERDOWN (a primary killed, its replica not yet promoted), TRYAGAIN (a slot
+    migrating) and a slot map with a hole are what a Cluster says while it settles: the
+    waiter tries again soon (RETRY_SOON) instead of raising to its caller. Injected here
+    (the chaos test kills real primaries and prints what, if anything, escaped)."""
+    c = lingering
+    plain = c.claim_any
+    raised = 0
+
+    async def settling(*args, **kw):
+        nonlocal raised
+        if raised < 2:  # the first claim and the retry after it
+            raised += 1
+            raise error
+        return await plain(*args, **kw)
+
+    c.claim_any = settling  # type: ignore[method-assign]
+    lease = await c.wait_for_gpu(Pool("p", ["g0"]), "w", timeout=30, fallback_interval_s=LONG)
+    assert raised == 2 and lease is not None and lease.gpu == "g0"
