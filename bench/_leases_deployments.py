@@ -55,10 +55,11 @@ class Handoffs:
 
     The release comes 0-2 ms after the waiter is blocked: its first claim missed and no
     claim or topology refresh of it is in flight, nothing queued for it. On one server and
-    Sentinel that is as soon as the first claim missed. On Cluster a feed started again
-    after its last waiter left counts as a topology change: it queues RESUBSCRIBED (the
-    waiter re-checks every GPU) and refreshes the slot map; the release waits for that
-    (``settled`` counts these), so it is not won by the re-check."""
+    Sentinel that is as soon as the first claim missed. The feed lingers between waits
+    (``feed_linger_s``), so it is made once per row; where it is made again (a broken
+    connection, a topology change on Cluster) it queues RESUBSCRIBED (the waiter
+    re-checks every GPU) and the release waits for that (``settled`` counts these), so
+    it is not won by the re-check."""
 
     def __init__(self, url: str):
         self.holder = LeaseClient.from_url(url)
@@ -116,7 +117,7 @@ class Handoffs:
 
             task = asyncio.create_task(wait())
             await blocked.wait()
-            if self._busy():  # Cluster: the re-made feed queued RESUBSCRIBED, and the waiter re-checks first
+            if self._busy():  # a re-made feed queued RESUBSCRIBED, and the waiter re-checks first
                 self.settled += 1
                 while self._busy():
                     await asyncio.sleep(0.0005)
@@ -245,7 +246,7 @@ async def deployment_handoffs(single_url: str, n: int, rounds: int, which: tuple
         "WAIT: wait_replicas (1: the claim counts once one replica acknowledged it); claim: to the waiter's claim returned; call: to wait_for_gpu returned; ms"
     )
     print(
-        "each wait starts the waiter's keyevent feed (the last waiter leaving stops it); the release comes once the waiter is blocked: "
+        "the waiter's keyevent feed stays subscribed between its waits (feed_linger_s, 10 s); the release comes once the waiter is blocked: "
         "no claim or topology refresh of it in flight, nothing queued for it"
     )
     by: dict[str, list[Row]] = {}
