@@ -182,6 +182,11 @@ class Deployment:
 
     async def _send(self, key: str, cmds: list[tuple[Any, ...]]) -> list[Any]:
         if not self.cluster:
+            if len(cmds) == 1:  # the hot path (a claim without WAIT): no pipeline object, ~70 us less
+                try:
+                    return [await self.client.execute_command(*cmds[0])]
+                except ResponseError as exc:  # an error reply, as the pipeline gives it
+                    return [exc]
             pipe = self.client.pipeline(transaction=False)
             for c in cmds:
                 pipe.execute_command(*c)
