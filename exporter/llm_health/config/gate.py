@@ -8,11 +8,14 @@ gate:
   admin_token_file: /etc/llm-health/gate-admin.token    # or admin_token_env
   routes:
     chat: {upstream: http://10.0.0.5:8000, models: [llama], default_deadline_ms: 30000, redis_down: open}
+    # allow: ["POST /v1/chat/completions", "GET /v1/models"]   # default: the inference API
   tenants:
     acme: {token_units_per_minute: 200000}
 ```
 
 `admission:` holds the policy for every route; a route may override any of its keys.
+A route forwards only the inference API (`core.forwarding.DEFAULT_ALLOW`) unless its
+`allow:` lists the endpoints it forwards; an engine's admin and dev endpoints never.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..core.admission import MODES, REDIS_DOWN_MODES, Policy, ReopenGuard
+from ..core.forwarding import DEFAULT_RULES, AllowError, Rule, parse_allow
 from ..store.keys import DEFAULT_QUEUE_PREFIX
 from .fields import Section
 from .redis import redis_url
@@ -36,6 +40,7 @@ class Route:
     policy: Policy
     models: tuple[str, ...] = ()
     guard: ReopenGuard = field(default_factory=ReopenGuard)
+    allow: tuple[Rule, ...] = DEFAULT_RULES  # the endpoints forwarded (core.forwarding)
 
 
 @dataclass
@@ -81,7 +86,13 @@ def parse_gate_config(data: object, where: str = "<config>") -> GateConfig:
             raise r.whole_error("route names use letters, digits and _ . : - only")
         upstream = r.url("upstream").rstrip("/")
         models = r.strings("models", (), nonempty=False)
-        routes[name] = Route(name, upstream, read_policy(r, base), models)
+        allow = DEFAULT_RULES
+        if "allow" in r:
+            try:
+                allow = parse_allow(r.strings("allow"))
+            except AllowError as exc:
+                raise r.error("allow", str(exc)) from None
+        routes[name] = Route(name, upstream, read_policy(r, base), models, allow=allow)
         r.done()
     tenants: dict[str, float] = {}
     for tenant, t in gate.entries("tenants"):

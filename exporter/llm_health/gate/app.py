@@ -40,7 +40,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..config.gate import GateConfig, Route, parse_gate_config
 from ..config.load import load_yaml
 from ..config.web import WebConfig
-from ..core import admission
+from ..core import admission, forwarding
 from ..store.deployment import connect, wrap
 from ..store.queue import ROUTE_STATS_COMMANDS, AdmissionQueue, QueueRecord, RouteStats, add_route_stats_commands, now_ms, parse_route_stats
 from ..web import OPEN_PATHS, BearerToken, add_reload, healthy, metrics_handler, secure
@@ -82,6 +82,7 @@ class Gate:
         self.session: aiohttp.ClientSession | None = None
         self.redis_up = True
         self._by_model = any(r.models for r in cfg.routes.values())
+        self._any_rules = tuple(rule for r in cfg.routes.values() for rule in r.allow)  # before a route is chosen
         self._pending: set[asyncio.Task[None]] = set()  # attempts being recorded after their response
         self._sampler: asyncio.Task[None] | None = None
         self.registry = CollectorRegistry(auto_describe=True)
@@ -89,6 +90,9 @@ class Gate:
         self.m_upstream = Counter(
             "llm_gate_upstream_responses", "Upstream responses by status code (429 and 503 kept apart).", ["route", "code"], registry=self.registry
         )
+        why = "Requests refused before admission: 404 (an endpoint not forwarded, an engine admin or dev one), 405 (a method not forwarded)."
+        self.m_not_forwarded = Counter("llm_gate_not_forwarded", why, ["code"], registry=self.registry)
+        _ = [self.m_not_forwarded.labels(code) for code in ("404", "405")]
         self.m_redis = Gauge("llm_gate_redis_up", "1 if the gate's last Redis call succeeded.", registry=self.registry)
         self.m_closed = Gauge("llm_gate_route_closed", "1 while an operator holds the route at reject_all.", ["route"], registry=self.registry)
         self.m_duration = Histogram(
@@ -122,6 +126,7 @@ class Gate:
         self.cfg = new
         self._admin = BearerToken(new.admin_token) if new.admin_token else None
         self._by_model = any(r.models for r in new.routes.values())
+        self._any_rules = tuple(rule for r in new.routes.values() for rule in r.allow)
         return f"{len(new.routes)} routes{note}"
 
     # --- lifecycle -------------------------------------------------------------------
@@ -272,13 +277,27 @@ class Gate:
             headers["Retry-After"] = str(max(1, round(decision.retry_after_s)))
         return web.json_response(body, status=decision.status, headers=headers)
 
+    def _not_forwarded(self, request: web.Request, rules: tuple[forwarding.Rule, ...]) -> web.Response | None:
+        """404/405 for what the route (or, before the body is read, any route) does not
+        forward: checked before any other work, the body unread."""
+        verdict = forwarding.check(request.method, request.raw_path.split("?", 1)[0], rules)
+        if verdict.forward:
+            return None
+        self.m_not_forwarded.labels(str(verdict.status)).inc()
+        headers = {"Allow": ", ".join(verdict.allow)} if verdict.allow else None
+        return web.json_response({"error": {"type": "not_forwarded", "message": verdict.reason}}, status=verdict.status, headers=headers)
+
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
+        if (refused := self._not_forwarded(request, self._any_rules)) is not None:
+            return refused
         body = await request.read()
         now = now_ms()
         try:
             request_id = read_request_id(request.headers) or f"gate-{uuid.uuid4()}"
             route = self._route(request, body)
+            if len(self.cfg.routes) > 1 and (refused := self._not_forwarded(request, route.allow)) is not None:
+                return refused
             tenant = read_tenant(request.headers)
             deadline_ms = read_deadline_ms(request.headers, now, route.policy.default_deadline_ms)
             header_retries = read_retry_count(request.headers)
@@ -384,7 +403,7 @@ class Gate:
         """Stream the upstream response through, chunk by chunk; (status, token units)."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         headers["X-Request-Id"] = request_id
-        url = route.upstream + request.rel_url.path_qs
+        url = route.upstream + request.raw_path  # the path checked by core.forwarding, as sent
         tail = b""
         assert self.session is not None  # started
         try:

@@ -1,0 +1,176 @@
+"""Which requests a door forwards to an engine: its inference API, never its admin and
+dev endpoints. Pure; every door (the gate today) asks `check` before any other work.
+
+The default allowlist is the inference API of vLLM and llama.cpp's server (routes read
+from vLLM 0.32.0's and llama-server b11434's own code: tests/data/engine-routes/). A
+route may replace it (`allow:`, entries like ``"POST /v1/chat/completions"`` or
+``"GET /v1/responses/*"``, where ``*`` is one path segment), but never with a path of
+`NEVER`: what can put an engine to sleep, drop its caches, load weights or adapters, run
+a profiler or an RPC on its workers, or show its metrics.
+
+The check is on the raw path, byte for byte: an allowed path has only letters, digits,
+``_``, ``-``, ``.`` inside names and ``/`` between them, so ``/v1/completions/../../sleep``,
+``/%73leep``, ``//sleep`` or ``/v1/chat/completions/`` match nothing. The door forwards
+that same raw path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+METHODS = ("GET", "POST")
+
+DEFAULT_ALLOW: tuple[str, ...] = (
+    # OpenAI-compatible, both engines
+    "POST /v1/chat/completions",
+    "POST /v1/completions",
+    "POST /v1/embeddings",
+    "POST /v1/responses",
+    "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
+    "POST /v1/audio/transcriptions",
+    "POST /v1/audio/translations",
+    "POST /v1/rerank",
+    "GET /v1/models",
+    # vLLM
+    "GET /v1/responses/*",
+    "POST /v1/responses/*/cancel",
+    "POST /v1/score",
+    "POST /v2/rerank",
+    "POST /v2/embed",
+    "POST /rerank",
+    "POST /score",
+    "POST /pooling",
+    "POST /classify",
+    "POST /invocations",
+    "POST /tokenize",
+    "POST /detokenize",
+    # llama.cpp's server
+    "POST /completion",
+    "POST /completions",
+    "POST /chat/completions",
+    "POST /infill",
+    "POST /embedding",
+    "POST /embeddings",
+    "POST /reranking",
+    "POST /v1/reranking",
+    "POST /apply-template",
+)
+
+# Never forwarded, whatever a route's `allow:` says (a path, or a path and what is under it).
+NEVER: tuple[str, ...] = (
+    # vLLM: sleep mode, caches, profiling, RPC on workers, weights and adapters, scaling
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/reset_prefix_cache",
+    "/reset_mm_cache",
+    "/reset_encoder_cache",
+    "/release_kv_cache_memory",
+    "/start_profile",
+    "/stop_profile",
+    "/collective_rpc",
+    "/abort_requests",
+    "/inference/v1/abort_requests",
+    "/scale_elastic_ep",
+    "/is_scaling_elastic_ep",
+    "/update_weights",
+    "/update_weight_version",
+    "/start_weight_update",
+    "/start_draft_weight_update",
+    "/finish_weight_update",
+    "/init_weight_transfer_engine",
+    "/shutdown_weight_transfer_engine",
+    "/weight_checker",
+    "/weight_info",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/server_info",
+    "/get_world_size",
+    "/kv_event_sources",
+    "/fault_tolerance",
+    # llama.cpp's server: slots (save, restore, erase), adapters, settings, models
+    "/slots",
+    "/lora-adapters",
+    "/props",
+    "/models/load",
+    "/models/unload",
+    "/tools",  # runs the server's built-in tools
+    "/cors-proxy",  # fetches any URL for the web UI
+    # both: the engine's own metrics are the exporter's to read
+    "/metrics",
+)
+
+_SEGMENT = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
+_PATH = re.compile(rf"^(/(?:{_SEGMENT}|\*))+$")
+_RAW = re.compile(rf"^(/{_SEGMENT})+$")
+
+
+class AllowError(ValueError):
+    """An `allow:` entry that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    method: str
+    path: str  # with * for one segment
+    pattern: re.Pattern[str]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    forward: bool
+    status: int = 200  # 404 (path not forwarded) or 405 (method not, `allow` names those that are)
+    reason: str = ""
+    allow: tuple[str, ...] = ()
+
+
+def never(path: str) -> str | None:
+    """The entry of NEVER that `path` is or is under, if any."""
+    for p in NEVER:
+        if path == p or path.startswith(p + "/"):
+            return p
+    return None
+
+
+def parse_rule(entry: str) -> Rule:
+    parts = entry.split()
+    if len(parts) != 2:
+        raise AllowError(f"{entry!r}: expected 'METHOD /path', for example 'POST /v1/chat/completions'")
+    method, path = parts[0].upper(), parts[1]
+    if method not in METHODS:
+        raise AllowError(f"{entry!r}: method {parts[0]!r} is not forwarded by a door ({', '.join(METHODS)})")
+    if not _PATH.match(path):
+        raise AllowError(f"{entry!r}: path segments are letters, digits, _ . - or one *, separated by single /")
+    concrete = path.replace("*", "x")
+    if (hit := never(concrete)) is not None:
+        raise AllowError(f"{entry!r}: {hit} is an engine admin or dev endpoint, never forwarded")
+    pattern = re.compile("^" + "/".join(_SEGMENT if seg == "*" else re.escape(seg) for seg in path.split("/")) + "$")
+    return Rule(method, path, pattern)
+
+
+def parse_allow(entries: tuple[str, ...] | list[str]) -> tuple[Rule, ...]:
+    rules = tuple(parse_rule(e) for e in entries)
+    if not rules:
+        raise AllowError("empty: a route must forward at least one endpoint")
+    return rules
+
+
+DEFAULT_RULES = parse_allow(DEFAULT_ALLOW)
+
+
+def check(method: str, raw_path: str, rules: tuple[Rule, ...] = DEFAULT_RULES) -> Verdict:
+    """Is ``method raw_path`` (the path as sent, without the query) forwarded?"""
+    path_ok = bool(_RAW.match(raw_path)) and never(raw_path) is None
+    methods = tuple(sorted({r.method for r in rules if r.pattern.match(raw_path)})) if path_ok else ()
+    if not methods:
+        shown = raw_path if len(raw_path) <= 200 else raw_path[:200] + "..."
+        why = "an engine admin or dev endpoint, never forwarded" if never(raw_path) else "not an endpoint this route forwards"
+        return Verdict(False, 404, f"{shown!r}: {why}")
+    if method.upper() not in methods:
+        return Verdict(False, 405, f"{method} {raw_path}: only {', '.join(methods)} is forwarded", methods)
+    return Verdict(True)
