@@ -93,6 +93,15 @@ async def test_a_route_allow_list_replaces_the_default(stack, recorder):  # noqa
     assert rec.seen == [("POST", "/v1/chat/completions")]
 
 
+async def test_a_body_over_max_body_bytes_is_a_413_that_reaches_nothing(stack, recorder):  # noqa: F811
+    rec, upstream = recorder
+    url, _, _ = await stack(routes={"chat": {"upstream": upstream, "default_deadline_ms": 30000}}, max_body_bytes=4096)
+    status, body, _ = await raw(url, "POST", "/v1/chat/completions", b'{"model": "m", "prompt": "' + b"x" * 5000 + b'"}')
+    assert status == 413 and b"Maximum request body size 4096 exceeded" in body
+    assert (await raw(url, "POST", "/v1/chat/completions", b'{"model": "m"}'))[0] == 200
+    assert rec.seen == [("POST", "/v1/chat/completions")]
+
+
 def test_an_allow_entry_for_an_admin_endpoint_is_a_config_error():
     with pytest.raises(ConfigError, match=r"gate\.routes\.chat\.allow.*'POST /sleep': /sleep is an engine admin or dev endpoint, never forwarded"):
         parse_gate_config({"gate": {"routes": {"chat": {"upstream": "http://127.0.0.1:1", "allow": ["POST /sleep"]}}}}, "g.yml")

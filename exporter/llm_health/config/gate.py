@@ -5,6 +5,7 @@ admission: {reject_if_queue_age_ms_gte: 3000, reject_if_retry_count_gte: 1, igno
 gate:
   redis: redis://127.0.0.1:6379/0
   sample_interval: 15s
+  max_body_bytes: 67108864                              # 64 MiB (the default): larger bodies are a 413
   admin_token_file: /etc/llm-health/gate-admin.token    # or admin_token_env
   routes:
     chat: {upstream: http://10.0.0.5:8000, models: [llama], default_deadline_ms: 30000, redis_down: open}
@@ -51,6 +52,7 @@ class GateConfig:
     tenants: dict[str, float] = field(default_factory=dict)  # token units per minute
     sample_interval: float = 15.0  # the scrape interval the reopen rule counts in
     upstream_timeout: float = 600.0
+    max_body_bytes: int = 64 * 1024 * 1024  # a request body over this is a 413 before admission
     admin_token: str | None = field(default=None, repr=False)
     source: str = "<config>"
 
@@ -105,6 +107,7 @@ def parse_gate_config(data: object, where: str = "<config>") -> GateConfig:
         tenants=tenants,
         sample_interval=gate.duration("sample_interval", GateConfig.sample_interval),
         upstream_timeout=gate.duration("upstream_timeout", GateConfig.upstream_timeout),
+        max_body_bytes=gate.integer("max_body_bytes", GateConfig.max_body_bytes, minimum=1024, maximum=1024**3),
         admin_token=gate.secret("admin_token"),
         source=where,
     )

@@ -473,7 +473,7 @@ class Gate:
         return len(ids)
 
     def app(self, web_config: WebConfig | None = None) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=self.cfg.max_body_bytes)  # read whole: routing by model needs it
         # Basic auth guards the gate's own endpoints; proxied requests carry the clients'
         # own credentials for the upstream and pass through. The operator's controls take
         # the admin bearer token in the same Authorization header, and check it themselves.
