@@ -371,7 +371,9 @@ class Gate:
             log.warning("upstream of route %s broke mid-answer: %s", route.name, exc)
             if request.transport is not None:
                 request.transport.close()
-            raise ConnectionResetError(str(exc)) from None
+            # Its end is never written (the transport is closed): aiohttp takes that as a
+            # client gone, quietly, where a raised error would log a traceback.
+            return request["llm_health_response"]
         self.m_upstream.labels(route.name, str(status)).inc()
         self.m_tokens.labels(route.name).inc(units)
         self.m_duration.labels(route.name).observe(time.monotonic() - started)

@@ -89,7 +89,7 @@ async def test_request_ids_are_scoped_by_tenant(gate):
 @pytest.mark.parametrize("how", ["reset-mid-stream", "not-http"])
 async def test_a_broken_upstream_is_a_502_and_the_record_is_finished(tmp_path, redis_url, llm_health, how):
     """Row 9: an upstream that reset mid-stream, or did not speak HTTP, gave a 500 and left
-    the record `running`."""
+    the record `running`; a reset mid-stream logged an ERROR traceback."""
     upstream = socket.create_server(("127.0.0.1", 0))
     port = upstream.getsockname()[1]
 
@@ -127,6 +127,10 @@ async def test_a_broken_upstream_is_a_502_and_the_record_is_finished(tmp_path, r
         finally:
             await queue.aclose()
         assert record is not None and (record.state, record.http_status) == ("done", 502), record
+        # An expected upstream failure is one line, not a traceback.
+        log = proc.output()
+        assert "Traceback" not in log and "ERROR" not in log, log
+        assert (how == "not-http") or log.count("upstream of route chat broke mid-answer") == 1, log
     finally:
         upstream.close()
 
