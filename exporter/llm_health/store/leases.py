@@ -107,9 +107,11 @@ class LeaseClient:
         job_id: str = "",
         start: int | None = None,
         via: str = "claim",
+        unlist: tuple[str, str] | None = None,
     ) -> Lease | None:
-        """Claim the first free GPU of ``gpus`` in one round trip (one Lua script),
-        starting at index ``start`` (random by default, to spread concurrent claimers)."""
+        """Claim the first free GPU of ``gpus`` in one round trip (one Lua script), from index
+        ``start`` (random by default); ``unlist`` (wait_for_gpu's waiters key and waiter,
+        not on Cluster): a winning claim also takes the waiter off the list."""
         if not gpus:
             return None
         ttl = int(ttl_ms or self.ttl_ms)
@@ -120,7 +122,11 @@ class LeaseClient:
             got = await self._claim_cluster(gpus, holder, ttl, job_id, start)
         else:
             keys = [self.keys.lease(g) for g in gpus] + [self.keys.info(g) for g in gpus] + [self.keys.fence(g) for g in gpus]
-            got = await self._claim_script(keys, [holder, ttl, job_id, start])
+            args: list[Any] = [holder, ttl, job_id, start]
+            if unlist is not None:
+                keys.append(unlist[0])
+                args.append(unlist[1])
+            got = await self._claim_script(keys, args)
         if not got:
             return None
         index, token, now = int(got[0]), int(got[1]), int(got[2])
@@ -306,12 +312,10 @@ class LeaseClient:
         pub/sub drops what a disconnected subscriber misses. ``after_first_miss`` is a
         test hook run after the first claim found every GPU busy.
 
-        The waiters of one client share one pub/sub connection (see :class:`KeyeventFeed`);
-        it stays subscribed for ``feed_linger_s`` (default 10 s) after the last one left,
-        so a worker that waits again soon does not subscribe again, then it is closed. A waiter whose first claim
-        failed is listed in ``<waiters_prefix><pool>`` (scored by its deadline, Unix ms)
-        until it returns. Timeout and cancellation remove it (and, after the linger, the feed).
-        """
+        The waiters of one client share one pub/sub connection (:class:`KeyeventFeed`),
+        subscribed until ``feed_linger_s`` (10 s) after the last one left. A waiter whose
+        first claim failed is listed in ``<waiters_prefix><pool>`` (scored by its deadline,
+        Unix ms) until it returns (the winning claim takes it off, but on Cluster)."""
         if not self._notifications_ok:
             await self.check_notifications()
         loop = asyncio.get_running_loop()
@@ -319,7 +323,7 @@ class LeaseClient:
         fallback = self.fallback_interval_s if fallback_interval_s is None else fallback_interval_s
         waiter = f"{holder}:{uuid.uuid4().hex[:12]}"
         waiters_key = self.keys.waiters(pool.name)
-        claim_kw = {"ttl_ms": ttl_ms, "job_id": job_id}
+        claim_kw: dict[str, Any] = {"ttl_ms": ttl_ms, "job_id": job_id}
         queue: asyncio.Queue[Any] | None = None
         registered = False
         try:
@@ -345,6 +349,16 @@ class LeaseClient:
             with contextlib.suppress(*RETRY_SOON):  # the list is for observers; waiting goes on
                 await self._register_waiter(pool, waiter, int((time.time() + timeout) * 1000))
                 registered = True
+            if registered and not self.deployment.cluster:  # the list shares the claim's slot
+                claim_kw["unlist"] = (waiters_key, waiter)
+
+            async def claim(gpus: Sequence[str], **kw: Any) -> Lease | None:
+                # (A claim undone as NotReplicated leaves the waiter off the list until it returns.)
+                nonlocal registered
+                won = await self._claim_cancel_safe(gpus, holder, **kw, **claim_kw)
+                registered = registered and (won is None or "unlist" not in claim_kw)
+                return won
+
             if after_first_miss is not None:
                 await after_first_miss()
             next_fallback = loop.time() + (min(fallback, NOT_REPLICATED_RETRY_S) if first_not_replicated else fallback)
@@ -354,11 +368,11 @@ class LeaseClient:
                     # One last look: a release whose event was lost in the last fallback
                     # interval must not let us time out beside a free GPU.
                     with contextlib.suppress(*RETRY_SOON):
-                        return await self._claim_cancel_safe(pool.gpus, holder, via="deadline", **claim_kw)
+                        return await claim(pool.gpus, via="deadline")
                     return None
                 if now >= next_fallback:
                     try:
-                        lease = await self._claim_cancel_safe(pool.gpus, holder, via="fallback", **claim_kw)
+                        lease = await claim(pool.gpus, via="fallback")
                     except RETRY_SOON as e:
                         log.warning("claim for %s failed, again in %.1fs: %r", holder, NOT_REPLICATED_RETRY_S, e)
                         lease, next_fallback = None, loop.time() + min(fallback, NOT_REPLICATED_RETRY_S)
@@ -375,10 +389,10 @@ class LeaseClient:
                 try:
                     if event is RESUBSCRIBED:
                         # The feed was down: its events are lost. Re-check everything.
-                        lease = await self._claim_cancel_safe(pool.gpus, holder, via="resubscribe", **claim_kw)
+                        lease = await claim(pool.gpus, via="resubscribe")
                     else:
                         gpu, reason = event
-                        lease = await self._claim_cancel_safe([gpu], holder, start=0, via=reason, **claim_kw)
+                        lease = await claim([gpu], start=0, via=reason)
                 except RETRY_SOON as e:  # undone, or not sent: try all again soon (a failover settling)
                     log.warning("claim for %s failed, again in %.1fs: %r", holder, NOT_REPLICATED_RETRY_S, e)
                     next_fallback = min(next_fallback, loop.time() + NOT_REPLICATED_RETRY_S)

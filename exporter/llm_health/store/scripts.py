@@ -12,8 +12,10 @@ from __future__ import annotations
 
 # --------------------------------------------------------------------------- leases
 
-# KEYS: n lease keys, then n info keys, then n fence keys.
-# ARGV: holder, ttl_ms, job_id, first index to try (0-based).
+# KEYS: n lease keys, then n info keys, then n fence keys, then optionally a pool's
+# waiters key (one server, Sentinel: same slot). ARGV: holder, ttl_ms, job_id, first
+# index to try (0-based), and with the waiters key the waiter to take off it once this
+# claim holds a GPU (a won wait leaves the list in the claim's round trip).
 # A holder that already holds one of the GPUs gets that lease back, TTL renewed, same
 # token: a claim sent again after its reply was lost (a broken connection, a client
 # retry) never takes a second GPU nor loses the token it was given. Otherwise it
@@ -27,7 +29,11 @@ from __future__ import annotations
 # clock has moved on since the last token was issued. It relies on the Redis server's
 # clock not stepping back by more than the time the data was lost for (docs/redis-schema.md).
 CLAIM_LUA = """
-local n = #KEYS / 3
+local n = math.floor(#KEYS / 3)
+local function won(reply)
+  if #KEYS > 3 * n then redis.call('ZREM', KEYS[3 * n + 1], ARGV[5]) end
+  return reply
+end
 local start = tonumber(ARGV[4]) or 0
 local t = redis.call('TIME')
 local now = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
@@ -37,7 +43,7 @@ for j = 1, n do
     redis.call('PEXPIRE', KEYS[j], ARGV[2])
     redis.call('HSET', KEYS[n + j], 'ttl_ms', ARGV[2])
     redis.call('PEXPIRE', KEYS[n + j], ARGV[2])
-    return {j - 1, redis.call('HGET', KEYS[n + j], 'token'), redis.call('HGET', KEYS[n + j], 'claimed_ms')}
+    return won({j - 1, redis.call('HGET', KEYS[n + j], 'token'), redis.call('HGET', KEYS[n + j], 'claimed_ms')})
   end
 end
 for i = 0, n - 1 do
@@ -49,7 +55,7 @@ for i = 0, n - 1 do
     redis.call('HSET', KEYS[n + j], 'holder', ARGV[1], 'token', token, 'job_id', ARGV[3],
                'claimed_ms', now, 'ttl_ms', ARGV[2])
     redis.call('PEXPIRE', KEYS[n + j], ARGV[2])
-    return {j - 1, token, now}
+    return won({j - 1, token, now})
   end
 end
 return false
