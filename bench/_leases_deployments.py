@@ -4,8 +4,10 @@
 in `LeaseClient.wait_for_gpu` on one GPU; release call start -> the waiter's successful
 claim returned, and -> the waiting call returned), with its two clients kept open so it
 can be run a few hand-offs at a time. `deployment_handoffs` starts the deployments (the
-test topologies of tests/fixtures, real processes on loopback) and runs every row's
-hand-offs in interleaved rounds, so a noisy machine slows all rows alike:
+test topologies of tests/fixtures, real processes on loopback) one at a time, as a user
+runs one (with all three alive, 14 server processes share the 2 cores and their timers
+and gossip, not the deployment, set the tail), and runs each one's rows in interleaved
+rounds, so a noisy machine slows the rows compared (WAIT 0 and 1) alike:
 
 - one server, wait_replicas=0 (the default): a bare redis-server, the deployment as
   most run it;
@@ -217,10 +219,16 @@ async def measure_interleaved(rows: list[Row], n: int, rounds: int) -> None:
 async def deployment_handoffs(single_url: str, n: int, rounds: int, which: tuple[str, ...] = DEPLOYMENTS) -> None:
     """Start the deployments, measure, print the table, the WAIT deltas and a goal line per deployment."""
     print()
-    print(f"hand-off by deployment: the same hand-off, {n} per row, in {max(1, min(rounds, n))} interleaved rounds (every row in each round)")
-    with contextlib.ExitStack() as stack:
-        rows = start_rows(stack, single_url, which, print)
-        await measure_interleaved(rows, n, rounds)
+    print(
+        f"hand-off by deployment: the same hand-off, {n} per row; each deployment alone on the machine (started, measured, stopped), "
+        f"its rows in {max(1, min(rounds, n))} interleaved rounds"
+    )
+    rows: list[Row] = []
+    for kind in which:  # one at a time: a user runs one deployment, not three side by side
+        with contextlib.ExitStack() as stack:
+            mine = start_rows(stack, single_url, (kind,), print)
+            await measure_interleaved(mine, n, rounds)
+        rows += mine
     print(
         f"{'deployment':<11} {'servers':<35} {'WAIT':>4} {'n':>5} {'claim p50':>9} {'claim p99':>9} "
         f"{'call p50':>9} {'call p90':>9} {'call p99':>9} {'call max':>9}  woken by"

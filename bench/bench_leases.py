@@ -11,8 +11,8 @@
    The same hand-off ("ours") by deployment, all started here on loopback: one server
    (also with 1 replica), Sentinel (a primary, 2 replicas, 3 sentinels) and Cluster (3
    primaries, 1 replica each), each with wait_replicas=0 and with WAIT (wait_replicas=1,
-   Cluster's default; Sentinel's waits for every replica; on one server only with the replica), in
-   interleaved rounds (bench/_leases_deployments.py).
+   Cluster's default; Sentinel's waits for every replica; on one server only with the replica),
+   one deployment at a time, its rows in interleaved rounds (bench/_leases_deployments.py).
 2. Contention: 64 waiters on 8 GPUs for a few seconds, each claim held 1 ms (then
    10 ms) and released; claims per second and double claims (checked with an
    in-process occupancy map). Polling comparison: the same with a claim-then-sleep-100 ms
