@@ -183,10 +183,7 @@ class Deployment:
     async def _send(self, key: str, cmds: list[tuple[Any, ...]]) -> list[Any]:
         if not self.cluster:
             if len(cmds) == 1:  # the hot path (a claim without WAIT): no pipeline object, ~70 us less
-                try:
-                    return [await self.client.execute_command(*cmds[0])]
-                except ResponseError as exc:  # an error reply, as the pipeline gives it
-                    return [exc]
+                return [await _direct(self.client, cmds[0])]
             pipe = self.client.pipeline(transaction=False)
             for c in cmds:
                 pipe.execute_command(*c)
@@ -209,13 +206,8 @@ class Deployment:
                 if node is None:
                     raise ClusterDownError(f"no primary serves the slot of {key!r}")
                 addr = (node.host, node.port)
-            pipe = self.node(*addr).pipeline(transaction=False)
-            if asking is not None:
-                pipe.execute_command("ASKING")
-            for c in cmds:
-                pipe.execute_command(*c)
             try:
-                replies = list(await pipe.execute(raise_on_error=False))
+                replies = await self._on_node(addr, cmds, asking is not None)
             except TRANSIENT as exc:  # the node died or is failing over
                 last = exc
                 if time.monotonic() > deadline:
@@ -225,8 +217,6 @@ class Deployment:
                 await self.refresh_topology()
                 asking = None
                 continue
-            if asking is not None:
-                replies = replies[1:]
             first = replies[0] if replies else None
             if isinstance(first, MovedError):
                 await self.refresh_topology()
@@ -243,6 +233,18 @@ class Deployment:
                 continue
             return replies
         raise last if last is not None else ClusterDownError(f"gave up after {CLUSTER_REDIRECTS} redirects for {key!r}")
+
+    async def _on_node(self, addr: tuple[str, int], cmds: list[tuple[Any, ...]], asking: bool) -> list[Any]:
+        """The commands on one node's connection (after ASKING, whose reply is not returned)."""
+        if not asking and len(cmds) == 1:
+            return [await _direct(self.node(*addr), cmds[0])]
+        pipe = self.node(*addr).pipeline(transaction=False)
+        if asking:
+            pipe.execute_command("ASKING")
+        for c in cmds:
+            pipe.execute_command(*c)
+        replies = list(await pipe.execute(raise_on_error=False))
+        return replies[1:] if asking else replies
 
     def _node_for(self, key: str) -> Any:
         """The primary serving ``key``'s slot by the client's slot map, None if the map has
@@ -386,6 +388,14 @@ class Deployment:
 
 # Lua bodies by SHA1, for the NOSCRIPT fallback: every script sent by `script()`.
 _SCRIPTS: dict[str, str] = {}
+
+
+async def _direct(client: Any, cmd: tuple[Any, ...]) -> Any:
+    """One command without a pipeline; an error reply returned, as a pipeline gives it."""
+    try:
+        return await client.execute_command(*cmd)
+    except ResponseError as exc:
+        return exc
 
 
 def connect(
