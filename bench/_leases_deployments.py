@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tests.fixtures.redis_server import RedisServer, RedisServerMissing
-from tests.fixtures.redis_topology import ClusterTopology, SentinelTopology, linked, poll
+from tests.fixtures.redis_topology import ClusterTopology, SentinelTopology, command, linked, poll
 
 from bench._goal import goal_line
+from llm_health.store.deployment import NotReplicated
 from llm_health.store.leases import LeaseClient
 from llm_health.store.records import Pool
 
@@ -71,6 +72,7 @@ class Handoffs:
         self.to_return: list[float] = []
         self.via: dict[str, int] = {}
         self.settled = 0  # hand-offs whose release waited for the waiter to be blocked (see run)
+        self.holder_not_replicated = 0  # the holder's claims WAIT did not confirm (undone, sent again)
         self._claimed_at: list[float] = []
         self._in_flight = 0
         plain_claim = self.waiter.claim_any
@@ -106,7 +108,12 @@ class Handoffs:
 
     async def run(self, n: int) -> None:
         for _ in range(n):
-            held = await self.holder.claim("g0", "holder")
+            held = None
+            while held is None:  # a claim no replica confirmed in time is undone: again (counted)
+                try:
+                    held = await self.holder.claim("g0", "holder")
+                except NotReplicated:
+                    self.holder_not_replicated += 1
             assert held is not None
             blocked = asyncio.Event()
 
@@ -163,6 +170,9 @@ def _replicated_pair(stack: contextlib.ExitStack) -> RedisServer:
     primary = stack.enter_context(RedisServer(extra_args=("--repl-diskless-sync-delay", "0")))
     replica = stack.enter_context(RedisServer(extra_args=("--replicaof", "127.0.0.1", str(primary.port))))
     poll(lambda: linked(replica.port, primary.port), 30.0, f"replica {replica.port} linked to {primary.port}")
+    # Linked is not yet acknowledging: until a WAIT 1 is answered by it, a claim with WAIT
+    # would be refused (NotReplicated, seen once at a row's first hand-off).
+    poll(lambda: int(command(primary.port, "WAIT", 1, 200)) == 1 or None, 30.0, f"replica {replica.port} answering WAIT")
     return primary
 
 
@@ -240,8 +250,8 @@ async def deployment_handoffs(single_url: str, n: int, rounds: int, which: tuple
             continue
         h = r.handoffs
         woken = ", ".join(f"{k} {v}" for k, v in sorted(h.via.items(), key=lambda kv: -kv[1]))
-        if h.not_replicated:
-            woken += f"; {h.not_replicated} claim(s) not replicated, undone"
+        if h.not_replicated or h.holder_not_replicated:
+            woken += f"; {h.not_replicated + h.holder_not_replicated} claim(s) not replicated, undone"
         if failovers := h.waiter.deployment.failovers_seen:
             woken += f"; feed re-made as a topology change {failovers}x"
         if h.settled:
