@@ -37,7 +37,6 @@ from tests.fixtures.redis_server import RedisServer, RedisServerMissing
 from tests.fixtures.redis_topology import ClusterTopology, SentinelTopology, command, linked, poll
 
 from bench._goal import goal_line
-from bench._machine import pin_servers
 from llm_health.store.deployment import NotReplicated
 from llm_health.store.leases import LeaseClient
 from llm_health.store.records import Pool
@@ -238,7 +237,6 @@ async def deployment_handoffs(single_url: str, n: int, rounds: int, which: tuple
     for kind in which:  # one at a time: a user runs one deployment, not three side by side
         with contextlib.ExitStack() as stack:
             mine = start_rows(stack, single_url, (kind,), print)
-            print(f"{kind}: {pin_servers()}")
             await measure_interleaved(mine, n, rounds)
         rows += mine
     print(

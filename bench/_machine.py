@@ -41,39 +41,3 @@ def machine_line(*software: str) -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     parts = [cpu_model(), f"{os.cpu_count()} cores", f"{mem:.0f} GiB", f"Linux {platform.release()}", f"Python {platform.python_version()}", *software]
     return ", ".join(parts) + f", calibration {calibration_ms():.1f} ms, loadavg at start {os.getloadavg()[0]:.2f}"
-
-
-def _children(pid: int) -> list[int]:
-    """Every descendant process of `pid`, read from /proc."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def pin_servers() -> str:
-    """With 2 CPUs or more: this process (the client side) on the last CPU, every process
-    it started (the servers measured) on the others, so the two never take each other's
-    core; call again after starting more. Returns what was done, for the output."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(cpus) < 2:
-        return "not pinned (one CPU)"
-    client, servers = cpus[-1], set(cpus[:-1])
-    os.sched_setaffinity(0, {client})
-    pinned = 0
-    for pid in _children(os.getpid()):
-        try:
-            os.sched_setaffinity(pid, servers)
-            pinned += 1
-        except OSError:  # exited meanwhile
-            pass
-    return f"pinned: the benchmark process on CPU {client}, {pinned} server processes on CPU {','.join(map(str, sorted(servers)))}"

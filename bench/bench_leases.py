@@ -22,10 +22,6 @@
     python -m bench.bench_leases [--handoffs 500] [--poll-handoffs 100] [--seconds 5]
         [--deployment-handoffs N (default --handoffs)] [--rounds 10] [--deployments single,sentinel,cluster]
 
-With 2 CPUs or more the benchmark process (both clients) runs on the last CPU and every
-server it started on the others (bench._machine.pin_servers), as on a real deployment
-where Redis has cores of its own: on 2 shared cores the tail is otherwise the scheduler's.
-
 Goal: hand-off p99 under 5 ms on loopback, on every deployment, with and without WAIT;
 zero double claims.
 """
@@ -47,7 +43,7 @@ from tests.fixtures.redis_server import RedisServer
 
 from bench._goal import goal_line
 from bench._leases_deployments import DEPLOYMENTS, GOAL_HANDOFF_P99_MS, Handoffs, deployment_handoffs, pct
-from bench._machine import machine_line, pin_servers
+from bench._machine import machine_line
 from llm_health.store.leases import LeaseClient
 from llm_health.store.records import Pool
 
@@ -192,7 +188,6 @@ async def main() -> None:
     print(machine())
     print(f"load average before the run: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     with RedisServer() as server:
-        print(pin_servers())
         ours, ours_return = await handoff_ours(server.url, args.handoffs)
         poll, poll_return = await handoff_polling(server.url, args.poll_handoffs)
         print()
