@@ -92,7 +92,8 @@ class Gate:
         )
         why = "Requests refused before admission: 404 (an endpoint not forwarded, an engine admin or dev one), 405 (a method not forwarded)."
         self.m_not_forwarded = Counter("llm_gate_not_forwarded", why, ["code"], registry=self.registry)
-        _ = [self.m_not_forwarded.labels(code) for code in ("404", "405")]
+        for code in ("404", "405"):
+            self.m_not_forwarded.labels(code)
         self.m_redis = Gauge("llm_gate_redis_up", "1 if the gate's last Redis call succeeded.", registry=self.registry)
         self.m_closed = Gauge("llm_gate_route_closed", "1 while an operator holds the route at reject_all.", ["route"], registry=self.registry)
         self.m_duration = Histogram(
@@ -278,8 +279,7 @@ class Gate:
         return web.json_response(body, status=decision.status, headers=headers)
 
     def _not_forwarded(self, request: web.Request, rules: tuple[forwarding.Rule, ...]) -> web.Response | None:
-        """404/405 for what the route (or, before the body is read, any route) does not
-        forward: checked before any other work, the body unread."""
+        """404/405 for what the route (or any route: before the body is read) does not forward."""
         verdict = forwarding.check(request.method, request.raw_path.split("?", 1)[0], rules)
         if verdict.forward:
             return None
@@ -371,8 +371,7 @@ class Gate:
             log.warning("upstream of route %s broke mid-answer: %s", route.name, exc)
             if request.transport is not None:
                 request.transport.close()
-            # Its end is never written (the transport is closed): aiohttp takes that as a
-            # client gone, quietly, where a raised error would log a traceback.
+            # Its end cannot be written (transport closed): a client gone to aiohttp, not a traceback.
             return request["llm_health_response"]
         self.m_upstream.labels(route.name, str(status)).inc()
         self.m_tokens.labels(route.name).inc(units)
