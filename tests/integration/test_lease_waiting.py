@@ -8,6 +8,8 @@ No test asserts a wall-clock time: the lingers below are either far longer than 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import pytest
 import pytest_asyncio
 from redis.exceptions import ClusterDownError, SlotNotCoveredError, TryAgainError
@@ -15,7 +17,7 @@ from redis.exceptions import ClusterDownError, SlotNotCoveredError, TryAgainErro
 from llm_health.store.feed import KeyeventFeed
 from llm_health.store.keys import LeaseKeys
 from llm_health.store.leases import LeaseClient
-from llm_health.store.records import Pool
+from llm_health.store.records import Lease, Pool
 from tests.fixtures.redis_ops import kill_our_feeds, our_feeds
 from tests.integration.test_leases import eventually, no_feed_left
 
@@ -41,26 +43,45 @@ async def feed_ids(c: LeaseClient) -> set[tuple[str, str]]:
     return {(f["laddr"], f["id"]) for f in await our_feeds(c.deployment)}
 
 
+async def subscribed_everywhere(c: LeaseClient, what: str, not_in: frozenset = frozenset()) -> set[tuple[str, str]]:
+    """Eventually: one of our subscriptions on every primary, none of them in `not_in`
+    (a short wait may time out before the feed is up)."""
+
+    async def ready() -> set[tuple[str, str]] | None:
+        ids = await feed_ids(c)
+        return ids if len(ids) == len(await c.deployment.primaries()) and not ids & not_in else None
+
+    return await eventually(ready, what)
+
+
+async def waited_in_vain(c: LeaseClient, pool: Pool) -> Lease:
+    """g0 held by "busy", and a short wait for it that times out: the feed, lingering now."""
+    held = await c.claim("g0", "busy")
+    assert held is not None
+    assert await c.wait_for_gpu(pool, "w", timeout=0.1) is None
+    return held
+
+
+def release_after_miss(c: LeaseClient, held: Lease) -> Callable[[], Awaitable[None]]:
+    """An after_first_miss hook that releases `held`: the waiter is woken by its event."""
+
+    async def hook() -> None:
+        assert await c.release(held)
+
+    return hook
+
+
 async def test_a_waiter_back_within_the_linger_reuses_the_subscription(lingering: LeaseClient):
     c = lingering
     pool = Pool("p", ["g0"])
-    held = await c.claim("g0", "busy")
-    assert held is not None
-    assert await c.wait_for_gpu(pool, "first", timeout=0.2) is None
-
-    async def subscribed() -> set[tuple[str, str]] | None:  # everywhere (a short wait may time out before)
-        ids = await feed_ids(c)
-        return ids if len(ids) == len(await c.deployment.primaries()) else None
-
-    ids = await eventually(subscribed, "the feed subscribed on every primary, with no waiter left")
+    held = await waited_in_vain(c, pool)
+    ids = await subscribed_everywhere(c, "the feed subscribed on every primary, with no waiter left")
     assert await c.wait_for_gpu(pool, "second", timeout=0.2) is None
     assert await feed_ids(c) == ids  # the same connections: not subscribed again
 
     # And the lingering feed still wakes a waiter on a release.
-    async def release_after_miss() -> None:
-        assert await c.release(held)
-
-    lease = await c.wait_for_gpu(pool, "third", timeout=30, fallback_interval_s=LONG, after_first_miss=release_after_miss)
+    hook = release_after_miss(c, held)
+    lease = await c.wait_for_gpu(pool, "third", timeout=30, fallback_interval_s=LONG, after_first_miss=hook)
     assert lease is not None and lease.via == "del"
     assert await feed_ids(c) == ids
 
@@ -95,22 +116,12 @@ async def test_closing_the_client_while_it_lingers_leaves_no_feed(redis_url: str
 async def test_a_feed_broken_while_it_lingers_is_made_again(lingering: LeaseClient):
     c = lingering
     pool = Pool("p", ["g0"])
-    held = await c.claim("g0", "busy")
-    assert held is not None
-    assert await c.wait_for_gpu(pool, "w", timeout=0.1) is None
-    before = await feed_ids(c)
+    held = await waited_in_vain(c, pool)
+    before = frozenset(await feed_ids(c))
     assert await kill_our_feeds(c.deployment) >= 1
-
-    async def made_again() -> bool:
-        ids = await feed_ids(c)
-        return len(ids) == len(await c.deployment.primaries()) and not ids & before
-
-    await eventually(made_again, "the lingering feed subscribed again")
-
-    async def release_after_miss() -> None:
-        assert await c.release(held)
-
-    lease = await c.wait_for_gpu(pool, "w2", timeout=30, fallback_interval_s=LONG, after_first_miss=release_after_miss)
+    await subscribed_everywhere(c, "the lingering feed subscribed again", not_in=before)
+    hook = release_after_miss(c, held)
+    lease = await c.wait_for_gpu(pool, "w2", timeout=30, fallback_interval_s=LONG, after_first_miss=hook)
     assert lease is not None and lease.via in ("del", "resubscribe")
 
 

@@ -160,17 +160,22 @@ async def all_acted(clients, answers: list[dict]) -> list[dict]:
     return [await wait_done(c, action, timeout=60) for c, action in started]
 
 
-async def two_replicas(restarter_client, config):
-    (ra, a), (rb, b) = await restarter_client(config), await restarter_client(config)
-    return (ra, rb), (a, b)
+ONE_RESTART = Budget(max_restarts=1, window=3600, cooldown=60)  # a second restart is refused for budget
 
 
-async def test_same_alert_after_a_failover_is_a_duplicate(sim_server, ticker, restarter_client, tmp_path, topo):
+async def hung_pair(sim_server, ticker, restarter_client, tmp_path, topo, **config_kw):
+    """A hung simulated server, the marker file its restart command writes, and two
+    restarter replicas sharing `topo`: (server, marker, (restarters), (clients))."""
     s = await sim_server(scenario="hung")
     ticker.append(s)
     marker = tmp_path / "marker"
-    config = make_config(marker_target(BACKEND, s, marker), redis=shared(topo.url), confirm_interval=0.3)
-    restarters, clients = await two_replicas(restarter_client, config)
+    config = make_config(marker_target(BACKEND, s, marker), redis=shared(topo.url), confirm_interval=0.3, **config_kw)
+    (ra, a), (rb, b) = await restarter_client(config), await restarter_client(config)
+    return s, marker, (ra, rb), (a, b)
+
+
+async def test_same_alert_after_a_failover_is_a_duplicate(sim_server, ticker, restarter_client, tmp_path, topo):
+    s, marker, restarters, clients = await hung_pair(sim_server, ticker, restarter_client, tmp_path, topo)
     faults = Faults(topo, restarters[0].state._done_key(BACKEND, ("fp", "startsAt")))
     body = hung_alert(BACKEND, evidence_of(s))
     before, after = collections.Counter(), collections.Counter()
@@ -200,12 +205,7 @@ async def test_same_alert_after_a_failover_is_a_duplicate(sim_server, ticker, re
 
 
 async def test_budget_survives_a_failover_and_a_killed_primary(sim_server, ticker, restarter_client, tmp_path, topo):
-    s = await sim_server(scenario="hung")
-    ticker.append(s)
-    marker = tmp_path / "marker"
-    budget = Budget(max_restarts=1, window=3600, cooldown=60)
-    config = make_config(marker_target(BACKEND, s, marker), redis=shared(topo.url), budget=budget, confirm_interval=0.3)
-    restarters, clients = await two_replicas(restarter_client, config)
+    s, marker, restarters, clients = await hung_pair(sim_server, ticker, restarter_client, tmp_path, topo, budget=ONE_RESTART)
     faults = Faults(topo, restarters[0].state._k("restarts", BACKEND))
     seen = collections.Counter()
     effect = RestartEffect(marker, s)
@@ -235,12 +235,7 @@ async def test_budget_survives_a_failover_and_a_killed_primary(sim_server, ticke
 
 
 async def test_unreplicated_budget_claim_is_refused_and_not_spent(sim_server, ticker, restarter_client, tmp_path, topo, caplog):
-    s = await sim_server(scenario="hung")
-    ticker.append(s)
-    marker = tmp_path / "marker"
-    budget = Budget(max_restarts=1, window=3600, cooldown=60)
-    config = make_config(marker_target(BACKEND, s, marker), redis=shared(topo.url), budget=budget, confirm_interval=0.3)
-    restarters, clients = await two_replicas(restarter_client, config)
+    s, marker, restarters, clients = await hung_pair(sim_server, ticker, restarter_client, tmp_path, topo, budget=ONE_RESTART)
     faults = Faults(topo, restarters[0].state._k("restarts", BACKEND))
     body = hung_alert(BACKEND, evidence_of(s))
     seen = collections.Counter()
