@@ -52,6 +52,7 @@ log = logging.getLogger("llm_health.restarter")
 
 ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT, RedisError)
 POLL = 0.25  # seconds between looks for handed-over evidence
+ALREADY_ACTED_ON = "this alert (fingerprint, startsAt) was already acted on"  # a duplicate's detail
 
 
 @dataclass
@@ -116,7 +117,7 @@ class RedisState:
             return Admission(alert, "duplicate", name, why)
         try:
             if await self.redis.exists(self._done_key(name, alert.key)):
-                return Admission(alert, "duplicate", name, "this alert (fingerprint, startsAt) was already acted on")
+                return Admission(alert, "duplicate", name, ALREADY_ACTED_ON)
             # A holder id per admission: a claim is idempotent for its holder (a retry
             # gets the same lease back), so two deliveries at once must not share one.
             holder = f"{self.holder}:{uuid.uuid4().hex[:8]}"
@@ -138,7 +139,7 @@ class RedisState:
                 await self.leases.release(lease)
             if done is None:
                 return Admission(alert, "state_unavailable", name, why)
-            return Admission(alert, "duplicate", name, "this alert (fingerprint, startsAt) was already acted on")
+            return Admission(alert, "duplicate", name, ALREADY_ACTED_ON)
         hb = self.leases.heartbeat(lease)
         self.held[name] = _Held(alert.key, lease, hb)
         return Admission(alert, "accepted", name)
