@@ -66,7 +66,7 @@ def gate_proc(port: int, upstream: str, redis_url: str, without_redis: bool = Fa
         async def finish(*_args):
             return None
 
-        gate._enqueue_and_read, gate._finish = enqueue_and_read, finish
+        gate.admission._enqueue_and_read, gate.admission._finish_once = enqueue_and_read, finish  # type: ignore[method-assign]
     tune_gc()
     run_app(gate.app(), "127.0.0.1", port, handler_cancellation=True)  # as `llm-health gate` runs it
 

@@ -286,7 +286,7 @@ async def test_header_bounds(stack, monkeypatch, header, at, past):
     """limits.md: accepted at the bound, a 400 naming the header one past it, before
     anything is written to Redis. The gate's clock is held still, so the bounds are exact."""
     now = int(time.time() * 1000)
-    monkeypatch.setattr("llm_health.gate.app.now_ms", lambda: now)
+    monkeypatch.setattr("llm_health.gate.decision.now_ms", lambda: now)
     s = await stack()
     ids = {"refused": {"X-Request-Id": "refused-1"}, "accepted": {"X-Request-Id": "accepted-1"}}
     if header in ("X-Request-Id", "Idempotency-Key"):

@@ -158,8 +158,18 @@ class AdmissionQueue:
         return keys, [request_id, state, "" if http_status is None else int(http_status), now, int(only_if_waiting)]
 
     def attempt_call(
-        self, request_id: str, route: str, token_units: int, http_status: int | None, retry_count: int | None, now: int
+        self,
+        request_id: str,
+        route: str,
+        token_units: int,
+        http_status: int | None,
+        retry_count: int | None,
+        now: int,
+        attempt_id: str = "",
+        tenant_key: str | None = None,
     ) -> tuple[list[Any], list[Any]]:
+        """With ``attempt_id`` the write is idempotent (sent again after a timeout, it counts
+        once); with ``tenant_key`` the units are charged to it in the same script."""
         keys = [self.keys.record(request_id), *self.keys.route_keys(route)]
         args = [
             request_id,
@@ -168,7 +178,11 @@ class AdmissionQueue:
             now,
             self.retention_ms,
             "" if retry_count is None else int(retry_count),
+            attempt_id,
+            int(token_units) if tenant_key else 0,
         ]
+        if tenant_key:
+            keys.append(tenant_key)
         return keys, args
 
     # On a pipeline, by SHA (no SCRIPT EXISTS round trip per pipeline, as redis-py's
@@ -180,8 +194,20 @@ class AdmissionQueue:
     def pipe_leave(self, pipe: Any, request_id: str, route: str, state: str, http_status: int | None, now: int) -> None:
         self._pipelined(pipe, self._leave, self.leave_call(request_id, route, state, http_status, now))
 
-    def pipe_attempt(self, pipe: Any, request_id: str, route: str, token_units: int, http_status: int | None, retry_count: int | None, now: int) -> None:
-        self._pipelined(pipe, self._attempt, self.attempt_call(request_id, route, token_units, http_status, retry_count, now))
+    def pipe_attempt(
+        self,
+        pipe: Any,
+        request_id: str,
+        route: str,
+        token_units: int,
+        http_status: int | None,
+        retry_count: int | None,
+        now: int,
+        attempt_id: str = "",
+        tenant_key: str | None = None,
+    ) -> None:
+        call = self.attempt_call(request_id, route, token_units, http_status, retry_count, now, attempt_id, tenant_key)
+        self._pipelined(pipe, self._attempt, call)
 
     async def load_scripts(self) -> None:
         for script in (self._enqueue, self._leave, self._attempt, self._gc):

@@ -200,11 +200,22 @@ if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'http_status', ARGV[3]) end
 return redis.call('HGETALL', KEYS[1])
 """
 
-# KEYS: record, enqueued, deadline, retried, live, dup
-# ARGV: id, token_units, http_status ('' = none), now_ms, retention_ms, retry_count ('' = none)
+# KEYS: record, enqueued, deadline, retried, live, dup[, tenant's minute]
+# ARGV: id, token_units, http_status ('' = none), now_ms, retention_ms, retry_count ('' = none),
+#       attempt id ('' = none), units charged to the tenant key (0 = none)
+# With an attempt id the script is idempotent: the same attempt recorded twice (a write
+# sent again after a timeout whose first copy did run) is counted once, tenant included.
 RECORD_ATTEMPT_LUA = """
 local rec = KEYS[1]
 if redis.call('EXISTS', rec) == 0 then return false end
+if ARGV[7] and ARGV[7] ~= '' then
+  if redis.call('HGET', rec, 'last_attempt') == ARGV[7] then return redis.call('HGETALL', rec) end
+  redis.call('HSET', rec, 'last_attempt', ARGV[7])
+end
+if KEYS[7] and tonumber(ARGV[8] or '0') > 0 then
+  redis.call('INCRBY', KEYS[7], ARGV[8])
+  redis.call('EXPIRE', KEYS[7], 120)
+end
 redis.call('HINCRBY', rec, 'attempts', 1)
 local units = tonumber(ARGV[2])
 local total = redis.call('HINCRBY', rec, 'token_units', units)

@@ -1,0 +1,409 @@
+"""The one admission decision every door uses: the gate's reverse proxy (`gate.app`), the
+decision endpoint for nginx `auth_request` and Envoy `ext_authz` (`gate.doors`), and the
+LiteLLM hook. A door hands over what it knows of the request (method, raw path, headers,
+the body where it has one) and gets an `Outcome`: admitted, with the headers to pass to
+the upstream and the client, or refused, with the status, the JSON body and the headers
+(`Retry-After`) to answer with. Every door answers the same vocabulary; none holds a copy
+of the decision.
+
+What it does, in order: the route's allowlist (`core.forwarding`: 404/405), the headers
+(`gate.headers`: 400 naming the header), one Redis round trip (the request enqueued or a
+resent id recognised, the route's queue age, the tenant's spend), the policy
+(`core.admission.decide`). A refusal is marked done at once. An admitted request comes
+with an `Attempt` the door finishes when it knows the upstream's answer (`finish`): the
+attempt's status and token units, the id done, the tenant charged, in one idempotent
+script, sent again (bounded) while Redis does not answer, counted when given up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from redis import asyncio as aioredis
+from redis.exceptions import ClusterDownError, MovedError, NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ..config.gate import GateConfig, Route
+from ..core import admission, forwarding
+from ..store.deployment import connect, wrap
+from ..store.queue import ROUTE_STATS_COMMANDS, AdmissionQueue, QueueRecord, RouteStats, add_route_stats_commands, now_ms, parse_route_stats
+from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant
+
+log = logging.getLogger("llm_health.gate")
+
+# Redis is down or unreachable: the route's redis_down policy applies. Any other Redis
+# error (a refused script, a bad value) means Redis is up and answered. On Cluster: a
+# cluster that says it is down (CLUSTERDOWN, a failover under way) or whose slot map
+# cannot be had (RedisClusterException) is down too.
+REDIS_DOWN: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, RedisClusterException)
+
+# The headers a door hands the proxy (and the proxy the upstream and the client), in the
+# user's field names.
+QUEUE_AGE_HEADER = "x-queue-age-ms"
+SLACK_HEADER = "x-deadline-slack-ms"
+DECISION_HEADER = "X-LLM-Health-Decision"
+
+# Finishing an attempt while Redis does not answer: sent again after these pauses (about
+# 7 s in all, past a Sentinel failover's few seconds), then given up and counted.
+FINISH_RETRY_S = (0.1, 0.3, 1.0, 2.0, 4.0)
+
+
+@dataclass
+class Attempt:
+    """An admitted request, to be finished once its upstream answered."""
+
+    request_id: str
+    queue_id: str  # `<tenant>/<request id>`
+    route: str
+    tenant: str
+    retry_count: int | None
+    recorded: bool  # False: admitted while Redis was down, nothing to finish
+    attempt_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+
+
+@dataclass
+class Outcome:
+    admitted: bool
+    status: int  # 200 when admitted
+    decision: str  # core.admission's vocabulary, or bad_request / not_forwarded / internal
+    headers: dict[str, str]  # to the client; when admitted, to the upstream too
+    body: dict[str, Any] | None = None  # the refusal's JSON body
+    route: Route | None = None
+    attempt: Attempt | None = None
+
+    def body_bytes(self) -> bytes:
+        return json.dumps(self.body, separators=(",", ":")).encode() if self.body is not None else b""
+
+
+def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None, **extra: Any) -> Outcome:
+    return Outcome(False, status, kind, headers or {}, {"error": {"type": kind, "message": message, **extra}})
+
+
+class Admission:
+    """The decision and the record, shared by every door of one process."""
+
+    def __init__(self, cfg: GateConfig, redis: aioredis.Redis | Any = None, registry: CollectorRegistry | None = None):
+        self.cfg = cfg
+        # One server, Sentinel or Cluster, from the URL (store.deployment); on one server
+        # at most 64 connections, a caller waiting up to 1 s for a free one.
+        self.deployment = wrap(redis) if redis is not None else connect(cfg.redis_url, socket_timeout=1.0, max_connections=64, blocking_timeout=1.0)
+        self.redis = self.deployment.client
+        self.queue = AdmissionQueue(self.deployment, prefix=cfg.queue_prefix)
+        self.redis_up = True
+        self._pending: set[asyncio.Task[None]] = set()  # attempts being recorded after their response
+        self._sampler: asyncio.Task[None] | None = None
+        self._index_routes()
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.m_decisions = Counter("llm_gate_decisions", "Admission decisions by route.", ["route", "decision"], registry=r)
+        why = "Requests refused before admission: 404 (an endpoint not forwarded, an engine admin or dev one), 405 (a method not forwarded)."
+        self.m_not_forwarded = Counter("llm_gate_not_forwarded", why, ["code"], registry=r)
+        for code in ("404", "405"):
+            self.m_not_forwarded.labels(code)
+        self.m_redis = Gauge("llm_gate_redis_up", "1 if the gate's last Redis call succeeded.", registry=r)
+        self.m_closed = Gauge("llm_gate_route_closed", "1 while an operator holds the route at reject_all.", ["route"], registry=r)
+        self.m_record_retries = Counter("llm_gate_record_retries", "Attempt records sent to Redis again after it did not answer.", registry=r)
+        self.m_records_lost = Counter(
+            "llm_gate_records_given_up", "Attempt records given up after Redis did not answer for every retry (the record expires).", registry=r
+        )
+        self.m_redis.set(1)
+        self._label_routes()
+
+    def _index_routes(self) -> None:
+        routes = self.cfg.routes.values()
+        self._by_model = any(r.models for r in routes)
+        self._any_rules = tuple(rule for r in routes for rule in r.allow)  # before a route is chosen
+
+    def _label_routes(self) -> None:
+        for name, route in self.cfg.routes.items():
+            self.m_closed.labels(name).set(1 if route.policy.mode == "reject_all" else 0)
+            for d in admission.DECISIONS:
+                self.m_decisions.labels(name, d)
+
+    def replace_config(self, new: GateConfig) -> str:
+        """A reloaded configuration: a route keeps its current mode (an operator's
+        reject_all survives a reload) and its reopen guard; everything else is the file's."""
+        note = ""
+        if (new.redis_url, new.queue_prefix) != (self.cfg.redis_url, self.cfg.queue_prefix):
+            note = " (gate.redis and gate.queue_prefix take effect on restart only)"
+        for name, route in new.routes.items():
+            old = self.cfg.routes.get(name)
+            if old is not None:
+                route.policy = replace(route.policy, mode=old.policy.mode)
+                route.guard = old.guard
+        new.redis_url, new.queue_prefix = self.cfg.redis_url, self.cfg.queue_prefix
+        self.cfg = new
+        self._index_routes()
+        self._label_routes()
+        return f"{len(new.routes)} routes{note}"
+
+    # --- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        self._sampler = asyncio.create_task(self._sample())
+
+    async def stop(self) -> None:
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+        if self._sampler:
+            self._sampler.cancel()
+            await asyncio.gather(self._sampler, return_exceptions=True)
+        await self.deployment.aclose()
+
+    async def _sample(self) -> None:
+        """Every sample_interval, note per closed route whether queue age is under the deadline."""
+        while True:
+            await asyncio.sleep(self.cfg.sample_interval)
+            for route in self.cfg.routes.values():
+                try:
+                    stats = await self.queue.route_stats(route.name)
+                except REDIS_DOWN:
+                    self._redis(False)
+                    continue
+                except RedisError as exc:
+                    log.error("redis refused the queue read of route %s: %s", route.name, exc)
+                    continue
+                self._redis(True)
+                age = stats.oldest_age_ms or 0
+                deadline = route.policy.default_deadline_ms or route.policy.reject_if_queue_age_ms_gte
+                route.guard.observe(age, deadline)
+
+    def _redis(self, ok: bool) -> None:
+        self.redis_up = ok
+        self.m_redis.set(1 if ok else 0)
+
+    # --- the decision ------------------------------------------------------------------
+    def not_forwarded(self, method: str, raw_path: str, route: Route | None = None) -> Outcome | None:
+        """404/405 for what the route (or, with no route yet, any route) does not forward."""
+        rules = route.allow if route is not None else self._any_rules
+        verdict = forwarding.check(method, raw_path.split("?", 1)[0], rules)
+        if verdict.forward:
+            return None
+        self.m_not_forwarded.labels(str(verdict.status)).inc()
+        headers = {"Allow": ", ".join(verdict.allow)} if verdict.allow else None
+        return _error(verdict.status, "not_forwarded", verdict.reason, headers)
+
+    def needs_body(self, headers: Mapping[str, str]) -> bool:
+        """Whether the route is chosen by the body's model (no X-Route, several routes)."""
+        return not headers.get("X-Route") and len(self.cfg.routes) > 1 and self._by_model
+
+    def route_for(self, headers: Mapping[str, str], body: bytes | None) -> Route:
+        name = headers.get("X-Route")
+        if name:
+            if name not in self.cfg.routes:
+                raise BadRequest(f"X-Route {name!r} is not a configured route ({', '.join(self.cfg.routes)})")
+            return self.cfg.routes[name]
+        first = next(iter(self.cfg.routes.values()))
+        if len(self.cfg.routes) == 1 or not self._by_model or not body or body[:1] != b"{":
+            return first
+        try:
+            model = json.loads(body).get("model")
+        except (ValueError, AttributeError):
+            return first
+        return next((r for r in self.cfg.routes.values() if model is not None and model in r.models), first)
+
+    async def decide(self, method: str, raw_path: str, headers: Mapping[str, str], body: bytes | None = None, *, allowlist_checked: bool = False) -> Outcome:
+        """The whole decision for one request at a door (see the module's docstring);
+        ``allowlist_checked``: the door already asked `not_forwarded` with no route."""
+        if not allowlist_checked and (refused := self.not_forwarded(method, raw_path)) is not None:
+            return refused
+        now = now_ms()
+        try:
+            request_id = read_request_id(headers) or f"gate-{uuid.uuid4()}"
+            route = self.route_for(headers, body)
+            if len(self.cfg.routes) > 1 and (refused := self.not_forwarded(method, raw_path, route)) is not None:
+                return refused
+            tenant = read_tenant(headers)
+            deadline_ms = read_deadline_ms(headers, now, route.policy.default_deadline_ms)
+            header_retries = read_retry_count(headers)
+        except BadRequest as exc:
+            return _error(400, "bad_request", str(exc))
+        # Ids are the client's, scoped by tenant: two tenants' `order-1001` are two requests.
+        queue_id = f"{tenant}/{request_id}"
+        fields: dict[str, Any] = {"request_id": request_id}
+        recorded = True
+        try:
+            record, stats, budget = await self._enqueue_and_read(queue_id, route.name, tenant, deadline_ms, now)
+            self._redis(True)
+            retry_count = max(header_retries, record.retry_count)
+            deadline_ms = record.deadline_ms  # a resent id keeps the deadline of its first copy
+            # Age first: how long the requests ahead of this one have waited. A resent id's own
+            # lateness is in its slack (it keeps its first deadline) and its retry count.
+            queue_age_ms = stats.oldest_age_ms or 0
+            req = admission.Request(
+                queue_age_ms=queue_age_ms,
+                deadline_slack_ms=deadline_ms - now,
+                retry_count=retry_count,
+                last_upstream_status=record.http_status,
+                tenant_budget_left=budget,
+            )
+            decision = admission.decide(req, route.policy)
+            fields.update(queue_age_ms=queue_age_ms, deadline_slack_ms=deadline_ms - now, retry_count=retry_count)
+        except REDIS_DOWN as exc:
+            self._redis(False)
+            recorded = False
+            log.warning("redis unreachable for route %s (%s): failing %s", route.name, type(exc).__name__, route.policy.redis_down)
+            slack = deadline_ms - now
+            # A rejection's body has every documented key; the queue age is unknown (null).
+            fields.update(queue_age_ms=None, deadline_slack_ms=slack, retry_count=header_retries)
+            if route.policy.redis_down == "closed":
+                decision = admission.Decision(
+                    admission.REJECT_REDIS_DOWN, "Redis unreachable: queue age unknown; route fails closed", 503, retry_after_s=5.0, retryable=True
+                )
+            else:
+                # Fail open: the policy still sees this request's own deadline and retries.
+                decision = admission.decide(admission.Request(queue_age_ms=0, deadline_slack_ms=slack, retry_count=header_retries), route.policy)
+                if decision.admitted:
+                    decision = replace(decision, decision=admission.ADMIT_UNRECORDED, reason=f"{decision.reason}; Redis unreachable, failing open")
+        except RedisError as exc:
+            # Redis answered, and refused: a value of this request, or a bug; Redis is up.
+            log.error("redis refused the request record for route %s: %s", route.name, exc)
+            return _error(500, "internal", "the request could not be recorded", request_id=request_id)
+
+        self.m_decisions.labels(route.name, decision.decision).inc()
+        out = {"X-Request-Id": request_id, DECISION_HEADER: decision.decision}
+        if fields.get("queue_age_ms") is not None:
+            out[QUEUE_AGE_HEADER] = str(int(fields["queue_age_ms"]))
+        out[SLACK_HEADER] = str(int(fields["deadline_slack_ms"]))
+        if decision.admitted:
+            attempt = Attempt(request_id, queue_id, route.name, tenant, fields.get("retry_count"), recorded)
+            return Outcome(True, 200, decision.decision, out, route=route, attempt=attempt)
+        if recorded:
+            await self.quiet(self.queue.complete(queue_id, decision.status, route=route.name))
+        if decision.retry_after_s is not None:
+            out["Retry-After"] = str(max(1, round(decision.retry_after_s)))
+        refusal = {
+            "error": {
+                "type": "admission_rejected",
+                "code": decision.decision,
+                "message": decision.reason,
+                "retryable": decision.retryable,
+                "route": route.name,
+                **fields,
+            }
+        }
+        return Outcome(False, decision.status, decision.decision, out, refusal, route=route)
+
+    def _tenant_key(self, tenant: str) -> str:
+        return self.queue.keys.tenant(tenant, int(time.time() // 60))
+
+    async def _enqueue_and_read(self, request_id: str, route: str, tenant: str, deadline_ms: int, now: int) -> tuple[QueueRecord, RouteStats, float | None]:
+        """One round trip: enqueue (or recognise a resent id), the route's queue stats,
+        the tenant's spend this minute, and the id taken off the waiting set."""
+        q = self.queue
+        pipe = await self._pipeline()
+        # The queue as this request finds it (the others waiting), before it joins.
+        add_route_stats_commands(pipe, q.keys, route, now)
+        q.pipe_enqueue(pipe, request_id, route, tenant, deadline_ms, now, now)
+        limit = self.cfg.tenants.get(tenant)
+        if limit is not None:
+            pipe.get(self._tenant_key(tenant))
+        # Leave the waiting set at once (state running): an admitted request saves a round
+        # trip; a rejected one is marked done right after.
+        q.pipe_leave(pipe, request_id, route, "running", None, now)
+        replies = await self._execute(pipe)
+        stats = parse_route_stats(replies[:ROUTE_STATS_COMMANDS], now)
+        record = QueueRecord.from_hash(request_id, replies[ROUTE_STATS_COMMANDS])
+        assert record is not None  # the enqueue script returns the record it wrote
+        budget = None if limit is None else limit - float(replies[ROUTE_STATS_COMMANDS + 1] or 0)
+        return record, stats, budget
+
+    # --- finishing an attempt -------------------------------------------------------------
+    async def finish(self, attempt: Attempt, status: int, units: int = 0) -> bool:
+        """Record the attempt's end (status, token units), the id done, the tenant charged:
+        one idempotent script and the leave, sent again while Redis does not answer
+        (FINISH_RETRY_S), then given up (counted). True once written."""
+        if not attempt.recorded:
+            return False
+        for pause in (*FINISH_RETRY_S, None):
+            try:
+                await self._finish_once(attempt, status, units)
+                self._redis(True)
+                return True
+            except REDIS_DOWN as exc:
+                self._redis(False)
+                if pause is None:
+                    self.m_records_lost.inc()
+                    log.warning(
+                        "gave up recording the attempt of %s on route %s: Redis did not answer (%s)", attempt.request_id, attempt.route, type(exc).__name__
+                    )
+                    return False
+                self.m_record_retries.inc()
+                await asyncio.sleep(pause)
+            except RedisError as exc:
+                log.error("redis refused the attempt record of route %s: %s", attempt.route, exc)
+                return False
+        return False  # not reached
+
+    async def _finish_once(self, attempt: Attempt, status: int, units: int) -> None:
+        q = self.queue
+        now = now_ms()
+        pipe = await self._pipeline()
+        tenant_key = self._tenant_key(attempt.tenant) if attempt.tenant in self.cfg.tenants and units else None
+        q.pipe_attempt(pipe, attempt.queue_id, attempt.route, units, status, attempt.retry_count, now, attempt.attempt_id, tenant_key)
+        q.pipe_leave(pipe, attempt.queue_id, attempt.route, "done", status, now)
+        await self._execute(pipe)
+
+    def finish_later(self, attempt: Attempt, status: int, units: int = 0) -> None:
+        """`finish` off the client's path; `stop()` waits for it."""
+        if attempt.recorded:
+            self.background(self.finish(attempt, status, units))
+
+    def background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def quiet(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run a write off the client's path; only an unreachable Redis counts as down."""
+        try:
+            await coro
+            self._redis(True)
+        except REDIS_DOWN:
+            self._redis(False)
+        except RedisError as exc:
+            log.error("redis refused a queue write: %s", exc)
+
+    # --- Redis ---------------------------------------------------------------------------
+    async def _pipeline(self) -> Any:
+        """A pipeline for the queue's commands. On Cluster the whole queue is one hash tag
+        (one slot) and redis-py's cluster pipeline refuses EVALSHA: a plain pipeline on the
+        primary owning that slot (the slot map is asked again after a failover: `_execute`)."""
+        if not self.deployment.cluster:
+            return self.redis.pipeline(transaction=False)
+        await self.redis.initialize()  # the slot map, once
+        node = self.redis.get_node_from_key(self.queue.keys.routes())
+        return self.deployment.node(node.host, node.port).pipeline(transaction=False)
+
+    async def _execute(self, pipe: Any) -> list[Any]:
+        """Run a pipeline holding EVALSHAs and reads (every command safe to send again: the
+        attempt script is idempotent by attempt id). On a Redis that lost its scripts
+        (NOSCRIPT: a restart, a failover) load them and run it again. On Cluster, a MOVED
+        (nothing ran: one slot) runs it again on the slot's primary now."""
+        commands = list(pipe.command_stack)
+        try:
+            try:
+                return await pipe.execute()
+            except MovedError:
+                if not self.deployment.cluster:
+                    raise
+                await self.deployment.refresh_topology()
+                pipe = await self._pipeline()
+                pipe.command_stack = list(commands)
+                return await pipe.execute()
+        except NoScriptError:
+            await self.queue.load_scripts()
+            again = await self._pipeline()
+            again.command_stack = list(commands)
+            return await again.execute()
+        except REDIS_DOWN:
+            await self.deployment.refresh_topology()  # Cluster: the next request finds the new primary
+            raise
