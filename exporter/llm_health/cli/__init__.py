@@ -4,6 +4,7 @@ llm-health check URL [--kind vllm|proxy] [--json] ...   one verdict, for watchdo
 llm-health serve --config.file FILE                      the Prometheus exporter
 llm-health config check FILE                              validate a config
 llm-health gate --config.file FILE                       the age-first admission gate
+llm-health decide --config.file FILE                     its decision for nginx auth_request / Envoy ext_authz
 llm-health restarter --config.file FILE                  the Alertmanager webhook receiver
 llm-health drill retry|watchdog                          the drills
 llm-health demo                                           a simulated fleet, live
@@ -15,7 +16,7 @@ import sys
 
 from .. import __version__
 from ..core.states import ExitCode
-from . import check, demo, drill, gate, restarter, serve
+from . import check, decide, demo, drill, gate, restarter, serve
 from .common import Parser, add_log_level, setup_logging
 
 
@@ -24,7 +25,7 @@ def parser() -> Parser:
     p.add_argument("--version", action="version", version=f"llm-health {__version__}")
     add_log_level(p, default="info")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for module in (check, serve, gate, drill, demo, restarter):
+    for module in (check, serve, gate, decide, drill, demo, restarter):
         module.add(sub)
     return p
 

@@ -317,9 +317,9 @@ class Admission:
         return record, stats, budget
 
     # --- finishing an attempt -------------------------------------------------------------
-    async def finish(self, attempt: Attempt, status: int, units: int = 0) -> bool:
+    async def finish(self, attempt: Attempt, status: int | None, units: int = 0) -> bool:
         """Record the attempt's end (status, token units), the id done, the tenant charged:
-        one idempotent script and the leave, sent again while Redis does not answer
+        one idempotent script and the leave (status None: not known to the door), sent again while Redis does not answer
         (FINISH_RETRY_S), then given up (counted). True once written."""
         if not attempt.recorded:
             return False
@@ -343,7 +343,7 @@ class Admission:
                 return False
         return False  # not reached
 
-    async def _finish_once(self, attempt: Attempt, status: int, units: int) -> None:
+    async def _finish_once(self, attempt: Attempt, status: int | None, units: int) -> None:
         q = self.queue
         now = now_ms()
         pipe = await self._pipeline()
@@ -352,7 +352,7 @@ class Admission:
         q.pipe_leave(pipe, attempt.queue_id, attempt.route, "done", status, now)
         await self._execute(pipe)
 
-    def finish_later(self, attempt: Attempt, status: int, units: int = 0) -> None:
+    def finish_later(self, attempt: Attempt, status: int | None, units: int = 0) -> None:
         """`finish` off the client's path; `stop()` waits for it."""
         if attempt.recorded:
             self.background(self.finish(attempt, status, units))

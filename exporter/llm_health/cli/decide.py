@@ -1,0 +1,48 @@
+"""`llm-health decide`: the admission decision as an endpoint for nginx `auth_request` and
+Envoy `ext_authz` (needs the `gate` extra; the same configuration file as the gate)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ..config.errors import ConfigError
+from ..config.gate import parse_gate_config
+from ..config.load import load_yaml
+from ..config.web import load_web_config
+from .common import add_log_level, add_web_config, listen_address
+
+
+def cmd(args: argparse.Namespace) -> int:
+    try:
+        cfg = parse_gate_config(load_yaml(args.config_file), args.config_file)
+        web_config = load_web_config(args.web_config_file)
+    except ConfigError as exc:
+        print(f"llm-health: bad config: {exc}", file=sys.stderr)
+        return 2
+    from ..gate.app import tune_gc  # the `gate` extra: redis
+    from ..gate.doors import Doors
+    from ..web import run_app
+
+    host, port = args.web_listen_address
+    doors = Doors(cfg, config_file=args.config_file)
+    tune_gc()
+    run_app(doors.app(web_config, syslog=args.syslog_listen_address), host, port, ssl_context=web_config.ssl_context)
+    return 0
+
+
+def add(sub: Any) -> None:
+    d = sub.add_parser("decide", help="the admission decision as an endpoint: nginx auth_request, Envoy ext_authz")
+    d.add_argument("--config.file", dest="config_file", required=True, help="the gate's configuration file (routes, admission, redis)")
+    d.add_argument("--web.listen-address", dest="web_listen_address", type=listen_address, default=listen_address("127.0.0.1:9120"))
+    d.add_argument(
+        "--syslog.listen-address",
+        dest="syslog_listen_address",
+        type=listen_address,
+        default=None,
+        help="UDP HOST:PORT for nginx's `access_log syslog:` reports of each attempt's end (off by default)",
+    )
+    add_web_config(d)
+    add_log_level(d)
+    d.set_defaults(func=cmd)
