@@ -128,6 +128,28 @@ async def test_gate_serves_tls_and_basic_auth_on_its_own_endpoints_only(tmp_path
     await check_tls_only(proc.url, proc.port)
 
 
+async def test_decide_serves_tls_and_basic_auth_on_every_endpoint(tmp_path, llm_health, redis_url):
+    """`llm-health decide` (the nginx and Envoy doors) as a real process: the doors are
+    guarded like the rest (a proxy sends the credentials), the answers are the gate's."""
+    web_file, context = secure_web_config(tmp_path)
+    cfg = gate_config(tmp_path / "gate.yml", redis_url, dead_url(), {"chat": "open"})
+    proc = llm_health("decide", "--config.file", cfg, "--web.config.file", web_file, scheme="https").wait_ready(context=context)
+    await check_basic_auth(
+        proc.url,
+        context,
+        protected=[("GET", "/metrics"), ("POST", "/-/reload"), ("POST", "/-/ext_authz/v1/completions")],
+        open_paths=["/-/healthy"],
+    )
+    bare = await call(proc.url + "/-/auth_request/v1/completions", context=context, headers={"X-Original-Method": "POST"})
+    assert is_basic_challenge(bare), bare
+    headers = {"X-Original-Method": "POST", "X-Request-Id": "websec-d1", "X-Request-Timeout-Ms": "30000"}
+    admitted = await call(proc.url + "/-/auth_request/v1/completions", context=context, user=(USER, PASSWORD), headers=headers)
+    assert admitted.status == 200 and admitted.headers["X-LLM-Health-Decision"] == "admit_once" and "x-deadline-slack-ms" in admitted.headers
+    hostile = await call(proc.url + "/-/ext_authz/v1/completions", "POST", context=context, user=(USER, PASSWORD), headers={"X-Retry-Count": "1e3"})
+    assert hostile.status == 400 and "X-Retry-Count" in hostile.json()["error"]["message"], hostile
+    await check_tls_only(proc.url, proc.port)
+
+
 async def test_gate_admin_controls_work_with_basic_auth_on(tmp_path, llm_health, redis_url):
     """The operator's bearer token (gate.admin_token_file) opens /-/routes/... with basic
     auth on, as without it; a wrong token, or basic auth alone, does not."""
@@ -184,8 +206,8 @@ async def test_restarter_serves_tls_basic_auth_and_its_bearer_token(tmp_path, ll
 def start_args(kind: str, tmp_path) -> tuple[list[str], dict[str, str]]:
     if kind == "serve":
         return ["serve", "--config.file", exporter_config(tmp_path / "exporter.yml", ["gpu0"])], {}
-    if kind == "gate":
-        return ["gate", "--config.file", gate_config(tmp_path / "gate.yml", "redis://127.0.0.1:1/0", dead_url(), {"chat": "open"})], {}
+    if kind in ("gate", "decide"):
+        return [kind, "--config.file", gate_config(tmp_path / "gate.yml", "redis://127.0.0.1:1/0", dead_url(), {"chat": "open"})], {}
     return ["restarter", "--config.file", restarter_config(tmp_path / "restarter.yml", ["gpu0"])], RESTARTER_ENV
 
 
@@ -208,7 +230,7 @@ GO_ONLY_TLS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_WEB_CONFIGS))
-@pytest.mark.parametrize("kind", ["serve", "gate", "restarter"])
+@pytest.mark.parametrize("kind", ["serve", "gate", "decide", "restarter"])
 def test_a_bad_web_config_is_refused_at_start(tmp_path, llm_health, kind, case):
     cert, key = self_signed(tmp_path)
     users = {USER: bcrypt_hash(PASSWORD)}
