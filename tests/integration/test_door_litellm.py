@@ -1,0 +1,254 @@
+"""The LiteLLM door: a real LiteLLM proxy (pinned, its own venv: .ci/install-litellm.sh)
+running the shipped deploy/litellm config and callback, in front of an OpenAI-compatible
+engine on loopback, a real redis-server. One proxy for the module (it takes seconds to
+start); each test uses its own request ids."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from llm_health.store.queue import AdmissionQueue
+from tests.fixtures.paths import ROOT
+from tests.fixtures.redis_server import RedisServer
+
+LITELLM_VERSION = "1.106.12"
+VENV = Path(os.environ.get("LLM_HEALTH_LITELLM_VENV", Path.home() / ".cache" / "llm-health" / f"litellm-{LITELLM_VERSION}"))
+PREFIX = "litellm-door:"
+MASTER_KEY = "sk-" + secrets.token_hex(32)  # LiteLLM refuses to start without one
+USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine(threading.Thread):
+    """An OpenAI-compatible engine in its own thread and loop (it outlives each test's loop)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.port = free_port()
+        self.seen: list[str] = []
+        self.ready = threading.Event()
+        self.loop = asyncio.new_event_loop()
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(request.headers.get("X-Request-Id", ""))
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            base = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "llama"}
+            for i in range(3):
+                await resp.write(f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': {'content': f't{i}'}}]})}\n\n".encode())
+            await resp.write(f"data: {json.dumps({**base, 'choices': [], 'usage': USAGE})}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        return web.json_response(
+            {
+                "id": "c1",
+                "object": "chat.completion",
+                "created": 1,
+                "model": "llama",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "usage": USAGE,
+            }
+        )
+
+    async def other(self, request: web.Request) -> web.Response:
+        self.seen.append(f"{request.method} {request.raw_path}")
+        return web.json_response({})
+
+    def run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_route("*", "/{tail:.*}", self.other)
+        runner = web.AppRunner(app, access_log=None)
+        self.loop.run_until_complete(runner.setup())
+        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self.ready.set()
+        self.loop.run_forever()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture(scope="module")
+def litellm(tmp_path_factory) -> Iterator[tuple[str, Engine, RedisServer]]:
+    assert (VENV / "bin" / "litellm").exists(), f"{VENV}: run .ci/install-litellm.sh"
+    tmp = tmp_path_factory.mktemp("litellm")
+    engine = Engine()
+    engine.start()
+    engine.ready.wait(10)
+    redis = RedisServer().start()
+    gate = tmp / "gate.yml"
+    gate.write_text(
+        "admission: {reject_if_queue_age_ms_gte: 3000, reject_if_retry_count_gte: 1, ignore_worker_util_when_slack_ms_lte: 0}\n"
+        f"gate:\n  redis: {redis.url}\n  queue_prefix: '{PREFIX}'\n"
+        "  routes:\n    chat: {upstream: 'http://127.0.0.1:1', models: [llama], default_deadline_ms: 30000, redis_down: closed}\n"
+    )
+    shipped = (ROOT / "deploy" / "litellm" / "config.yaml").read_text()
+    assert "http://127.0.0.1:8000/v1" in shipped
+    (tmp / "config.yaml").write_text(shipped.replace("http://127.0.0.1:8000/v1", f"http://127.0.0.1:{engine.port}/v1"))
+    shutil.copy(ROOT / "deploy" / "litellm" / "llm_health_callback.py", tmp / "llm_health_callback.py")
+    port = free_port()
+    env = {
+        "PATH": f"{VENV / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "HOME": str(tmp),
+        "PYTHONPATH": str(ROOT / "exporter"),
+        "LLM_HEALTH_GATE_CONFIG": str(gate),
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch from the internet at start
+        "LITELLM_LOG": "ERROR",
+        "LITELLM_MASTER_KEY": MASTER_KEY,
+    }
+    log = (tmp / "litellm.log").open("wb")
+    proc = subprocess.Popen(
+        [str(VENV / "bin" / "litellm"), "--config", str(tmp / "config.yaml"), "--host", "127.0.0.1", "--port", str(port)],
+        cwd=tmp,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                import urllib.request
+
+                with urllib.request.urlopen(url + "/health/liveliness", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"litellm did not start: {(tmp / 'litellm.log').read_text()[-4000:]}")
+            time.sleep(0.25)
+        yield url, engine, redis
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        engine.stop()
+        redis.stop()
+
+
+async def chat(url: str, headers: dict[str, str], stream: bool = False) -> tuple[int, Any, Any]:
+    body: dict[str, Any] = {"model": "llama", "messages": [{"role": "user", "content": "hi"}]}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {MASTER_KEY}", **headers}) as r:
+        raw = await r.read()
+        return r.status, (raw if stream else json.loads(raw)), r.headers.copy()
+
+
+async def record(redis: RedisServer, request_id: str, tenant: str = "default", timeout: float = 20.0):
+    q = AdmissionQueue.from_url(redis.url, prefix=PREFIX)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            rec = await q.read(f"{tenant}/{request_id}")
+            if (rec and rec.state == "done" and rec.attempts >= 1) or time.monotonic() > deadline:
+                return rec
+            await asyncio.sleep(0.02)
+    finally:
+        await q.aclose()
+
+
+def decision(body: Any, headers: Any) -> str:
+    """The gate's decision, from LiteLLM's OpenAI-shaped error body and from the header: the same."""
+    fields = body["error"]["provider_specific_fields"]
+    assert fields["type"] == "admission_rejected" and headers["X-LLM-Health-Decision"] == fields["code"], (body, headers)
+    return fields["code"]
+
+
+def timeout_ms(ms: int) -> dict[str, str]:
+    return {"X-Request-Timeout-Ms": str(ms)}
+
+
+async def test_a_fresh_request_passes_and_its_record_has_the_usage(litellm):
+    url, _, redis = litellm
+    status, body, _ = await chat(url, {"X-Request-Id": "l1", **timeout_ms(30000)})
+    assert status == 200 and body["choices"][0]["message"]["content"] == "ok", body
+    rec = await record(redis, "l1")
+    assert rec is not None and rec.state == "done" and rec.attempts == 1 and rec.http_status == 200 and rec.token_units == 10, rec
+
+
+async def test_a_stream_passes_and_its_record_has_the_usage(litellm):
+    url, _, redis = litellm
+    status, raw, _ = await chat(url, {"X-Request-Id": "l2", **timeout_ms(30000)}, stream=True)
+    assert status == 200 and raw.rstrip().endswith(b"data: [DONE]"), raw[-200:]
+    rec = await record(redis, "l2")
+    assert rec is not None and rec.state == "done" and rec.http_status == 200 and rec.token_units == 10, rec
+
+
+async def test_a_late_retry_is_refused_non_retryable(litellm):
+    url, engine, _ = litellm
+    before = len(engine.seen)
+    status, body, headers = await chat(url, {"X-Request-Id": "l3", "X-Retry-Count": "1", **timeout_ms(0)})
+    assert status == 422 and decision(body, headers) == "reject_retry_late", body
+    assert len(engine.seen) == before
+
+
+async def test_queue_age_beating_slack_is_refused_with_retry_after(litellm):
+    url, engine, redis = litellm
+    q = AdmissionQueue.from_url(redis.url, prefix=PREFIX)
+    now = int(time.time() * 1000)
+    await q.enqueue("default/old", "chat", "default", deadline_ms=now + 60000, enqueued_ms=now - 4000)
+    before = len(engine.seen)
+    try:
+        status, body, headers = await chat(url, {"X-Request-Id": "l4", **timeout_ms(60000)})
+    finally:
+        await q.complete("default/old", 499, route="chat")
+        await q.aclose()
+    assert status == 503 and decision(body, headers) == "reject_age_beats_slack", body
+    assert int(headers["Retry-After"]) >= 1 and len(engine.seen) == before
+
+
+async def test_tenant_a_s_id_never_refuses_tenant_b(litellm):
+    url, _, _ = litellm
+    assert (await chat(url, {"X-Tenant": "a", "X-Request-Id": "o1", **timeout_ms(1)}))[0] == 200
+    await asyncio.sleep(0.05)
+    assert (await chat(url, {"X-Tenant": "a", "X-Request-Id": "o1"}))[0] == 422
+    assert (await chat(url, {"X-Tenant": "b", "X-Request-Id": "o1", **timeout_ms(30000)}))[0] == 200
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/sleep?level=1"), ("POST", "/wake_up"), ("POST", "/reset_prefix_cache"), ("POST", "/metrics")])
+async def test_engine_admin_endpoints_never_reach_the_engine(litellm, method, path):
+    url, engine, _ = litellm
+    before = len(engine.seen)
+    async with aiohttp.ClientSession() as s, s.request(method, url + path, headers={"Authorization": f"Bearer {MASTER_KEY}"}) as r:
+        await r.read()
+    assert r.status != 200 or path == "/metrics", (path, r.status)  # LiteLLM's own /metrics, if any, is LiteLLM's
+    assert engine.seen[before:] == []
+
+
+async def test_zz_redis_down_is_the_route_s_policy(litellm):  # last: it stops the module's Redis
+    url, engine, redis = litellm
+    before = len(engine.seen)
+    redis.kill()
+    status, body, headers = await chat(url, timeout_ms(30000))
+    assert status == 503 and decision(body, headers) == "reject_redis_down" and "Retry-After" in headers, body
+    assert len(engine.seen) == before
