@@ -4,23 +4,16 @@ Envoy `ext_authz` (needs the `gate` extra; the same configuration file as the ga
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from ..config.errors import ConfigError
-from ..config.gate import parse_gate_config
-from ..config.load import load_yaml
-from ..config.web import load_web_config
 from .common import add_log_level, add_web_config, listen_address
+from .gate import load_configs
 
 
 def cmd(args: argparse.Namespace) -> int:
-    try:
-        cfg = parse_gate_config(load_yaml(args.config_file), args.config_file)
-        web_config = load_web_config(args.web_config_file)
-    except ConfigError as exc:
-        print(f"llm-health: bad config: {exc}", file=sys.stderr)
+    if (loaded := load_configs(args)) is None:
         return 2
+    cfg, web_config = loaded
     from ..gate.app import tune_gc  # the `gate` extra: redis
     from ..gate.doors import Doors
     from ..web import run_app

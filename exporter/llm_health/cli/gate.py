@@ -7,19 +7,25 @@ import sys
 from typing import Any
 
 from ..config.errors import ConfigError
-from ..config.gate import parse_gate_config
+from ..config.gate import GateConfig, parse_gate_config
 from ..config.load import load_yaml
-from ..config.web import load_web_config
+from ..config.web import WebConfig, load_web_config
 from .common import add_log_level, add_web_config, listen_address
 
 
-def cmd(args: argparse.Namespace) -> int:
+def load_configs(args: argparse.Namespace) -> tuple[GateConfig, WebConfig] | None:
+    """The gate file and the web config of `gate` and `decide`; None (reported) if bad."""
     try:
-        cfg = parse_gate_config(load_yaml(args.config_file), args.config_file)
-        web_config = load_web_config(args.web_config_file)
+        return parse_gate_config(load_yaml(args.config_file), args.config_file), load_web_config(args.web_config_file)
     except ConfigError as exc:
         print(f"llm-health: bad config: {exc}", file=sys.stderr)
+        return None
+
+
+def cmd(args: argparse.Namespace) -> int:
+    if (loaded := load_configs(args)) is None:
         return 2
+    cfg, web_config = loaded
     from ..gate.app import Gate, tune_gc  # the `gate` extra: redis and uvloop
     from ..web import run_app
 

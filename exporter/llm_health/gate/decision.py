@@ -191,10 +191,6 @@ class Admission:
         headers = {"Allow": ", ".join(verdict.allow)} if verdict.allow else None
         return _error(verdict.status, "not_forwarded", verdict.reason, headers)
 
-    def needs_body(self, headers: Mapping[str, str]) -> bool:
-        """Whether the route is chosen by the body's model (no X-Route, several routes)."""
-        return not headers.get("X-Route") and len(self.cfg.routes) > 1 and self._by_model
-
     def route_for(self, headers: Mapping[str, str], body: bytes | None) -> Route:
         name = headers.get("X-Route")
         if name:
