@@ -30,6 +30,7 @@ from ..config import exporter as config_mod
 from ..config.exporter import KINDS, Backend, Config, Timing
 from ..config.web import WebConfig
 from ..core.states import State
+from ..tasks import cancel_and_wait
 from ..urls import BadTarget, parse_target
 from ..web import add_reload, healthy, metrics_handler, secure
 from .collectors import BackendsCollector, BuildInfoCollector
@@ -79,8 +80,7 @@ class Exporter:
 
     async def _stop_redis(self) -> None:
         if self._redis_task is not None:
-            self._redis_task.cancel()
-            await asyncio.gather(self._redis_task, return_exceptions=True)
+            await cancel_and_wait(self._redis_task)  # its Redis reads may swallow one cancellation
             self._redis_task = None
         if self.redis_view is not None:
             await self.redis_view.stop()

@@ -36,6 +36,7 @@ from ..config.gate import GateConfig, Route
 from ..core import admission, forwarding
 from ..store.deployment import connect, wrap
 from ..store.queue import ROUTE_STATS_COMMANDS, AdmissionQueue, QueueRecord, RouteStats, add_route_stats_commands, now_ms, parse_route_stats
+from ..tasks import cancel_and_wait
 from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant
 
 log = logging.getLogger("llm_health.gate")
@@ -154,8 +155,7 @@ class Admission:
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
         if self._sampler:
-            self._sampler.cancel()
-            await asyncio.gather(self._sampler, return_exceptions=True)
+            await cancel_and_wait(self._sampler)  # its Redis read may swallow one cancellation
         await self.deployment.aclose()
 
     async def _sample(self) -> None:
