@@ -311,3 +311,33 @@ async def test_llamacpp_fleet_states(sim_server, ticker, serve):
     assert after == before + 1
     await wait_for(client, "restarting", "idle")
     await exporter.stop()
+
+
+async def test_a_server_loading_its_model_is_not_a_failed_round(sim_server, ticker, serve):
+    """After a restart llama-server answers /metrics (and /health) with 503 "Loading model"
+    until its model is loaded: the server's own word that it cannot serve yet, like a refused
+    connection, not a round the exporter failed. A 404 on /metrics still is one."""
+    loading = await sim_server("loading", scenario="idle", kind="llamacpp")
+    missing = await sim_server("missing", scenario="idle")
+    missing.metrics_mode = "404"
+    ticker.append(loading)
+    exporter, client = await serve([("loading", loading.url, "vllm"), ("missing", missing.url, "vllm")])
+    await wait_for(client, "loading", "idle")
+    loading.restart()
+    loading.loading = True
+    rounds = exporter.slots["loading"].monitor.rounds
+    deadline = time.monotonic() + 10
+    while exporter.slots["loading"].monitor.rounds < rounds + 3 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert exporter.slots["loading"].monitor.rounds >= rounds + 3
+    text = await (await client.get("/metrics")).text()
+    assert state_of(text, "loading") == "no_metrics"
+    status = {b["backend"]: b for b in (await (await client.get("/status")).json())["backends"]}
+    assert "HTTP 503" in status["loading"]["reason"]
+    loading.loading = False
+    await wait_for(client, "loading", "idle")
+    s = samples(await (await client.get("/metrics")).text())
+    errors = {dict(k[1])["backend"]: v for k, v in s.items() if k[0] == "llm_exporter_round_errors_total" and v}
+    assert "loading" not in errors and errors["missing"] > 0, errors
+    assert s[("llm_backend_restarts_total", (("backend", "loading"),))] == 1
+    await exporter.stop()

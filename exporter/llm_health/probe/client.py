@@ -91,6 +91,7 @@ class Fetched:
     error: str | None = None
     timed_out: bool = False
     refused: bool = False
+    unavailable: bool = False  # HTTP 503: the server says it cannot serve yet (llama.cpp loading its model)
     seconds: float = 0.0
     size: int = 0
     start_header: float | None = None  # llama.cpp's Process-Start-Time-Unix, in seconds
@@ -164,7 +165,7 @@ class BackendClient:
                 allow_redirects=False,
             ) as resp:
                 if resp.status != 200:
-                    return Fetched(error=f"HTTP {resp.status}", seconds=time.monotonic() - start)
+                    return Fetched(error=f"HTTP {resp.status}", unavailable=resp.status == 503, seconds=time.monotonic() - start)
                 try:
                     parts, size = await _text(resp, self.max_bytes)
                 except TooLarge:

@@ -86,8 +86,10 @@ class BackendMonitor:
                 error = f"/metrics unusable: {exc}"
         obs = Observation(now=now, reading=reading, metrics_error=error, metrics_timed_out=fetched.timed_out, metrics_refused=fetched.refused)
         if reading is None:
-            # A refused connection is the backend down (or restarting), not a failed round.
-            if stats.error is None and not fetched.refused:
+            # A refused connection is the backend down (or restarting), and a 503 its own word
+            # that it cannot serve yet (llama-server answers /metrics and /health so while it
+            # loads its model after a restart): neither is a failed round.
+            if stats.error is None and not fetched.refused and not fetched.unavailable:
                 stats.error = "timeout" if fetched.timed_out else "metrics"
             if fetched.timed_out and self.memory is not None and self.memory.profile == "llamacpp":
                 # llama.cpp serves /metrics from its inference loop's queue; /health is
