@@ -7,15 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import secrets
-import shutil
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -23,20 +17,13 @@ import pytest
 from aiohttp import web
 
 from llm_health.store.queue import AdmissionQueue
-from tests.fixtures.paths import ROOT
+from tests.fixtures.litellm import LiteLLM
 from tests.fixtures.redis_server import RedisServer
+from tests.harness.processes import free_port
 
-LITELLM_VERSION = "1.106.12"
-VENV = Path(os.environ.get("LLM_HEALTH_LITELLM_VENV", Path.home() / ".cache" / "llm-health" / f"litellm-{LITELLM_VERSION}"))
 PREFIX = "litellm-door:"
-MASTER_KEY = "sk-" + secrets.token_hex(32)  # LiteLLM refuses to start without one
+AUTH: dict[str, str] = {}  # the module's proxy's master key, as a header
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Engine(threading.Thread):
@@ -93,7 +80,6 @@ class Engine(threading.Thread):
 
 @pytest.fixture(scope="module")
 def litellm(tmp_path_factory) -> Iterator[tuple[str, Engine, RedisServer]]:
-    assert (VENV / "bin" / "litellm").exists(), f"{VENV}: run .ci/install-litellm.sh"
     tmp = tmp_path_factory.mktemp("litellm")
     engine = Engine()
     engine.start()
@@ -105,52 +91,11 @@ def litellm(tmp_path_factory) -> Iterator[tuple[str, Engine, RedisServer]]:
         f"gate:\n  redis: {redis.url}\n  queue_prefix: '{PREFIX}'\n"
         "  routes:\n    chat: {upstream: 'http://127.0.0.1:1', models: [llama], default_deadline_ms: 30000, redis_down: closed}\n"
     )
-    shipped = (ROOT / "deploy" / "litellm" / "config.yaml").read_text()
-    assert "http://127.0.0.1:8000/v1" in shipped
-    (tmp / "config.yaml").write_text(shipped.replace("http://127.0.0.1:8000/v1", f"http://127.0.0.1:{engine.port}/v1"))
-    shutil.copy(ROOT / "deploy" / "litellm" / "llm_health_callback.py", tmp / "llm_health_callback.py")
-    port = free_port()
-    env = {
-        "PATH": f"{VENV / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-        "HOME": str(tmp),
-        "PYTHONPATH": str(ROOT / "exporter"),
-        "LLM_HEALTH_GATE_CONFIG": str(gate),
-        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch from the internet at start
-        "LITELLM_LOG": "ERROR",
-        "LITELLM_MASTER_KEY": MASTER_KEY,
-    }
-    log = (tmp / "litellm.log").open("wb")
-    proc = subprocess.Popen(
-        [str(VENV / "bin" / "litellm"), "--config", str(tmp / "config.yaml"), "--host", "127.0.0.1", "--port", str(port)],
-        cwd=tmp,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                import urllib.request
-
-                with urllib.request.urlopen(url + "/health/liveliness", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"litellm did not start: {(tmp / 'litellm.log').read_text()[-4000:]}")
-            time.sleep(0.25)
-        yield url, engine, redis
+        with LiteLLM(tmp, engine_port=engine.port, gate_config=gate) as proxy:
+            AUTH.update(proxy.headers)
+            yield proxy.url, engine, redis
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
         engine.stop()
         redis.stop()
 
@@ -159,7 +104,7 @@ async def chat(url: str, headers: dict[str, str], stream: bool = False) -> tuple
     body: dict[str, Any] = {"model": "llama", "messages": [{"role": "user", "content": "hi"}]}
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
-    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {MASTER_KEY}", **headers}) as r:
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body, headers={**AUTH, **headers}) as r:
         raw = await r.read()
         return r.status, (raw if stream else json.loads(raw)), r.headers.copy()
 
@@ -239,7 +184,7 @@ async def test_tenant_a_s_id_never_refuses_tenant_b(litellm):
 async def test_engine_admin_endpoints_never_reach_the_engine(litellm, method, path):
     url, engine, _ = litellm
     before = len(engine.seen)
-    async with aiohttp.ClientSession() as s, s.request(method, url + path, headers={"Authorization": f"Bearer {MASTER_KEY}"}) as r:
+    async with aiohttp.ClientSession() as s, s.request(method, url + path, headers=AUTH) as r:
         await r.read()
     assert r.status != 200 or path == "/metrics", (path, r.status)  # LiteLLM's own /metrics, if any, is LiteLLM's
     assert engine.seen[before:] == []

@@ -1,0 +1,386 @@
+"""What each admission door adds, side by side in one run: direct; `llm-health gate`;
+nginx alone and nginx with `auth_request` to `llm-health decide` (the shipped
+deploy/nginx files); LiteLLM alone and LiteLLM with the llm-health callback (the shipped
+deploy/litellm files, LiteLLM 1.106.12 from .ci/install-litellm.sh).
+
+Every path ends at the same OpenAI-compatible engine on loopback, which answers a chat
+completion at once (with `usage`), so what is measured is the door. The doors use one real
+redis-server and one gate configuration (route `chat`, model `llama`). Each request
+carries its own `X-Request-Id`.
+
+This process (the load generator) runs on CPU 0; every server it starts on the other
+CPUs, so the generator does not take the cores the doors run on (on a 2-core machine the
+servers share CPU 1). For each rate (default 100 and 500 requests/s), open loop: each
+path in two interleaved halves, so machine noise hits them alike; latency p50/p99, what
+each door adds over its baseline (the gate and LiteLLM over direct's row, the nginx door
+over nginx alone, the LiteLLM hook over LiteLLM alone), the non-200 answers and errors,
+and the CPU seconds per 1,000 requests of the path's server processes (its door, Redis
+where it asks Redis, the engine). Then closed loop (64 clients) for each path's ceiling.
+
+The calibration figure is prometheus_client's parse of the 45 KB vLLM payload
+(tests/data/real-world/metrics/vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom), best
+of 7, in ms: runs on machines of different speed compare through it.
+
+    python -m bench.bench_admission [--rates 100,500] [--seconds 6] [--closed-seconds 3] [--no-litellm]
+
+Goals: the gate and the nginx door each add under 1 ms p99 at 500 requests/s over their
+baseline and keep at least half of its ceiling; the LiteLLM hook adds under 0.5 ms p99
+over LiteLLM alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import timeit
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+from tests.fixtures import litellm as litellm_fixture
+from tests.fixtures.nginx import Nginx
+from tests.fixtures.redis_server import RedisServer
+from tests.harness.processes import free_port
+
+from bench._goal import goal_line
+from bench._machine import machine_line
+from bench._stats import percentile
+
+ROOT = Path(__file__).resolve().parents[1]
+CALIBRATION_PAYLOAD = ROOT / "tests" / "data" / "real-world" / "metrics" / "vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom"
+GOAL_ADDED_P99_MS = {"gate": 1.0, "nginx+door": 1.0, "litellm+hook": 0.5}
+GOAL_CEILING_RATIO = 0.5
+BASELINE = {"gate": "direct", "nginx+door": "nginx", "litellm": "direct", "litellm+hook": "litellm"}
+BODY = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+REPLY = {
+    "id": "c1",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "llama",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8},
+}
+
+
+def parse_calibration_ms() -> float:
+    text = CALIBRATION_PAYLOAD.read_text()
+    timer = timeit.Timer(lambda: list(text_string_to_metric_families(text)))
+    number, _ = timer.autorange()
+    return min(timer.repeat(repeat=7, number=number)) / number * 1000
+
+
+def engine_proc(port: int) -> None:
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(REPLY)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+# --- processes and CPUs ------------------------------------------------------------------
+
+
+def tree(pid: int) -> list[int]:
+    """The pid and every descendant of it alive now."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, ()))
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User plus system CPU seconds of these processes and their descendants so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for root in pids:
+        for p in tree(root):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / ticks
+
+
+def pin(pids: list[int], cpus: set[int]) -> None:
+    for root in pids:
+        for p in tree(root):
+            with contextlib.suppress(OSError):
+                for task in os.listdir(f"/proc/{p}/task"):  # every thread: a pid's own affinity is its main thread's
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(int(task), cpus)
+
+
+def wait_port(port: int, proc: subprocess.Popen | mp.Process | None = None, timeout: float = 60) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        if isinstance(proc, subprocess.Popen) and proc.poll() is not None:
+            raise RuntimeError(f"a server exited with {proc.returncode} before listening on {port}")
+        time.sleep(0.05)
+    raise RuntimeError(f"port {port} never opened")
+
+
+@contextlib.contextmanager
+def llm_health(*args: str) -> Iterator[subprocess.Popen[bytes]]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'exporter'}:{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "llm_health", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# --- load --------------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    pids: list[int]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Run:
+    lat: list[float] = field(default_factory=list)
+    not_ok: int = 0  # answered, not 200
+    errors: int = 0  # no answer (connection error, timeout)
+    cpu: float = 0.0
+
+
+async def open_loop(session: aiohttp.ClientSession, path: Target, rate: float, seconds: float, run: Run, tag: str) -> None:
+    async def one(i: int) -> None:
+        t = time.perf_counter()
+        try:
+            async with session.post(path.url, json=BODY, headers={**path.headers, "X-Request-Id": f"{tag}-{i}"}) as r:
+                await r.read()
+                if r.status != 200:
+                    run.not_ok += 1
+        except (aiohttp.ClientError, TimeoutError):
+            run.errors += 1
+            return
+        run.lat.append(time.perf_counter() - t)
+
+    cpu0 = cpu_seconds(path.pids)
+    tasks = []
+    start = time.perf_counter()
+    for i in range(int(rate * seconds)):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    run.cpu += cpu_seconds(path.pids) - cpu0
+
+
+async def closed_loop(session: aiohttp.ClientSession, path: Target, concurrency: int, seconds: float) -> tuple[float, int]:
+    """(200 answers per second, other answers and errors)."""
+    ok = bad = 0
+    stop = time.perf_counter() + seconds
+
+    async def worker(w: int) -> None:
+        nonlocal ok, bad
+        i = 0
+        while time.perf_counter() < stop:
+            try:
+                async with session.post(path.url, json=BODY, headers={**path.headers, "X-Request-Id": f"closed-{path.name}-{w}-{i}"}) as r:
+                    await r.read()
+                    ok, bad = (ok + 1, bad) if r.status == 200 else (ok, bad + 1)
+            except (aiohttp.ClientError, TimeoutError):
+                bad += 1
+            i += 1
+
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return ok / seconds, bad
+
+
+async def measure(paths: list[Target], rates: list[float], seconds: float, closed_seconds: float, concurrency: int) -> tuple[dict, dict]:
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256), timeout=timeout) as s:
+        for p in paths:  # warm up connections, scripts and the doors' first-request work
+            await open_loop(s, p, 50, 1, Run(), f"warm-{p.name}")
+        runs: dict = {}
+        for rate in rates:
+            runs[rate] = {p.name: Run() for p in paths}
+            for half in range(2):
+                for p in paths:
+                    await open_loop(s, p, rate, seconds / 2, runs[rate][p.name], f"r{rate:g}-{p.name}-{half}-{time.time_ns()}")
+        ceilings = {p.name: await closed_loop(s, p, concurrency, closed_seconds) for p in paths}
+    return runs, ceilings
+
+
+def ms(values: list[float], q: float) -> float:
+    return percentile(values, q) * 1000 if values else float("nan")
+
+
+def report(runs: dict, ceilings: dict, rates: list[float]) -> list[str]:
+    lines = [
+        f"{'path':<13} {'req/s':>5} {'answers':>7} {'non-200':>7} {'errors':>6} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'+p50 ms':>8} {'+p99 ms':>8} {'over':<8} {'CPU s/1k':>8}"
+    ]
+    for rate in rates:
+        for name, run in runs[rate].items():
+            base = BASELINE.get(name)
+            added = ""
+            if base in runs[rate]:
+                b = runs[rate][base].lat
+                added = f"{ms(run.lat, 50) - ms(b, 50):>8.2f} {ms(run.lat, 99) - ms(b, 99):>8.2f} {base:<8}"
+            else:
+                added = f"{'':>8} {'':>8} {'':<8}"
+            sent = len(run.lat) + run.errors
+            lines.append(
+                f"{name:<13} {rate:>5g} {len(run.lat):>7} {run.not_ok:>7} {run.errors:>6} {ms(run.lat, 50):>7.2f} {ms(run.lat, 99):>7.2f} "
+                f"{added} {run.cpu / max(sent, 1) * 1000:>8.2f}"
+            )
+    lines.append("")
+    lines.append(f"{'path':<13} {'ceiling req/s':>13} {'non-200+errors':>14} {'ratio to baseline':>18}")
+    for name, (ceiling, bad) in ceilings.items():
+        base = BASELINE.get(name)
+        ratio = f"{ceiling / ceilings[base][0]:.2f} ({base})" if base in ceilings and ceilings[base][0] else ""
+        lines.append(f"{name:<13} {ceiling:>13.0f} {bad:>14} {ratio:>18}")
+    return lines
+
+
+def goals(runs: dict, ceilings: dict, rate: float) -> list[str]:
+    out = []
+    for name, goal in GOAL_ADDED_P99_MS.items():
+        base = BASELINE[name]
+        if name not in runs[rate] or base not in runs[rate]:
+            out.append(goal_line(f"{name} adds under {goal:g} ms p99 at {rate:g} requests/s over {base}", "not measured in this run", False))
+            continue
+        run, b = runs[rate][name], runs[rate][base].lat
+        added = ms(run.lat, 99) - ms(b, 99)
+        failed = run.not_ok + run.errors
+        out.append(
+            goal_line(
+                f"{name} adds under {goal:g} ms p99 at {rate:g} requests/s over {base}, every answer 200",
+                f"p99 added {added:.2f} ms, {failed} not 200",
+                added < goal and failed == 0,
+            )
+        )
+        if name != "litellm+hook":
+            ratio = ceilings[name][0] / ceilings[base][0] if ceilings[base][0] else 0.0
+            out.append(goal_line(f"{name} keeps at least {GOAL_CEILING_RATIO:g} of {base}'s ceiling", f"ratio {ratio:.2f}", ratio >= GOAL_CEILING_RATIO))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rates", default="100,500", help="open-loop rates, requests/s, comma-separated")
+    ap.add_argument("--seconds", type=float, default=6, help="open-loop seconds per path and rate (two halves)")
+    ap.add_argument("--closed-seconds", type=float, default=3)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--no-litellm", action="store_true", help="leave the LiteLLM paths out")
+    args = ap.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    cpus = sorted(os.sched_getaffinity(0))
+    mine, servers = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 else (set(cpus), set(cpus))
+    calibration = parse_calibration_ms()
+    with_litellm = not args.no_litellm and litellm_fixture.installed()
+
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="bench-admission-") as tmp_name:
+        tmp = Path(tmp_name)
+        redis = stack.enter_context(RedisServer())
+        engine_port = free_port()
+        engine = mp.Process(target=engine_proc, args=(engine_port,), daemon=True)
+        engine.start()
+        stack.callback(lambda: (engine.terminate(), engine.join(5)))
+        gate_yml = tmp / "gate.yml"
+        gate_yml.write_text(
+            f"gate:\n  redis: {redis.url}\n  queue_prefix: 'bench:'\n"
+            f"  routes:\n    chat: {{upstream: 'http://127.0.0.1:{engine_port}', models: [llama], default_deadline_ms: 30000}}\n"
+        )
+        gate_port, decide_port, syslog_port = free_port(), free_port(), free_port()
+        gate = stack.enter_context(llm_health("gate", "--config.file", str(gate_yml), "--web.listen-address", f"127.0.0.1:{gate_port}"))
+        decide = stack.enter_context(
+            llm_health(
+                "decide",
+                "--config.file",
+                str(gate_yml),
+                "--web.listen-address",
+                f"127.0.0.1:{decide_port}",
+                "--syslog.listen-address",
+                f"127.0.0.1:{syslog_port}",
+            )
+        )
+        for port, proc in ((engine_port, None), (gate_port, gate), (decide_port, decide)):
+            wait_port(port, proc)
+        (tmp / "alone").mkdir()
+        (tmp / "door").mkdir()
+        nginx_alone = stack.enter_context(Nginx(tmp / "alone", decide_port=decide_port, engine_port=engine_port, syslog_port=syslog_port, admission=False))
+        nginx_door = stack.enter_context(Nginx(tmp / "door", decide_port=decide_port, engine_port=engine_port, syslog_port=syslog_port))
+        assert redis.proc and nginx_alone.proc and nginx_door.proc and engine.pid
+        e, r = [engine.pid], [redis.proc.pid]
+        paths = [
+            Target("direct", f"http://127.0.0.1:{engine_port}/v1/chat/completions", e),
+            Target("gate", f"http://127.0.0.1:{gate_port}/v1/chat/completions", [gate.pid, *r, *e]),
+            Target("nginx", nginx_alone.url + "/v1/chat/completions", [nginx_alone.proc.pid, *e]),
+            Target("nginx+door", nginx_door.url + "/v1/chat/completions", [nginx_door.proc.pid, decide.pid, *r, *e]),
+        ]
+        if with_litellm:
+            (tmp / "litellm").mkdir()
+            (tmp / "hook").mkdir()
+            alone = stack.enter_context(litellm_fixture.LiteLLM(tmp / "litellm", engine_port=engine_port, hook=False))
+            hook = stack.enter_context(litellm_fixture.LiteLLM(tmp / "hook", engine_port=engine_port, gate_config=gate_yml))
+            paths += [
+                Target("litellm", alone.url + "/v1/chat/completions", [alone.pid, *e], alone.headers),
+                Target("litellm+hook", hook.url + "/v1/chat/completions", [hook.pid, *r, *e], hook.headers),
+            ]
+        os.sched_setaffinity(0, mine)
+        pin([p for path in paths for p in path.pids], servers)
+        runs, ceilings = asyncio.run(measure(paths, rates, args.seconds, args.closed_seconds, args.concurrency))
+
+    print(f"machine: {machine_line('nginx ' + nginx_version(), 'LiteLLM ' + (litellm_fixture.LITELLM_VERSION if with_litellm else 'not run'))}")
+    print(f"calibration: prometheus_client parses the 45 KB vLLM payload in {calibration:.1f} ms (best of 7)")
+    print(f"load generator on CPU {sorted(mine)}, every server on CPU {sorted(servers)}")
+    print(
+        f"open loop: {args.seconds:g} s per path and rate, in two interleaved halves; closed loop: {args.concurrency} clients, {args.closed_seconds:g} s per path"
+    )
+    if not with_litellm:
+        print("LiteLLM paths not run: " + ("--no-litellm" if args.no_litellm else f"{litellm_fixture.VENV} missing (bash .ci/install-litellm.sh)"))
+    print("CPU s/1k: CPU seconds per 1,000 requests of the path's server processes (door, Redis where asked, engine)")
+    for line in report(runs, ceilings, rates):
+        print(line)
+    print()
+    for line in goals(runs, ceilings, max(rates)):
+        print(line)
+    return 0
+
+
+def nginx_version() -> str:
+    from tests.fixtures.nginx import find_nginx
+
+    out = subprocess.run([find_nginx(), "-v"], capture_output=True, text=True, check=False)
+    return (out.stderr or out.stdout).strip().rsplit("/", 1)[-1]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
