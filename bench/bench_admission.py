@@ -10,22 +10,24 @@ carries its own `X-Request-Id`.
 
 This process (the load generator) runs on CPU 0; every server it starts on the other
 CPUs, so the generator does not take the cores the doors run on (on a 2-core machine the
-servers share CPU 1). For each rate (default 100 and 500 requests/s), open loop: each
-path in two interleaved halves, so machine noise hits them alike; latency p50/p99, what
-each door adds over its baseline (the gate and LiteLLM over direct's row, the nginx door
-over nginx alone, the LiteLLM hook over LiteLLM alone), the non-200 answers and errors,
-and the CPU seconds per 1,000 requests of the path's server processes (its door, Redis
-where it asks Redis, the engine). Then closed loop (64 clients) for each path's ceiling.
+servers share CPU 1). Open loop at each rate (default 100 and 500 requests/s), each path
+in two interleaved halves, so machine noise hits them alike: latency p50/p99, what each
+door adds over its baseline (the gate over direct, the nginx door over nginx alone, the
+LiteLLM hook over LiteLLM alone), answers other than 200, errors, and the CPU time per
+request of the path's server processes (its door, Redis where it asks Redis, the engine),
+also by process. One LiteLLM process serves about 100 requests/s on one core, so the
+LiteLLM paths run at their own rates (default 25 and 50 requests/s, direct beside them).
+Then closed loop (64 clients) for each path's ceiling.
 
 The calibration figure is prometheus_client's parse of the 45 KB vLLM payload
 (tests/data/real-world/metrics/vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom), best
 of 7, in ms: runs on machines of different speed compare through it.
 
-    python -m bench.bench_admission [--rates 100,500] [--seconds 6] [--closed-seconds 3] [--no-litellm]
+    python -m bench.bench_admission [--rates 100,500] [--litellm-rates 25,50] [--seconds 6] [--closed-seconds 3] [--no-litellm]
 
 Goals: the gate and the nginx door each add under 1 ms p99 at 500 requests/s over their
 baseline and keep at least half of its ceiling; the LiteLLM hook adds under 0.5 ms p99
-over LiteLLM alone.
+over LiteLLM alone (judged at the highest LiteLLM rate).
 """
 
 from __future__ import annotations
@@ -108,16 +110,14 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User plus system CPU seconds of these processes and their descendants so far."""
-    ticks = os.sysconf("SC_CLK_TCK")
+def cpu_seconds(root: int) -> float:
+    """User plus system CPU seconds of this process and its descendants so far."""
     total = 0
-    for root in pids:
-        for p in tree(root):
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
-    return total / ticks
+    for p in tree(root):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def pin(pids: list[int], cpus: set[int]) -> None:
@@ -164,7 +164,7 @@ def llm_health(*args: str) -> Iterator[subprocess.Popen[bytes]]:
 class Target:
     name: str
     url: str
-    pids: list[int]
+    pids: dict[str, int]  # the path's server processes by role: door, redis, engine
     headers: dict[str, str] = field(default_factory=dict)
 
 
@@ -173,7 +173,15 @@ class Run:
     lat: list[float] = field(default_factory=list)
     not_ok: int = 0  # answered, not 200
     errors: int = 0  # no answer (connection error, timeout)
-    cpu: float = 0.0
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds by role
+
+    @property
+    def sent(self) -> int:
+        return len(self.lat) + self.errors
+
+    def cpu_ms_per_request(self, role: str | None = None) -> float:
+        seconds = sum(self.cpu.values()) if role is None else self.cpu.get(role, 0.0)
+        return seconds / max(self.sent, 1) * 1000
 
 
 async def open_loop(session: aiohttp.ClientSession, path: Target, rate: float, seconds: float, run: Run, tag: str) -> None:
@@ -189,7 +197,7 @@ async def open_loop(session: aiohttp.ClientSession, path: Target, rate: float, s
             return
         run.lat.append(time.perf_counter() - t)
 
-    cpu0 = cpu_seconds(path.pids)
+    cpu0 = {role: cpu_seconds(pid) for role, pid in path.pids.items()}
     tasks = []
     start = time.perf_counter()
     for i in range(int(rate * seconds)):
@@ -198,7 +206,8 @@ async def open_loop(session: aiohttp.ClientSession, path: Target, rate: float, s
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(i)))
     await asyncio.gather(*tasks)
-    run.cpu += cpu_seconds(path.pids) - cpu0
+    for role, pid in path.pids.items():
+        run.cpu[role] = run.cpu.get(role, 0.0) + cpu_seconds(pid) - cpu0[role]
 
 
 async def closed_loop(session: aiohttp.ClientSession, path: Target, concurrency: int, seconds: float) -> tuple[float, int]:
@@ -222,17 +231,22 @@ async def closed_loop(session: aiohttp.ClientSession, path: Target, concurrency:
     return ok / seconds, bad
 
 
-async def measure(paths: list[Target], rates: list[float], seconds: float, closed_seconds: float, concurrency: int) -> tuple[dict, dict]:
+Runs = list[tuple[float, dict[str, Run]]]  # (rate, the runs of the paths measured at it), in the order run
+
+
+async def measure(plan: list[tuple[float, list[Target]]], seconds: float, closed_seconds: float, concurrency: int) -> tuple[Runs, dict]:
+    """`plan`: (rate, the paths measured at it), in order. (the runs, ceilings by path)."""
+    paths = list({p.name: p for _, group in plan for p in group}.values())
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256), timeout=timeout) as s:
         for p in paths:  # warm up connections, scripts and the doors' first-request work
             await open_loop(s, p, 50, 1, Run(), f"warm-{p.name}")
-        runs: dict = {}
-        for rate in rates:
-            runs[rate] = {p.name: Run() for p in paths}
+        runs: Runs = []
+        for rate, group in plan:
+            runs.append((rate, {p.name: Run() for p in group}))
             for half in range(2):
-                for p in paths:
-                    await open_loop(s, p, rate, seconds / 2, runs[rate][p.name], f"r{rate:g}-{p.name}-{half}-{time.time_ns()}")
+                for p in group:
+                    await open_loop(s, p, rate, seconds / 2, runs[-1][1][p.name], f"r{rate:g}-{p.name}-{half}-{time.time_ns()}")
         ceilings = {p.name: await closed_loop(s, p, concurrency, closed_seconds) for p in paths}
     return runs, ceilings
 
@@ -241,25 +255,28 @@ def ms(values: list[float], q: float) -> float:
     return percentile(values, q) * 1000 if values else float("nan")
 
 
-def report(runs: dict, ceilings: dict, rates: list[float]) -> list[str]:
+def report(runs: Runs, ceilings: dict) -> list[str]:
     lines = [
         f"{'path':<13} {'req/s':>5} {'answers':>7} {'non-200':>7} {'errors':>6} {'p50 ms':>7} {'p99 ms':>7} "
-        f"{'+p50 ms':>8} {'+p99 ms':>8} {'over':<8} {'CPU s/1k':>8}"
+        f"{'+p50 ms':>8} {'+p99 ms':>8} {'over':<8} {'CPU ms/req':>10}"
     ]
-    for rate in rates:
-        for name, run in runs[rate].items():
+    for rate, group in runs:
+        for name, run in group.items():
             base = BASELINE.get(name)
-            added = ""
-            if base in runs[rate]:
-                b = runs[rate][base].lat
+            if base in group:
+                b = group[base].lat
                 added = f"{ms(run.lat, 50) - ms(b, 50):>8.2f} {ms(run.lat, 99) - ms(b, 99):>8.2f} {base:<8}"
             else:
                 added = f"{'':>8} {'':>8} {'':<8}"
-            sent = len(run.lat) + run.errors
             lines.append(
                 f"{name:<13} {rate:>5g} {len(run.lat):>7} {run.not_ok:>7} {run.errors:>6} {ms(run.lat, 50):>7.2f} {ms(run.lat, 99):>7.2f} "
-                f"{added} {run.cpu / max(sent, 1) * 1000:>8.2f}"
+                f"{added} {run.cpu_ms_per_request():>10.2f}"
             )
+    lines.append("")
+    lines.append("CPU ms per request by process, at each path's highest rate:")
+    for name in ceilings:
+        rate, run = max((rate, group[name]) for rate, group in runs if name in group)
+        lines.append(f"  {name:<13} " + ", ".join(f"{role} {run.cpu_ms_per_request(role):.2f}" for role in run.cpu) + f" ({rate:g} req/s)")
     lines.append("")
     lines.append(f"{'path':<13} {'ceiling req/s':>13} {'non-200+errors':>14} {'ratio to baseline':>18}")
     for name, (ceiling, bad) in ceilings.items():
@@ -269,14 +286,17 @@ def report(runs: dict, ceilings: dict, rates: list[float]) -> list[str]:
     return lines
 
 
-def goals(runs: dict, ceilings: dict, rate: float) -> list[str]:
+def goals(runs: Runs, ceilings: dict) -> list[str]:
+    """Each door's goals, judged at the highest rate it was measured at beside its baseline."""
     out = []
     for name, goal in GOAL_ADDED_P99_MS.items():
         base = BASELINE[name]
-        if name not in runs[rate] or base not in runs[rate]:
-            out.append(goal_line(f"{name} adds under {goal:g} ms p99 at {rate:g} requests/s over {base}", "not measured in this run", False))
+        beside = [(rate, group) for rate, group in runs if name in group and base in group]
+        if not beside:
+            out.append(goal_line(f"{name} adds under {goal:g} ms p99 over {base}", "not measured in this run", False))
             continue
-        run, b = runs[rate][name], runs[rate][base].lat
+        rate, group = max(beside, key=lambda rg: rg[0])
+        run, b = group[name], group[base].lat
         added = ms(run.lat, 99) - ms(b, 99)
         failed = run.not_ok + run.errors
         out.append(
@@ -298,9 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=6, help="open-loop seconds per path and rate (two halves)")
     ap.add_argument("--closed-seconds", type=float, default=3)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--litellm-rates", default="25,50", help="the LiteLLM paths' rates: one LiteLLM process serves about 100 requests/s on one core")
     ap.add_argument("--no-litellm", action="store_true", help="leave the LiteLLM paths out")
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
+    litellm_rates = [float(r) for r in args.litellm_rates.split(",")]
     cpus = sorted(os.sched_getaffinity(0))
     mine, servers = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 else (set(cpus), set(cpus))
     calibration = parse_calibration_ms()
@@ -338,25 +360,28 @@ def main(argv: list[str] | None = None) -> int:
         nginx_alone = stack.enter_context(Nginx(tmp / "alone", decide_port=decide_port, engine_port=engine_port, syslog_port=syslog_port, admission=False))
         nginx_door = stack.enter_context(Nginx(tmp / "door", decide_port=decide_port, engine_port=engine_port, syslog_port=syslog_port))
         assert redis.proc and nginx_alone.proc and nginx_door.proc and engine.pid
-        e, r = [engine.pid], [redis.proc.pid]
+        e, r = {"engine": engine.pid}, {"redis": redis.proc.pid}
         paths = [
             Target("direct", f"http://127.0.0.1:{engine_port}/v1/chat/completions", e),
-            Target("gate", f"http://127.0.0.1:{gate_port}/v1/chat/completions", [gate.pid, *r, *e]),
-            Target("nginx", nginx_alone.url + "/v1/chat/completions", [nginx_alone.proc.pid, *e]),
-            Target("nginx+door", nginx_door.url + "/v1/chat/completions", [nginx_door.proc.pid, decide.pid, *r, *e]),
+            Target("gate", f"http://127.0.0.1:{gate_port}/v1/chat/completions", {"gate": gate.pid, **r, **e}),
+            Target("nginx", nginx_alone.url + "/v1/chat/completions", {"nginx": nginx_alone.proc.pid, **e}),
+            Target("nginx+door", nginx_door.url + "/v1/chat/completions", {"nginx": nginx_door.proc.pid, "decide": decide.pid, **r, **e}),
         ]
         if with_litellm:
             (tmp / "litellm").mkdir()
             (tmp / "hook").mkdir()
             alone = stack.enter_context(litellm_fixture.LiteLLM(tmp / "litellm", engine_port=engine_port, hook=False))
             hook = stack.enter_context(litellm_fixture.LiteLLM(tmp / "hook", engine_port=engine_port, gate_config=gate_yml))
-            paths += [
-                Target("litellm", alone.url + "/v1/chat/completions", [alone.pid, *e], alone.headers),
-                Target("litellm+hook", hook.url + "/v1/chat/completions", [hook.pid, *r, *e], hook.headers),
+            lite = [
+                Target("litellm", alone.url + "/v1/chat/completions", {"litellm": alone.pid, **e}, alone.headers),
+                Target("litellm+hook", hook.url + "/v1/chat/completions", {"litellm": hook.pid, **r, **e}, hook.headers),
             ]
         os.sched_setaffinity(0, mine)
-        pin([p for path in paths for p in path.pids], servers)
-        runs, ceilings = asyncio.run(measure(paths, rates, args.seconds, args.closed_seconds, args.concurrency))
+        plan = [(rate, paths) for rate in rates]
+        if with_litellm:
+            plan += [(rate, [paths[0], *lite]) for rate in litellm_rates]  # direct beside them: the same moment's machine
+        pin([p for _, group in plan for path in group for p in path.pids.values()], servers)
+        runs, ceilings = asyncio.run(measure(plan, args.seconds, args.closed_seconds, args.concurrency))
 
     print(f"machine: {machine_line('nginx ' + nginx_version(), 'LiteLLM ' + (litellm_fixture.LITELLM_VERSION if with_litellm else 'not run'))}")
     print(f"calibration: prometheus_client parses the 45 KB vLLM payload in {calibration:.1f} ms (best of 7)")
@@ -366,11 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not with_litellm:
         print("LiteLLM paths not run: " + ("--no-litellm" if args.no_litellm else f"{litellm_fixture.VENV} missing (bash .ci/install-litellm.sh)"))
-    print("CPU s/1k: CPU seconds per 1,000 requests of the path's server processes (door, Redis where asked, engine)")
-    for line in report(runs, ceilings, rates):
+    print("CPU ms/req: CPU milliseconds per request of the path's server processes (door, Redis where asked, engine)")
+    for line in report(runs, ceilings):
         print(line)
     print()
-    for line in goals(runs, ceilings, max(rates)):
+    for line in goals(runs, ceilings):
         print(line)
     return 0
 

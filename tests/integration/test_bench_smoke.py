@@ -20,7 +20,7 @@ SMALL = {
     "bench_scale": ["--backends", "10", "--interval", "1", "--rounds", "1"],
     "bench_hostile": ["--backends", "5", "--interval", "0.5", "--seconds", "2"],
     "bench_gate": ["--rate", "50", "--seconds", "1"],
-    "bench_admission": ["--rates", "20", "--seconds", "1", "--closed-seconds", "0.5", "--concurrency", "4"],
+    "bench_admission": ["--rates", "20", "--litellm-rates", "10", "--seconds", "1", "--closed-seconds", "0.5", "--concurrency", "4"],
     "bench_leases": ["--handoffs", "20", "--poll-handoffs", "3", "--seconds", "0.5", "--waiters", "4", "--gpus", "2", "--hold-ms", "1"],
     "bench_redis_view": ["--gpus", "200", "--queued", "200", "--routes", "2", "--refreshes", "2"],
 }
