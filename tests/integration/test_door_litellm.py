@@ -20,10 +20,12 @@ from llm_health.store.queue import AdmissionQueue
 from tests.fixtures.litellm import LiteLLM
 from tests.fixtures.redis_server import RedisServer
 from tests.harness.processes import free_port
+from tests.integration.test_gate_records import Stalled, until
 
 PREFIX = "litellm-door:"
 AUTH: dict[str, str] = {}  # the module's proxy's master key, as a header
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+STALL_S = 6.0  # a Redis stall longer than redis-py's own retries (3 x the 1 s socket timeout)
 
 
 class Engine(threading.Thread):
@@ -35,10 +37,12 @@ class Engine(threading.Thread):
         self.seen: list[str] = []
         self.ready = threading.Event()
         self.loop = asyncio.new_event_loop()
+        self.delay = 0.0  # seconds before each answer, set by a test
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(request.headers.get("X-Request-Id", ""))
+        await asyncio.sleep(self.delay)
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -188,6 +192,29 @@ async def test_engine_admin_endpoints_never_reach_the_engine(litellm, method, pa
         await r.read()
     assert r.status != 200 or path == "/metrics", (path, r.status)  # LiteLLM's own /metrics, if any, is LiteLLM's
     assert engine.seen[before:] == []
+
+
+async def test_a_redis_stall_leaves_no_record_running_after_its_answer(litellm):
+    """Redis SIGSTOPped once the engine has the call (the decision is behind it) and kept
+    stopped past redis-py's own retries (1 s socket timeout): LiteLLM answers meanwhile,
+    and once Redis answers again the attempt's record is finished, not left running. (The
+    gate's counters of records sent again live in LiteLLM's process, out of this test's
+    reach: the record may be written by a resent script or by the first copy Redis reads
+    when it resumes; the script is idempotent, so either counts the attempt once.)"""
+    url, engine, redis = litellm
+    before = len(engine.seen)
+    engine.delay = 0.5
+    try:
+        task = asyncio.ensure_future(chat(url, {"X-Request-Id": "l-stall", **timeout_ms(60000)}))
+        await until(lambda: len(engine.seen) > before, what="the engine to get the call")
+        with Stalled(redis):
+            status, body, _ = await task
+            assert status == 200, body  # the answer never waits for the record
+            await asyncio.sleep(STALL_S)  # past redis-py's retries: the record is sent again after
+    finally:
+        engine.delay = 0.0
+    rec = await record(redis, "l-stall", timeout=60)
+    assert rec is not None and rec.state == "done" and rec.attempts == 1 and rec.http_status == 200 and rec.token_units == 10, rec
 
 
 async def test_zz_redis_down_is_the_route_s_policy(litellm):  # last: it stops the module's Redis
