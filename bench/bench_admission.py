@@ -325,8 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     litellm_rates = [float(r) for r in args.litellm_rates.split(",")]
     cpus = sorted(os.sched_getaffinity(0))
     mine, servers = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 else (set(cpus), set(cpus))
-    calibration = parse_calibration_ms()
     with_litellm = not args.no_litellm and litellm_fixture.installed()
+    machine = machine_line("nginx " + nginx_version(), "LiteLLM " + (litellm_fixture.LITELLM_VERSION if with_litellm else "not run"))  # before any load
+    calibration = parse_calibration_ms()
 
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="bench-admission-") as tmp_name:
         tmp = Path(tmp_name)
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         pin([p for _, group in plan for path in group for p in path.pids.values()], servers)
         runs, ceilings = asyncio.run(measure(plan, args.seconds, args.closed_seconds, args.concurrency))
 
-    print(f"machine: {machine_line('nginx ' + nginx_version(), 'LiteLLM ' + (litellm_fixture.LITELLM_VERSION if with_litellm else 'not run'))}")
+    print(f"machine: {machine}")
     print(f"calibration: prometheus_client parses the 45 KB vLLM payload in {calibration:.1f} ms (best of 7)")
     print(f"load generator on CPU {sorted(mine)}, every server on CPU {sorted(servers)}")
     print(
