@@ -11,12 +11,14 @@ Only the last test restarts the shared server. About 4-6 minutes on 2 cores.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
 
 import pytest
 
+from tests.fixtures.summary import show
 from tests.harness import vllm as harness
 
 pytestmark = pytest.mark.realvllm
@@ -111,37 +113,84 @@ def test_throttled_slow_engine_is_busy_never_hung(srv):
         assert 0 < r["steps_per_second"] < 20, r  # slow, but moving
 
 
+class Stillness(threading.Thread):
+    """Reads vLLM's /metrics every 0.2 s beside the checks and keeps the times at which any
+    vllm:* sample changed: every series the exporter's progress fingerprint reads, and more.
+    `longest(t0, t1)` is the longest time inside [t0, t1] in which none changed."""
+
+    def __init__(self, srv: harness.VLLMServer):
+        super().__init__(daemon=True)
+        self.srv = srv
+        self.changes: list[float] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        last = None
+        while not self.done.is_set():
+            try:
+                now = vllm_samples(self.srv.metrics_text())
+            except OSError:
+                now = None
+            if now is not None and now != last:
+                self.changes.append(time.monotonic())
+                last = now
+            self.done.wait(0.2)
+
+    def longest(self, t0: float, t1: float) -> float:
+        marks = [t0, *(t for t in self.changes if t0 < t < t1), t1]
+        return max(b - a for a, b in itertools.pairwise(marks))
+
+
 def test_long_chunked_prefill_never_hung(srv):
-    """A 1000-token prompt prefilled 32 tokens a step on a throttled engine: for ~10 s no
-    token counter moves; only vllm:kv_cache_usage_perc rises (every 128-token block)."""
+    """A 1000-token prompt prefilled 32 tokens a step on a throttled engine: for seconds at
+    a time no token counter moves; only vllm:kv_cache_usage_perc rises (every 128-token
+    block). Every check inside the prefill says busy, unless vLLM itself showed nothing
+    moving for the whole `--hung-after` (the machine starved the engine that long: then
+    `hung` is what the evidence says, and the test reads vLLM to tell which happened)."""
+    hung_after = 10
     prompt = harness.prompt_ids(1000)
     before = snapshot(srv)
-    checks: list[tuple[int, dict, bool]] = []
+    checks: list[tuple[int, dict, bool, float, float]] = []
+    still = Stillness(srv)
     with srv.throttle(run_ms=10, period_ms=500):
         load = srv.load(1, max_tokens=8, prompt=prompt)
         srv.wait_for(lambda c: c["num_requests_running"] == 1, timeout=30, interval=0.1)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            rc, r = check(srv.url, "--kind", "vllm", "--interval", "1", "--rounds", "15", "--hung-after", "10", "--probe-timeout", "10")
-            now = snapshot(srv)
-            in_prefill = now["prompt_tokens_total"] == before["prompt_tokens_total"]
-            checks.append((rc, r, in_prefill))
-            if not in_prefill:
-                break
+        still.start()
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                t0 = time.monotonic()
+                rc, r = check(srv.url, "--kind", "vllm", "--interval", "1", "--rounds", "15", "--hung-after", str(hung_after), "--probe-timeout", "10")
+                now = snapshot(srv)
+                in_prefill = now["prompt_tokens_total"] == before["prompt_tokens_total"]
+                checks.append((rc, r, in_prefill, t0, time.monotonic()))
+                if not in_prefill:
+                    break
+        finally:
+            still.done.set()
+            still.join(5)
     load.wait(300)
-    during = [(rc, r) for rc, r, p in checks if p]
+    during = [(rc, r, t0, t1) for rc, r, p, t0, t1 in checks if p]
     assert len(during) >= 2, f"the prefill ended too soon to test: {checks}"
     # Checks that ran wholly inside the prefill: busy, nothing sent. The last check may run
-    # past the end of the request and rightly find the engine idle (and probe it); no
-    # check, whenever it ran, may call the engine hung.
-    for rc, r in during:
-        assert rc == 0 and r["state"] == "busy", r
+    # past the end of the request and rightly find the engine idle (and probe it). A check
+    # may call the engine hung only where vLLM's own series stood still for the whole
+    # hung-after (less 2 s: the check's reads are 1 s apart, ours 0.2 s).
+    for rc, r, _, t0, t1 in checks:
+        if r["state"] == "hung":
+            stood = still.longest(t0, t1)
+            assert rc == 1 and stood >= hung_after - 2, f"hung, but vLLM's series moved at least every {stood:.1f} s: {r}"
+            show(f"prefill: a check said hung after vLLM's own series stood still {stood:.1f} s (a starved engine): {r['reason']}")
+    busy = 0
+    for rc, r, _, _ in during:
         assert r["probe_sent"] is False, r
-    for rc, r, _ in checks:
-        assert rc != 1 and r["state"] != "hung", r
+        if r["state"] != "hung":
+            assert rc == 0 and r["state"] == "busy", r
+            busy += 1
+    assert busy >= 1, f"no check inside the prefill said busy: {during}"
     after = snapshot(srv)
     # The prompt, plus one token for each probe a check that ran past the request sent.
-    probes = sum(r.get("probes_sent", 0) for _, r, _ in checks)
+    probes = sum(r.get("probes_sent", 0) for _, r, *_ in checks)
     assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 1000 + probes, checks
     assert load.results[0].status == 200, load.results
 
