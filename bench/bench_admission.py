@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -52,7 +53,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.fixtures import litellm as litellm_fixture
 from tests.fixtures.nginx import Nginx
 from tests.fixtures.redis_server import RedisServer
-from tests.harness.processes import free_port
+from tests.harness.processes import descendants, free_port
 
 from bench._goal import goal_line
 from bench._machine import machine_line
@@ -96,18 +97,7 @@ def engine_proc(port: int) -> None:
 
 def tree(pid: int) -> list[int]:
     """The pid and every descendant of it alive now."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, ()))
-    return out
+    return [pid, *(p for p, _ in descendants(pid))]
 
 
 def cpu_seconds(root: int) -> float:
@@ -130,8 +120,6 @@ def pin(pids: list[int], cpus: set[int]) -> None:
 
 
 def wait_port(port: int, proc: subprocess.Popen | mp.Process | None = None, timeout: float = 60) -> None:
-    import socket
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -67,3 +68,37 @@ class Adopted:
                 raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
             time.sleep(0.1)
         return -1
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, comm) for every process we can read."""
+    table: dict[int, tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        # comm is in parentheses and may contain spaces or ')'
+        lpar, rpar = stat.find("("), stat.rfind(")")
+        comm = stat[lpar + 1 : rpar]
+        rest = stat[rpar + 2 :].split()
+        table[int(entry)] = (int(rest[1]), comm)
+    return table
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """All descendants of pid as (pid, comm), breadth first."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for p, (pp, _) in table.items():
+        children.setdefault(pp, []).append(p)
+    out: list[tuple[int, str]] = []
+    queue = list(children.get(pid, []))
+    while queue:
+        p = queue.pop(0)
+        out.append((p, table[p][1]))
+        queue.extend(children.get(p, []))
+    return out

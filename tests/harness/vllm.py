@@ -44,7 +44,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.harness.processes import Adopted, free_port, launch_logged, proc_state, wait_port_free
+from tests.harness.processes import Adopted, descendants, free_port, launch_logged, proc_state, wait_port_free
 
 VLLM_VERSION = "0.32.0"
 HERE = Path(__file__).resolve().parent
@@ -109,40 +109,6 @@ def ensure_model(out: Path | None = None, timeout: float = 300) -> Path:
 
 # ---------------------------------------------------------------------------
 # /proc helpers
-
-
-def _proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (ppid, comm) for every process we can read."""
-    table: dict[int, tuple[int, str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode("utf-8", "replace")
-        except OSError:
-            continue
-        # comm is in parentheses and may contain spaces or ')'
-        lpar, rpar = stat.find("("), stat.rfind(")")
-        comm = stat[lpar + 1 : rpar]
-        rest = stat[rpar + 2 :].split()
-        table[int(entry)] = (int(rest[1]), comm)
-    return table
-
-
-def descendants(pid: int) -> list[tuple[int, str]]:
-    """All descendants of pid as (pid, comm), breadth first."""
-    table = _proc_table()
-    children: dict[int, list[int]] = {}
-    for p, (pp, _) in table.items():
-        children.setdefault(pp, []).append(p)
-    out: list[tuple[int, str]] = []
-    queue = list(children.get(pid, []))
-    while queue:
-        p = queue.pop(0)
-        out.append((p, table[p][1]))
-        queue.extend(children.get(p, []))
-    return out
 
 
 def _cmdline(pid: int) -> str:
