@@ -19,6 +19,7 @@ from typing import Any
 
 from redis import asyncio as aioredis
 
+from ..tasks import cancel_and_wait
 from .connection import text, without_retries
 from .keys import LeaseKeys
 
@@ -125,17 +126,9 @@ class KeyeventSubscriber:
         task, self._task = self._task, None
         if task is not None:
             self._stopping = True
-            task.cancel()
             # redis-py's pub/sub read can swallow a cancellation; then closing the
             # connection under it ends the read, and the loop sees _stopping.
-            done, _ = await asyncio.wait({task}, timeout=STOP_GRACE_S)
-            while not done:
-                with contextlib.suppress(Exception):
-                    await self._sub_redis.connection_pool.disconnect()
-                task.cancel()
-                done, _ = await asyncio.wait({task}, timeout=STOP_GRACE_S)
-            with contextlib.suppress(BaseException):
-                task.result()
+            await cancel_and_wait(task, STOP_GRACE_S, unstick=self._sub_redis.connection_pool.disconnect)
             self._stopping = False
         self.connected = False
 
