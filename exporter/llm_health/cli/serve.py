@@ -29,7 +29,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     host, port = args.web_listen_address
     exporter = Exporter(cfg, config_file=args.config_file)
-    logging.getLogger("llm_health").info("listening on %s:%d with %d backends", host, port, len(cfg.backends))
+    logging.getLogger("llm_health").info("listening on %s:%d with %d backends%s", host, port, len(cfg.watched()), _shard_note(cfg))
     run_app(exporter.app(web_config), host, port, ssl_context=web_config.ssl_context)
     return 0
 
@@ -45,7 +45,12 @@ def check_config(path: str) -> str:
         r = parse_restarter_config(data, path)
         return f"restarter config, {len(r.targets)} backends"
     cfg = exporter_config.parse(data, path)
-    return f"{len(cfg.backends)} backends" + (", redis section valid" if cfg.redis is not None else "")
+    return f"{len(cfg.watched())} backends{_shard_note(cfg)}" + (", redis section valid" if cfg.redis is not None else "")
+
+
+def _shard_note(cfg: exporter_config.Config) -> str:
+    """` (shard 1/3 of 90 configured)` for a sharded replica, nothing otherwise."""
+    return f" (shard {cfg.shard} of {len(cfg.backends)} configured)" if cfg.shard.total > 1 else ""
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:

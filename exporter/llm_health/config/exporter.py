@@ -25,7 +25,12 @@ backends:
     interval: 10s            # optional, overrides global
     api_key_env: VLLM_API_KEY      # or api_key_file: /etc/llm-health/gpu0.key
 redis: {...}                 # optional: see docs/redis-schema.md
+shard:                       # optional: several replicas share the backends above
+  index: 0                   # this replica's shard, 0 .. total-1
+  total: 1                   # replicas (not counting HA copies) the fleet is split over
 ```
+With `shard:`, a replica watches only the backends whose name hashes to its index, with
+Prometheus' `hashmod` (core/shard.py); every replica is given the whole list.
 Durations are seconds, or strings with a unit: `500ms`, `10s`, `5m`, `1h`.
 """
 
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field, replace
 
 from ..core.engines import Limits
 from ..core.health import Settings
+from ..core.shard import Shard
 from .fields import NAME, Section
 from .load import load_yaml
 from .redis import RedisConfig, parse_redis_config
@@ -94,6 +100,11 @@ class Config:
     redis: RedisConfig | None = None
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     source: str = "<config>"
+    shard: Shard = field(default_factory=Shard)
+
+    def watched(self) -> tuple[Backend, ...]:
+        """The backends this replica watches: those of its shard (all of them unsharded)."""
+        return tuple(b for b in self.backends if self.shard.owns(b.name))
 
 
 _DURATIONS = ("interval", "hung_after_seconds", "probe_interval", "probe_timeout", "connect_timeout", "metrics_timeout", "models_timeout")
@@ -139,8 +150,19 @@ def parse(data: object, where: str = "<config>") -> Config:
 
     redis = parse_redis_config(top.raw("redis"), where) if "redis" in top else None
     probe = _probe(top.section("probe"))
+    shard = _shard(top.section("shard")) if "shard" in top else Shard()
     top.done()
-    return Config(timing=timing, backends=tuple(backends), redis=redis, probe=probe, source=where)
+    return Config(timing=timing, backends=tuple(backends), redis=redis, probe=probe, source=where, shard=shard)
+
+
+def _shard(s: Section) -> Shard:
+    """Both keys required: a replica that forgot its index would silently watch shard 0."""
+    total = s.integer("total", maximum=10_000)
+    index = s.integer("index", minimum=0)
+    if index >= total:
+        raise s.error("index", f"must be below shard.total ({total}): shards are numbered 0 to {total - 1}, got {index}")
+    s.done()
+    return Shard(index=index, total=total)
 
 
 def _probe(s: Section) -> ProbeConfig:

@@ -55,7 +55,7 @@ class Exporter:
 
     # --- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
-        for b in self.config.backends:
+        for b in self.config.watched():  # this replica's shard of them
             self._add_backend(b)
         await self._start_redis()
 
@@ -116,8 +116,8 @@ class Exporter:
         if self.config_file is None:
             return "no configuration file to reload"
         new = config_mod.load(self.config_file)
-        old = {b.name: b for b in self.config.backends}
-        wanted = {b.name: b for b in new.backends}
+        old = {b.name: b for b in self.config.watched()}
+        wanted = {b.name: b for b in new.watched()}  # a changed shard: backends move in and out
         removed = [n for n in old if n not in wanted or old[n] != wanted[n]]
         for name in removed:
             await self.slots.pop(name).close()
@@ -140,6 +140,7 @@ class Exporter:
         probe = self.config.probe
         body: dict[str, Any] = {
             "backends": [s.status() for s in self.slots.values()],
+            "shard": {"index": self.config.shard.index, "total": self.config.shard.total, "configured": len(self.config.backends)},
             "probe": {
                 "enabled": probe.enabled,
                 "allowed_targets": [p.pattern for p in probe.allowed_targets],
