@@ -15,7 +15,9 @@ free, waiters, expiries, drift). They read the same monitoring config as the rul
 (rules/config.yaml): its selectors pick the scrape jobs, its raw-layer rate window names
 the recording rules. Every panel reads the `datasource`
 template variable and has a unit; counters are read through rate() or increase() over
-$__rate_interval.
+$__rate_interval. One answer per backend, pool and route whatever the number of exporter
+replicas (HA pairs, shards that each read Redis): totals and per-backend lines take
+`max by (backend)` (or pool, route) of the replicas first, then sum.
 
 Longer than 500 lines because each dashboard is one function of panel definitions (the
 fleet alone is ~170 lines) that reads as the dashboard does, top to bottom; the shared
@@ -183,8 +185,8 @@ def fleet(cfg: dict) -> dash_b.Dashboard:
         .height(4)
         .span(6)
         .description("Backends whose /metrics or /v1/models answered in the last round, of all watched.")
-        .with_target(query(f"sum(llm_backend_up{{{sel}}})", "up"))
-        .with_target(query(f"count(llm_backend_up{{{sel}}})", "watched", "B"))
+        .with_target(query(f"sum(max by (backend) (llm_backend_up{{{sel}}}))", "up"))
+        .with_target(query(f"count(max by (backend) (llm_backend_up{{{sel}}}))", "watched", "B"))
     )
     hung_panel = (
         stat_b.Panel()
@@ -199,7 +201,7 @@ def fleet(cfg: dict) -> dash_b.Dashboard:
             .mode(dash.ThresholdsMode.ABSOLUTE)
             .steps([dash.Threshold(value=None, color="green"), dash.Threshold(value=1, color="red")])
         )
-        .with_target(query(f'sum(llm_backend_state{{state="hung", {sel}}})', "hung"))
+        .with_target(query(f'sum(max by (backend) (llm_backend_state{{state="hung", {sel}}}))', "hung"))
     )
     restarts_stat = (
         stat_b.Panel()
@@ -211,7 +213,7 @@ def fleet(cfg: dict) -> dash_b.Dashboard:
         .description(
             "Restarts seen by the exporter over the dashboard's time range (a restart loop is a watchdog cascade: each false restart brings the next one)."
         )
-        .with_target(query(f"sum(increase(llm_backend_restarts_total{{{sel}}}[$__range]))", "restarts"))
+        .with_target(query(f"sum(max by (backend) (increase(llm_backend_restarts_total{{{sel}}}[$__range])))", "restarts"))
     )
     round_stat = (
         stat_b.Panel()
@@ -239,7 +241,7 @@ def fleet(cfg: dict) -> dash_b.Dashboard:
                 "Engine steps per second",
                 "Engine steps (iteration_tokens_total count) per second, per engine: the progress signal. Zero with work in flight is what hung looks like.",
                 "ops",
-                [query(f"llm_backend_engine_steps_per_second{{{sel}}}", "{{backend}} {{model_name}} {{engine}}")],
+                [query(f"max by (backend, model_name, engine) (llm_backend_engine_steps_per_second{{{sel}}})", "{{backend}} {{model_name}} {{engine}}")],
             )
         )
         .with_panel(
@@ -247,7 +249,7 @@ def fleet(cfg: dict) -> dash_b.Dashboard:
                 "Generated tokens per second",
                 "Output tokens per second, per engine. Stalls during a long prefill while steps go on.",
                 "suffix: tok/s",
-                [query(f"llm_backend_generation_tokens_per_second{{{sel}}}", "{{backend}} {{model_name}} {{engine}}")],
+                [query(f"max by (backend, model_name, engine) (llm_backend_generation_tokens_per_second{{{sel}}})", "{{backend}} {{model_name}} {{engine}}")],
             )
         )
         .with_panel(
@@ -256,8 +258,8 @@ def fleet(cfg: dict) -> dash_b.Dashboard:
                 "Requests in the engines' batches and in their queues.",
                 "short",
                 [
-                    query(f"sum by (backend) (llm_backend_requests_running{{{sel}}})", "{{backend}} running"),
-                    query(f"sum by (backend) (llm_backend_requests_waiting{{{sel}}})", "{{backend}} waiting", "B"),
+                    query(f"sum by (backend) (max by (backend, model_name, engine) (llm_backend_requests_running{{{sel}}}))", "{{backend}} running"),
+                    query(f"sum by (backend) (max by (backend, model_name, engine) (llm_backend_requests_waiting{{{sel}}}))", "{{backend}} waiting", "B"),
                 ],
             )
         )
@@ -275,14 +277,14 @@ def fleet(cfg: dict) -> dash_b.Dashboard:
                 "Restarts",
                 "Restarts seen per backend (new process start time or counter resets).",
                 "short",
-                [query(f"sum by (backend) (increase(llm_backend_restarts_total{{{sel}}}[$__rate_interval]))", "{{backend}}")],
+                [query(f"max by (backend) (increase(llm_backend_restarts_total{{{sel}}}[$__rate_interval]))", "{{backend}}")],
                 draw_bars=True,
             )
         )
         .with_panel(
             timeseries(
                 "Probes per second by result",
-                "1-token probes the exporter sent to idle engines, by result. Busy engines are never probed.",
+                "1-token probes the exporters sent to idle engines, by result (summed over the replicas that watch a backend: what it received). Busy engines are never probed.",
                 "ops",
                 [query(f"sum by (backend, result) (rate(llm_backend_probes_total{{{sel}}}[$__rate_interval]))", "{{backend}} {{result}}")],
             )
@@ -374,19 +376,19 @@ def admission(cfg: dict) -> dash_b.Dashboard:
                 "Queued past deadline",
                 "Queued requests already older than their deadline.",
                 "short",
-                [query(f"sum by (route) (llm_admission_past_deadline{{{sel}}})", "{{route}}")],
+                [query(f"max by (route) (llm_admission_past_deadline{{{sel}}})", "{{route}}")],
                 w=8,
             )
         )
         .with_panel(
-            timeseries("Queue depth", "Requests queued per route.", "short", [query(f"sum by (route) (llm_admission_queue_depth{{{sel}}})", "{{route}}")], w=8)
+            timeseries("Queue depth", "Requests queued per route.", "short", [query(f"max by (route) (llm_admission_queue_depth{{{sel}}})", "{{route}}")], w=8)
         )
         .with_panel(
             timeseries(
                 "Retried requests queued",
                 "Queued ids with retry_count >= 1. Retries after the deadline multiply work.",
                 "short",
-                [query(f"sum by (route) (llm_admission_retried_requests{{{sel}}})", "{{route}}")],
+                [query(f"max by (route) (llm_admission_retried_requests{{{sel}}})", "{{route}}")],
                 w=8,
             )
         )
@@ -446,9 +448,9 @@ def gpu_pool(cfg: dict) -> dash_b.Dashboard:
                 "Leases held and GPUs free against the pool size.",
                 "short",
                 [
-                    query(f"sum by (pool) (llm_gpu_leases_held{{{sel}}})", "{{pool}} held"),
-                    query(f"sum by (pool) (llm_gpu_free{{{sel}}})", "{{pool}} free", "B"),
-                    query(f"sum by (pool) (llm_gpu_pool_size{{{sel}}})", "{{pool}} size", "C"),
+                    query(f"max by (pool) (llm_gpu_leases_held{{{sel}}})", "{{pool}} held"),
+                    query(f"max by (pool) (llm_gpu_free{{{sel}}})", "{{pool}} free", "B"),
+                    query(f"max by (pool) (llm_gpu_pool_size{{{sel}}})", "{{pool}} size", "C"),
                 ],
             )
         )
@@ -457,7 +459,7 @@ def gpu_pool(cfg: dict) -> dash_b.Dashboard:
                 "Waiters",
                 "Callers waiting for a GPU. With no GPU free for long, LLMGPUPoolExhausted fires.",
                 "short",
-                [query(f"sum by (pool) (llm_gpu_waiters{{{sel}}})", "{{pool}}")],
+                [query(f"max by (pool) (llm_gpu_waiters{{{sel}}})", "{{pool}}")],
             )
         )
         .with_row(dash_b.Row("Lease health"))
@@ -466,7 +468,7 @@ def gpu_pool(cfg: dict) -> dash_b.Dashboard:
                 "Lease releases by reason",
                 "Leases released per second: del (holder finished) against expired (holder died or stalled past the TTL).",
                 "ops",
-                [query(f"sum by (pool, reason) (rate(llm_gpu_lease_releases_total{{{sel}}}[$__rate_interval]))", "{{pool}} {{reason}}")],
+                [query(f"max by (pool, reason) (rate(llm_gpu_lease_releases_total{{{sel}}}[$__rate_interval]))", "{{pool}} {{reason}}")],
                 stack=True,
             )
         )
@@ -475,7 +477,7 @@ def gpu_pool(cfg: dict) -> dash_b.Dashboard:
                 "Drift",
                 "GPUs where Redis and the backends disagree, by kind; the reconcile pass should clear it.",
                 "short",
-                [query(f"sum by (pool, kind) (llm_gpu_lease_drift{{{sel}}})", "{{pool}} {{kind}}")],
+                [query(f"max by (pool, kind) (llm_gpu_lease_drift{{{sel}}})", "{{pool}} {{kind}}")],
             )
         )
         .with_panel(
