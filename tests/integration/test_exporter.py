@@ -341,3 +341,41 @@ async def test_a_server_loading_its_model_is_not_a_failed_round(sim_server, tick
     assert "loading" not in errors and errors["missing"] > 0, errors
     assert s[("llm_backend_restarts_total", (("backend", "loading"),))] == 1
     await exporter.stop()
+
+
+SCRAPERS = {
+    "text 0.0.4": "",
+    "Prometheus 2's default (OpenMetrics first)": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "Prometheus 3's default": "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,application/openmetrics-text;version=0.0.1;q=0.5,"
+    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+    "text 1.0.0, dots (prometheus_client renders it)": "text/plain;version=1.0.0;escaping=dots",
+}
+
+
+async def test_metrics_from_the_rounds_text_is_prometheus_clients_over_the_snapshots(sim_server, ticker, serve):
+    """/metrics serves the text each round rendered (exporter.render): in every format a
+    scraper negotiates, the bytes prometheus_client writes from the same snapshots; gzip
+    where the scraper accepts it."""
+    from prometheus_client.exposition import choose_encoder
+
+    busy = await sim_server("busy", engines=2, scenario="saturated")
+    hung = await sim_server("hung", scenario="hung")
+    ticker.extend([busy, hung])
+    exporter, client = await serve([("busy", busy.url, "vllm"), ("hung", hung.url, "vllm"), ("dead", sim.dead_url(), "vllm")])
+    await wait_for(client, "hung", "hung")
+    for slot in exporter.slots.values():  # no round may end between the two renderings
+        assert slot.task is not None
+        slot.task.cancel()
+        await asyncio.gather(slot.task, return_exceptions=True)
+    for name, accept in SCRAPERS.items():
+        resp = await client.get("/metrics", headers={"Accept": accept, "Accept-Encoding": "identity"})
+        encoder, content_type = choose_encoder(accept)
+        assert resp.headers["Content-Type"] == content_type, name
+        assert "Content-Encoding" not in resp.headers
+        assert await resp.read() == encoder(exporter.registry), name
+    zipped = await client.get("/metrics", headers={"Accept-Encoding": "gzip"}, auto_decompress=False)
+    assert zipped.headers["Content-Encoding"] == "gzip"
+    import gzip
+
+    assert gzip.decompress(await zipped.read()) == choose_encoder("")[0](exporter.registry)
+    await exporter.stop()

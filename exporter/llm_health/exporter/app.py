@@ -1,9 +1,9 @@
 """The exporter: one background round per backend, served from a snapshot.
 
 The two-round rule needs memory, so collection is not done at scrape time: each backend
-has its own task that reads, decides and stores a snapshot every `interval`; `/metrics`
-renders the snapshots with no I/O in `collect()`. One slow or broken backend delays only
-its own task.
+has its own task that reads, decides and stores a snapshot every `interval`, and renders
+its series as exposition text when the round ends (exporter.render); `/metrics` copies
+those pieces together, with no I/O. One slow or broken backend delays only its own task.
 
 Routes: `/metrics`, `/status` (JSON per backend), `/probe?target=URL&kind=vllm`
 (multi-target, blackbox-exporter style, state kept per target, bounded), `/-/healthy`,
@@ -35,6 +35,7 @@ from ..urls import BadTarget, parse_target
 from ..web import add_reload, healthy, metrics_handler, secure
 from .collectors import BackendsCollector, BuildInfoCollector
 from .probe_targets import ProbeTargets
+from .render import Exposition
 from .slots import Slot, make_slot, next_delay, run_round
 
 log = logging.getLogger("llm_health.exporter")
@@ -48,9 +49,16 @@ class Exporter:
         self.targets = ProbeTargets(config.timing.max_probe_targets, config.probe.max_engines)
         self.redis_view: Any = None  # exporter.redis_view.RedisView when configured
         self._redis_task: asyncio.Task[None] | None = None
+        # `registry` holds every collector (prometheus_client renders it for a format
+        # exporter.render does not write, and bench_scale compares against it); `rest`
+        # all but the backends', whose series `exposition` serves from the rounds' text.
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(BackendsCollector(lambda: self.slots.values()))
-        self.registry.register(BuildInfoCollector())
+        self.rest = CollectorRegistry(auto_describe=True)
+        build = BuildInfoCollector()
+        self.registry.register(build)
+        self.rest.register(build)
+        self.exposition = Exposition(lambda: self.slots.values(), self.rest)
         self._redis_collector: Any = None
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -75,6 +83,7 @@ class Exporter:
         self.redis_view = RedisView(self.config.redis)
         self._redis_collector = RedisCollector(self.redis_view)
         self.registry.register(self._redis_collector)
+        self.rest.register(self._redis_collector)
         await self.redis_view.start()
         self._redis_task = asyncio.create_task(self._redis_loop(), name="redis-view")
 
@@ -85,6 +94,7 @@ class Exporter:
         if self.redis_view is not None:
             await self.redis_view.stop()
             self.registry.unregister(self._redis_collector)
+            self.rest.unregister(self._redis_collector)
             self.redis_view = self._redis_collector = None
 
     async def stop(self) -> None:
@@ -219,7 +229,7 @@ class Exporter:
         app = web.Application()
         secure(app, web_config or WebConfig())
         app.router.add_get("/", self.handle_index)
-        app.router.add_get("/metrics", metrics_handler(self.registry))
+        app.router.add_get("/metrics", metrics_handler(self.registry, self.exposition.render, compress=True))
         app.router.add_get("/status", self.handle_status)
         app.router.add_get("/probe", self.handle_probe)
         app.router.add_get("/-/healthy", healthy)

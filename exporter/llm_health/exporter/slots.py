@@ -16,6 +16,7 @@ from ..core.states import State
 from ..probe.client import BackendClient
 from ..probe.monitor import BackendMonitor
 from ..urls import redact_url
+from .render import Renderer
 
 log = logging.getLogger("llm_health.exporter")
 
@@ -33,6 +34,16 @@ class Slot:
     # /probe targets: one round at a time, and when the current one started (monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     round_started: float | None = None
+    # The slot's series as exposition text, one piece per render.FAMILIES entry, rendered
+    # when a round ends (and at creation): a scrape copies them.
+    renderer: Renderer = field(default_factory=Renderer)
+    rendered: tuple[bytes, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.render()
+
+    def render(self) -> None:
+        self.rendered = self.renderer.render(self)
 
     async def close(self) -> None:
         """Stop the slot's task and close its session."""
@@ -133,3 +144,7 @@ async def run_round(slot: Slot) -> None:
         log.exception("round for backend %s failed: %s", slot.backend.name, type(exc).__name__)
         slot.errors["exception"] = slot.errors.get("exception", 0) + 1
     slot.last_round_at = time.time()
+    try:
+        slot.render()
+    except Exception:  # the previous round's text is kept; the same error would fail a scrape
+        log.exception("rendering the series of backend %s failed", slot.backend.name)
