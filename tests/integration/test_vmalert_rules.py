@@ -1,0 +1,157 @@
+"""The shipped rules in VictoriaMetrics (docs/victoriametrics.md): every rule file loads in
+vmalert, and the evidence clauses count scrapes in MetricsQL as in Prometheus.
+
+* `vmalert -dryRun` on every shipped rule file (rules/*.rules.yml, rules/fast/*.rules.yml):
+  each expression parsed by MetricsQL, each template by vmalert, unknown rule fields
+  refused; so a Prometheus-only construct added later fails here. A rule file that uses
+  one (`keep_firing_for`, Prometheus >= 2.42) is refused: the check has teeth.
+* compose/prometheus.yml's scrape part (tests.fixtures.victoriametrics.scrape_config)
+  loads as victoria-metrics' `-promscrape.config` (`-promscrape.config.dryRun`).
+* The evidence clauses: `instance:*_scrapes:count<W>` (`count_over_time(up[W]) or up * 0`)
+  and `min_over_time(instance:*_scrapes:count<W>[W])` against `<job>.evidence_samples`,
+  evaluated in victoria-metrics as vmalert evaluates them (instant queries at times
+  aligned to the group's 5s interval, `step=300s`, the recording rule's results written
+  back at those times), over 30 minutes of imported `up` series per job at 5, 15, 30 and
+  60 s scrapes, at two phases, every scrape up to 0.3 s early or late. MetricsQL counts
+  the samples in (t-W, t], Prometheus 3's left-open range, at every evaluation; so the
+  hung alert has its evidence at every evaluation at the interval its rules were made
+  for and at faster ones, and the `*ScrapeTooSlow` warning's condition holds at every
+  evaluation at slower ones (as in Prometheus: tests/integration/test_rule_intervals.py).
+
+Needs Debian's victoria-metrics (victoria-metrics, vmalert); seconds.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import re
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.fixtures.ci import require
+from tests.fixtures.paths import ROOT, RULES, load_script
+from tests.fixtures.victoriametrics import VICTORIA_METRICS, dry_run, install_problem, run_tool, scrape_config, start_victoria_metrics
+
+generate = load_script(RULES / "generate.py", "rules_generate_vm")
+RULE_FILES = sorted(RULES.glob("*.rules.yml")) + sorted((RULES / "fast").glob("*.rules.yml"))
+CONFIG = yaml.safe_load((RULES / "config.yaml").read_text())
+MADE_FOR = {"rules": CONFIG["scrape_intervals"], "rules/fast": CONFIG["variants"]["fast"]["scrape_intervals"]}
+# Each evidence record's scrape job: its rule file, the job its `up` carries, the config key.
+JOBS = {"vllm.rules.yml": ("vllm", "vllm"), "llamacpp.rules.yml": ("llamacpp", "llamacpp"), "llm-health.rules.yml": ("llm-health", "exporter")}
+SCRAPES = (5, 15, 30, 60)
+PHASES = (0.0, 2.5)  # seconds after an evaluation time: 0 puts each scrape on a window's edge
+JITTER_S = 0.3
+SPAN_S = 30 * 60
+EVAL_S = 5  # every group that reads these records is evaluated every 5s (rules/config.yaml)
+T0 = (int(time.time()) // 3600 - 2) * 3600  # an hour's start (a multiple of every interval here), inside the default retention
+
+
+def test_every_shipped_rule_file_is_checked():
+    assert {p.relative_to(RULES).as_posix() for p in RULE_FILES} >= {f"{d}{n}" for d in ("", "fast/") for n in JOBS}
+
+
+@pytest.mark.parametrize("rule_file", RULE_FILES, ids=lambda p: p.relative_to(RULES).as_posix())
+def test_vmalert_loads_the_shipped_rules(rule_file: Path):
+    require(install_problem("vmalert"))
+    result = dry_run(rule_file)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_vmalert_refuses_a_prometheus_only_field(tmp_path: Path):
+    require(install_problem("vmalert"))
+    rules = yaml.safe_load((RULES / "llm-health.rules.yml").read_text())
+    rules["groups"][0]["rules"][0]["keep_firing_for"] = "5m"
+    (tmp_path / "bad.rules.yml").write_text(yaml.safe_dump(rules, sort_keys=False))
+    result = dry_run(tmp_path / "bad.rules.yml")
+    assert result.returncode != 0 and "keep_firing_for" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+def test_compose_scrape_config_loads_in_victoria_metrics(tmp_path: Path):
+    require(install_problem("victoria-metrics"))
+    assert VICTORIA_METRICS
+    cfg = scrape_config(yaml.safe_load((ROOT / "compose" / "prometheus.yml").read_text()))
+    (tmp_path / "scrape.yml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    result = run_tool(VICTORIA_METRICS, f"-promscrape.config={tmp_path / 'scrape.yml'}", "-promscrape.config.dryRun", "-loggerLevel=ERROR")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [j["job_name"] for j in cfg["scrape_configs"]][:3] == ["llm-health", "vllm", "llamacpp"]
+
+
+def _evidence(rule_file: Path) -> tuple[dict, dict, str]:
+    """The file's scrape-count record, its ScrapeTooSlow alert, and the hung alert's clause
+    on that record (`min_over_time(<record>[W]) >= N`)."""
+    rules = [r for g in yaml.safe_load(rule_file.read_text())["groups"] for r in g["rules"]]
+    (record,) = [r for r in rules if re.fullmatch(r"instance:\w+_scrapes:count\w+", r.get("record", ""))]
+    (too_slow,) = [r for r in rules if r.get("alert", "").endswith("ScrapeTooSlow")]
+    clause = re.escape(f"min_over_time({record['record']}[") + r"\w+\]\) >= \d+"
+    hung = [m.group(0) for r in rules if r.get("alert", "").endswith("Hung") for m in [re.search(clause, r["expr"])] if m]
+    assert len(set(hung)) <= 1, hung
+    return record, too_slow, hung[0] if hung else ""
+
+
+def _stamps(every: int, phase: float, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [round((T0 + phase + k * every + rng.uniform(-JITTER_S, JITTER_S)) * 1000) for k in range(int(SPAN_S // every))]
+
+
+@pytest.mark.parametrize("variant", sorted(MADE_FOR))
+def test_evidence_clauses_count_in_metricsql_as_in_prometheus(variant: str, tmp_path: Path):
+    require(install_problem("victoria-metrics"))
+    vm = start_victoria_metrics(tmp_path)
+    try:
+        files = [ROOT / variant / name for name in JOBS]
+        stamps: dict[tuple[str, str], list[int]] = {}
+        lines = []
+        for i, (job, _) in enumerate(JOBS.values()):
+            for every in SCRAPES:
+                for phase in PHASES:
+                    instance = f"s{every}-p{phase}:1"
+                    stamps[job, instance] = _stamps(every, phase, seed=hash((i, every, phase)) & 0xFFFF)
+                    lines += [f'up{{job="{job}",instance="{instance}"}} 1 {ms}' for ms in stamps[job, instance]]
+        vm.import_prometheus("\n".join(lines))
+        evals = list(range(T0, T0 + SPAN_S + 1, EVAL_S))
+
+        def at_every_eval(expr: str) -> list[list]:
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                return list(pool.map(lambda t: vm.query(expr, at=t), evals))
+
+        for path in files:
+            checked = 0
+            record, too_slow, hung_clause = _evidence(path)
+            job, key = JOBS[path.name]
+            window = generate.seconds(record["record"].rsplit(":count", 1)[1], record["record"])
+            made_for = generate.seconds(MADE_FOR[variant][key], key)
+            # (1) the record, as vmalert writes it: one sample per evaluation
+            written = []
+            for t, result in zip(evals, at_every_eval(record["expr"])):
+                for series in result:
+                    labels = series["metric"]
+                    count = float(series["value"][1])
+                    left_open = sum(1 for ms in stamps[job, labels["instance"]] if (t - window) * 1000 < ms <= t * 1000)
+                    assert count == left_open, (path.name, labels["instance"], t - T0, count, left_open)
+                    written.append(f'{record["record"]}{{job="{job}",instance="{labels["instance"]}"}} {count:g} {t * 1000}')
+                    checked += 1
+            assert checked >= len(evals) * len(SCRAPES) * len(PHASES) * 0.9, (path.name, checked)
+            vm.import_prometheus("\n".join(written))
+            # (2) the warning's condition and the hung alert's clause, after two windows and a scrape
+            warm = T0 + 2 * window + max(SCRAPES)
+            too_slow_at = at_every_eval(too_slow["expr"])
+            hung_at = at_every_eval(hung_clause) if hung_clause else [[] for _ in evals]
+            for every in SCRAPES:
+                for phase in PHASES:
+                    instance = f"s{every}-p{phase}:1"
+                    slow = [t for t, res in zip(evals, too_slow_at) if t >= warm and any(s["metric"]["instance"] == instance for s in res)]
+                    evident = [t for t, res in zip(evals, hung_at) if t >= warm and any(s["metric"]["instance"] == instance for s in res)]
+                    n_evals = sum(1 for t in evals if t >= warm)
+                    if every <= made_for:
+                        assert slow == [], (path.name, instance, "too slow at", [t - T0 for t in slow[:5]])
+                        if hung_clause:
+                            assert len(evident) == n_evals, (path.name, instance, "evidence missing at some evaluations")
+                    else:
+                        assert len(slow) == n_evals, (path.name, instance, f"too slow at only {len(slow)} of {n_evals}")
+                        assert evident == [], (path.name, instance, "evidence at", [t - T0 for t in evident[:5]])
+    finally:
+        vm.stop()
