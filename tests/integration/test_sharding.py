@@ -8,7 +8,8 @@ tests do). Proven here:
 * every backend is exported once per replica that owns it (twice for shard 0, once for
   shard 1), none by a replica that does not;
 * the split is the one Prometheus' own `hashmod` relabelling makes of the same names
-  (read back from Prometheus' target labels, for 300 names and 7 shards);
+  (read back from Prometheus' target labels, for 300 names and 7 shards), and the
+  README's sharded `/probe` job keeps exactly shard 0's targets;
 * `LLMBackendHung` fires once per hung backend, with each digest once in its evidence,
   and never for a busy one; the fleet dashboard's totals count each backend once;
 * `config check` refuses a shard that cannot cover the fleet, naming the key.
@@ -17,6 +18,7 @@ tests do). Proven here:
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import time
@@ -24,6 +26,7 @@ import time
 import yaml
 
 from llm_health.core.shard import Shard, hashmod
+from tests.fixtures.paths import ROOT
 from tests.fixtures.stack import free_port, render_rules
 from tests.integration.test_stack import FAST
 from tests.integration.test_stack_full import panel_queries
@@ -54,6 +57,18 @@ def hashmod_job(names: list[str], modulus: int, dead: str) -> dict:
     }
 
 
+def readme_probe_shard_job(urls: list[str], dead: str) -> dict:
+    """The README's /probe job for shard 0 of 2, as written there, on these targets, its
+    exporter address a closed port, scraped hourly (only its relabelling is under test)."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```yaml\n(# /probe targets split the same way.*?)```", text, re.S)
+    assert block, "the README's sharded /probe job is gone"
+    (job,) = yaml.safe_load(block.group(1))
+    assert job["relabel_configs"][0]["action"] == "hashmod" and job["relabel_configs"][1]["regex"] == "0"
+    job["relabel_configs"][-1]["replacement"] = dead
+    return {**job, "job_name": "readme-probe-shard-0", "scrape_interval": "1h", "scrape_timeout": "1s", "static_configs": [{"targets": urls}]}
+
+
 async def test_two_shards_and_an_ha_pair_give_one_answer_per_backend(tmp_path, prometheus_factory, sim_server, ticker, llm_health):
     owner = {n: hashmod(n, 2) for n in NAMES}
     assert set(owner.values()) == {0, 1}, owner  # both shards hold backends
@@ -76,12 +91,14 @@ async def test_two_shards_and_an_ha_pair_give_one_answer_per_backend(tmp_path, p
     addrs = {label: p.url.removeprefix("http://") for label, p in replicas.items()}
 
     names300 = [f"backend-{i}" for i in range(300)] + NAMES
+    probe_urls = [f"http://10.0.{i // 200}.{i % 200}:8000" for i in range(60)]
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(p.resolve()) for p in render_rules(tmp_path / "rules", FAST)],
         "scrape_configs": [
             {"job_name": "llm-health", "static_configs": [{"targets": list(addrs.values())}]},
             hashmod_job(names300, 7, f"127.0.0.1:{free_port()}"),
+            readme_probe_shard_job(probe_urls, f"127.0.0.1:{free_port()}"),
         ],
     }
     prom = prometheus_factory({}, config=config)
@@ -90,14 +107,21 @@ async def test_two_shards_and_an_ha_pair_give_one_answer_per_backend(tmp_path, p
         return await asyncio.to_thread(prom.query, expr)
 
     # --- the split is Prometheus' hashmod ------------------------------------------------------
-    targets = []
+    def discovered(job: str, every: list[dict]) -> list[dict]:
+        return [t for t in every if t["labels"].get("job") == job]
+
+    every: list[dict] = []
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(targets) < len(names300):
-        targets = [t for t in await asyncio.to_thread(prom.targets) if t["labels"].get("job") == "hashmod"]
+    while time.monotonic() < deadline:  # discovery may hand the two jobs over apart
+        every = await asyncio.to_thread(prom.targets)
+        if len(discovered("hashmod", every)) == len(names300) and discovered("readme-probe-shard-0", every):
+            break
         await asyncio.sleep(0.5)
-    theirs = {t["labels"]["backend"]: int(t["labels"]["shard"]) for t in targets}
+    theirs = {t["labels"]["backend"]: int(t["labels"]["shard"]) for t in discovered("hashmod", every)}
     assert theirs == {n: hashmod(n, 7) for n in names300}
     assert all(Shard(theirs[n], 7).owns(n) for n in names300)
+    kept = {t["labels"]["instance"] for t in discovered("readme-probe-shard-0", every)}
+    assert kept == {u for u in probe_urls if Shard(0, 2).owns(u)} and 0 < len(kept) < len(probe_urls)
 
     # --- each backend once per replica that owns it --------------------------------------------
     want_counts = {n: 2 if owner[n] == 0 else 1 for n in NAMES}
