@@ -41,3 +41,23 @@ def machine_line(*software: str) -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     parts = [cpu_model(), f"{os.cpu_count()} cores", f"{mem:.0f} GiB", f"Linux {platform.release()}", f"Python {platform.python_version()}", *software]
     return ", ".join(parts) + f", calibration {calibration_ms():.1f} ms, loadavg at start {os.getloadavg()[0]:.2f}"
+
+
+CALIBRATION_PAYLOAD = Path(__file__).resolve().parents[1] / "tests" / "data" / "real-world" / "metrics" / "vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom"
+
+
+def prometheus_parse_ms(text: str) -> float:
+    """prometheus_client's full parse of `text`: the best of 7, in ms."""
+    import timeit
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    timer = timeit.Timer(lambda: list(text_string_to_metric_families(text)))
+    number, _ = timer.autorange()
+    return min(timer.repeat(repeat=7, number=number)) / number * 1000
+
+
+def parse_calibration_ms() -> float:
+    """The second calibration figure: prometheus_client's parse of the 45 KB vLLM fixture
+    (tests/data/real-world/metrics), best of 7, in ms (bench_admission prints the same)."""
+    return prometheus_parse_ms(CALIBRATION_PAYLOAD.read_text())

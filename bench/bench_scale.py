@@ -1,21 +1,45 @@
 """Scale: one exporter process watching N simulated vLLM backends with 10 s rounds.
 
-The simulated fleet runs in a separate process (its CPU is not counted): 70% idle, 25%
-busy (progressing), 5% hung, each on its own loopback port with a ~36 KB V1 payload.
-The exporter runs here; we measure its CPU seconds per round (user + system, from
-getrusage) and its memory (RSS and peak), after one warm-up round.
+The simulated fleet runs in separate processes (their CPU is not counted), at most
+`--per-process` listeners each (2,500 by default: a listener and its accepted connection
+are two descriptors, so no process nears its RLIMIT_NOFILE, which every process raises to
+its hard limit): 70% idle, 25% busy (progressing), 5% hung, each on its own loopback port
+with a ~36 KB V1 payload. The exporter runs here. Measured, after one warm-up round: its
+CPU seconds (user + system, from getrusage) per backend round, and from that its share of
+one core at 10 s rounds; its memory (RSS and peak); and a scrape of it both ways on the
+same fleet in the same run: the new path (each round's rendered text copied together,
+exporter.render) and the old one (prometheus_client rendering every snapshot at scrape
+time), with the size and the cost of gzip (which /metrics applies where Prometheus asks).
 
-    python -m bench.bench_scale [--backends 1000] [--interval 10] [--rounds 3]
+Two machine figures: the calibration of bench/_machine.py, and prometheus_client's parse
+of the 45 KB vLLM fixture (as bench_admission reports it); plus prometheus_client's parse
+of a busy backend's own payload, which the round's cost is judged against: a round reads
+and judges a backend for less than 1/20 of what merely parsing its payload with
+prometheus_client would cost.
 
-Goal: under 25% of one core for 1,000 backends at 10 s rounds.
+    python -m bench.bench_scale [--backends 1000] [--interval 10] [--rounds 3] [--per-process 2500] [--scrapes 3] [--profile N]
+
+Goals: under 25% of one core at 10 s rounds and a scrape under 1 s (figures of this
+machine); a scrape at least 10x cheaper than the old path, and a backend round under 1/20
+of prometheus_client's parse of the backend's payload (ratios, taken side by side).
+`--profile N` prints the N functions of the exporter that cost most over the measured
+rounds (cProfile; the CPU figures are then inflated by the profiler).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import gc
+import gzip
+import io
+import math
 import multiprocessing as mp
+import os
+import pstats
 import resource
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -23,16 +47,21 @@ from typing import Any
 from prometheus_client import generate_latest
 
 from bench._goal import goal_line
-from bench._machine import machine_line
+from bench._machine import machine_line, parse_calibration_ms, prometheus_parse_ms
 from llm_health.config.exporter import Backend, Config, Timing
 from llm_health.exporter.app import Exporter
 from llm_health.sim import servers as sim
+from llm_health.web import gzip_body
 
-GOAL_CORE_PERCENT = 25.0  # of one core, for 1,000 backends at 10 s rounds
+GOAL_CORE_PERCENT = 25.0  # of one core at 10 s rounds
+GOAL_SCRAPE_MS = 1000.0
+GOAL_SCRAPE_RATIO = 10.0  # the old path's scrape / the new path's
+GOAL_PARSE_FRACTION = 20.0  # a backend round under 1/20 of prometheus_client's parse of its payload
+TICK_S = 2.0
 
 
 class CachedServer(sim.SimServer):
-    """Renders its payload once per tick, so the fleet process keeps up with 100 reads/s."""
+    """Renders its payload once per tick, so a fleet process keeps up with its reads."""
 
     _cache: str | None = None
 
@@ -46,22 +75,35 @@ class CachedServer(sim.SimServer):
         self._cache = None
 
 
-def fleet_process(n: int, conn: Any) -> None:
+def raise_nofile() -> tuple[int, int]:
+    """The soft RLIMIT_NOFILE raised to the hard one; (soft before, hard)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return soft, hard
+
+
+def fleet_process(first: int, count: int, conn: Any) -> None:
+    """Backends b{first}..b{first+count-1}; only the busy ones progress (an idle or hung
+    engine's payload does not change, so it is rendered once)."""
+    raise_nofile()
+
     async def main() -> None:
-        servers = []
-        for i in range(n):
+        servers, busy = [], []
+        for i in range(first, first + count):
             s = CachedServer(f"b{i}")
             if i % 20 == 0:
                 sim.hang(s)
             elif i % 4 == 1:
                 sim.saturated(s, running=8, waiting=0)
+                busy.append(s)
             await s.start()
             servers.append(s)
         conn.send([s.url for s in servers])
         while not conn.poll():
-            await asyncio.sleep(2.0)
-            for s in servers:
-                s.advance(2.0)
+            await asyncio.sleep(TICK_S)
+            for s in busy:
+                s.advance(TICK_S)
         for s in servers:
             await s.stop()
 
@@ -78,45 +120,136 @@ def rss_mib() -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
-async def run(urls: list[str], interval: float, rounds: int) -> dict:
+def timed(fn: Any, times: int) -> tuple[float, bytes]:
+    """Median ms of `times` calls, and the last result."""
+    out, ms = b"", []
+    for _ in range(times):
+        s0 = time.perf_counter()
+        out = fn()
+        ms.append((time.perf_counter() - s0) * 1000)
+    return statistics.median(ms), out
+
+
+async def run(urls: list[str], interval: float, rounds: int, scrapes: int, profile: int) -> dict:
     timing = Timing(interval=interval, hung_after_seconds=2 * interval, probe_interval=60, metrics_timeout=interval, probe_timeout=2.0)
     exporter = Exporter(Config(timing=timing, backends=tuple(Backend(f"b{i}", u, "vllm", timing) for i, u in enumerate(urls))))
     base_rss = rss_mib()[0]
     await exporter.start()
+    gc.freeze()  # as web.freeze_after_startup does in `llm-health serve`
     await asyncio.sleep(interval * 1.5)  # warm-up round: connections, first readings
+    profiler = cProfile.Profile() if profile else None
     c0, t0 = cpu(), time.monotonic()
     rounds0 = sum(s.monitor.rounds for s in exporter.slots.values())
+    if profiler:
+        profiler.enable()
     await asyncio.sleep(interval * rounds)
+    if profiler:
+        profiler.disable()
     c1, t1 = cpu(), time.monotonic()
     rounds1 = sum(s.monitor.rounds for s in exporter.slots.values())
-    # a scrape of the exporter itself, as Prometheus would take every round
-    s0 = time.perf_counter()
-    body = generate_latest(exporter.registry)
-    scrape_ms = (time.perf_counter() - s0) * 1000
+    # a scrape of the exporter itself, both ways, as Prometheus would take it every round
+    new_ms, new_body = timed(lambda: exporter.exposition.render(generate_latest), scrapes)
+    old_ms, old_body = timed(lambda: generate_latest(exporter.registry), scrapes)
+    gzip_ms, zipped = timed(lambda: gzip_body(new_body), scrapes)
+    default_gzip_ms, default_zipped = timed(lambda: gzip.compress(new_body), 1)  # what prometheus_client's handlers do
     states: dict[str, int] = {}
     for s in exporter.slots.values():
         st = str(s.verdict.state) if s.verdict else "none"
         states[st] = states.get(st, 0) + 1
     rss, peak = rss_mib()
+    series = sum(1 for line in new_body.split(b"\n") if line and not line.startswith(b"#"))
     await exporter.stop()
     wall = t1 - t0
     backend_rounds = rounds1 - rounds0
+    per_round_ms = (c1 - c0) / max(1, backend_rounds) * 1000
+    top = ""
+    if profiler:
+        buf = io.StringIO()
+        stats = pstats.Stats(profiler, stream=buf)
+        stats.sort_stats("tottime").print_stats(profile)
+        top = buf.getvalue() + breakdown(stats, backend_rounds)
     return {
         "backends": len(urls),
         "interval_s": interval,
         "wall_s": wall,
         "backend_rounds": backend_rounds,
+        "expected_rounds": len(urls) * wall / interval,
         "cpu_s": c1 - c0,
-        "cpu_per_round_s": (c1 - c0) / (wall / interval),
-        "core_share": (c1 - c0) / wall,
-        "cpu_per_backend_round_ms": (c1 - c0) / max(1, backend_rounds) * 1000,
+        "measured_share": (c1 - c0) / wall,
+        "per_round_ms": per_round_ms,
+        "share_at_interval": per_round_ms / 1000 * len(urls) / interval,
         "rss_mib": rss,
         "rss_growth_mib": rss - base_rss,
         "peak_rss_mib": peak,
-        "scrape_ms": scrape_ms,
-        "scrape_bytes": len(body),
+        "new_ms": new_ms,
+        "old_ms": old_ms,
+        "new_bytes": len(new_body),
+        "old_bytes": len(old_body),
+        "gzip_ms": gzip_ms,
+        "gzip_bytes": len(zipped),
+        "default_gzip_ms": default_gzip_ms,
+        "default_gzip_bytes": len(default_zipped),
+        "series": series,
         "states": states,
+        "profile": top,
     }
+
+
+def loop_factory() -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+# Where a round's time goes, by the file a function lives in (first match wins).
+PARTS = (
+    ("the HTTP client (aiohttp, yarl, multidict)", ("/aiohttp/", "/yarl/", "/multidict/", "/propcache/")),
+    ("parsing (core.exposition, probe.reading)", ("llm_health/core/exposition", "llm_health/probe/reading")),
+    ("reducing and deciding (core.engines, core.health, core.evidence)", ("llm_health/core/",)),
+    ("rendering the series (exporter.render)", ("llm_health/exporter/render",)),
+    ("the round's own code (probe.client, probe.monitor, exporter)", ("llm_health/",)),
+    ("the event loop and the rest", ("",)),
+)
+
+
+def _part(path: str) -> str:
+    return next(name for name, prefixes in PARTS if any(p in path for p in prefixes))
+
+
+def breakdown(stats: pstats.Stats, backend_rounds: int) -> str:
+    """Own time per backend round of each part of PARTS (the profiler's own time, which
+    inflates every figure; the shares are what count), the event loop's wait left out. A
+    function of no part (a builtin, the standard library, prometheus_client's
+    floatToGoString) counts for the part of the function that called it."""
+    rest = PARTS[-1][0]
+    totals = dict.fromkeys((name for name, _ in PARTS), 0.0)
+    for (path, _line, func), (_cc, _nc, tottime, _ct, callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if "method 'poll' of" in func or "method 'run' of 'uvloop" in func or "method 'select' of" in func:
+            continue  # waiting, not working
+        part = _part(path)
+        if part != rest or not callers:
+            totals[part] += tottime
+            continue
+        for (caller_path, _l, _f), timing in callers.items():
+            totals[_part(caller_path)] += timing[2]  # the time spent here when called from there
+    whole = sum(totals.values())
+    lines = [f"a backend round's own time under the profiler ({1000 * whole / max(1, backend_rounds):.3f} ms), by part:"]
+    lines += [f"  {100 * t / whole:5.1f}%  {name}" for name, t in totals.items()]
+    return "\n".join(lines) + "\n"
+
+
+def start_fleet(n: int, per_process: int) -> tuple[list[str], list[tuple[mp.Process, Any]]]:
+    procs, urls = [], []
+    for first in range(0, n, per_process):
+        parent, child = mp.Pipe()
+        proc = mp.Process(target=fleet_process, args=(first, min(per_process, n - first), child), daemon=True)
+        proc.start()
+        procs.append((proc, parent))
+    for _, parent in procs:
+        urls += parent.recv()
+    return urls, procs
 
 
 def main() -> None:
@@ -124,33 +257,89 @@ def main() -> None:
     ap.add_argument("--backends", type=int, default=1000)
     ap.add_argument("--interval", type=float, default=10.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--per-process", type=int, default=2500, help="listeners per fleet process")
+    ap.add_argument("--scrapes", type=int, default=3, help="scrapes timed per path (the median is reported)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="print the exporter's N costliest functions (cProfile)")
     args = ap.parse_args()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 8192)), hard))
-    parent, child = mp.Pipe()
-    proc = mp.Process(target=fleet_process, args=(args.backends, child), daemon=True)
-    proc.start()
-    urls = parent.recv()
+    machine = machine_line()  # the load average before the fleet starts
+    soft, hard = raise_nofile()
+    calibration = parse_calibration_ms()
+    payload = CachedServer("p")
+    sim.saturated(payload, running=8, waiting=0)
+    payload_text = payload.payload()
+    payload_before_ms = payload_ms = prometheus_parse_ms(payload_text)
+    urls, procs = start_fleet(args.backends, args.per_process)
     try:
-        r = asyncio.run(run(urls, args.interval, args.rounds))
+        # the loop `llm-health serve` runs on (web.run_app): uvloop where it is installed
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            r = runner.run(run(urls, args.interval, args.rounds, args.scrapes, args.profile))
     finally:
-        parent.send("stop")
-        proc.join(10)
-    print(f"machine: {machine_line()}")
-    print(f"backends {r['backends']}, rounds every {r['interval_s']:g} s, measured over {r['wall_s']:.1f} s ({r['backend_rounds']} backend rounds)")
+        for _, parent in procs:
+            parent.send("stop")
+        for proc, _ in procs:
+            proc.join(10)
+    # again after the run, the machine being shared: the lower of the two judges the round
+    payload_after_ms = prometheus_parse_ms(payload_text)
+    payload_ms = min(payload_ms, payload_after_ms)
+    n = r["backends"]
+    print(f"machine: {machine}")
+    print(f"exporter: event loop {'uvloop' if loop_factory() else 'asyncio'}, the garbage collector frozen after start, as in `llm-health serve`")
+    print(f"calibration: prometheus_client parses the 45 KB vLLM payload in {calibration:.1f} ms (best of 7)")
     print(
-        f"exporter CPU: {r['cpu_s']:.2f} s -> {r['cpu_per_round_s']:.2f} s per round = {100 * r['core_share']:.1f}% of one core "
-        f"({r['cpu_per_backend_round_ms']:.2f} ms per backend per round)"
+        f"fleet: {n} backends in {len(procs)} processes (at most {args.per_process} listeners each); RLIMIT_NOFILE soft {soft} raised to {hard} in each process"
+    )
+    print(
+        f"a busy backend's payload: {len(payload_text.encode()) / 1024:.0f} KiB, parsed by prometheus_client in "
+        f"{payload_before_ms:.2f} ms before the run and {payload_after_ms:.2f} ms after it (best of 7 each; the lower judges)"
+    )
+    print(
+        f"backends {n}, rounds every {r['interval_s']:g} s, measured over {r['wall_s']:.1f} s "
+        f"({r['backend_rounds']} backend rounds of {r['expected_rounds']:.0f} due)"
+    )
+    print(
+        f"exporter CPU: {r['cpu_s']:.2f} s = {100 * r['measured_share']:.1f}% of one core measured; "
+        f"{r['per_round_ms']:.3f} ms per backend round -> {100 * r['share_at_interval']:.1f}% of one core at {r['interval_s']:g} s rounds"
+    )
+    parse_ratio = payload_ms / r["per_round_ms"]
+    print(
+        f"a backend round costs 1/{parse_ratio:.1f} of prometheus_client's parse of its payload ({r['per_round_ms'] / calibration:.3f} of the calibration parse)"
     )
     print(f"memory: RSS {r['rss_mib']:.0f} MiB (+{r['rss_growth_mib']:.0f} MiB for the fleet state), peak {r['peak_rss_mib']:.0f} MiB")
-    print(f"one scrape of the exporter: {r['scrape_ms']:.0f} ms, {r['scrape_bytes'] / 1024:.0f} KiB")
+    scrape_ratio = r["old_ms"] / r["new_ms"]
+    print(
+        f"one scrape of the exporter (median of {args.scrapes}): rendered at round end {r['new_ms']:.1f} ms, "
+        f"{r['new_bytes'] / 1024:.0f} KiB; prometheus_client at scrape time {r['old_ms']:.0f} ms, {r['old_bytes'] / 1024:.0f} KiB; "
+        f"ratio {scrape_ratio:.0f}x"
+    )
+    print(
+        f"gzip of the scrape: level 1 (what /metrics sends) {r['gzip_ms']:.0f} ms -> {r['gzip_bytes'] / 1024:.0f} KiB "
+        f"({r['new_bytes'] / r['gzip_bytes']:.0f}x smaller); gzip.compress's default level 9 {r['default_gzip_ms']:.0f} ms -> "
+        f"{r['default_gzip_bytes'] / 1024:.0f} KiB"
+    )
+    print(f"series: {r['series']} ({r['series'] / n:.1f} per backend), {r['new_bytes'] / n:.0f} bytes per backend")
     print(f"states: {r['states']}")
-    share = 100 * r["core_share"]
+    print(f"loadavg at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if r["profile"]:
+        print(r["profile"])
+    share = 100 * r["share_at_interval"]
     print(
         goal_line(
-            f"{r['backends']} backends at {r['interval_s']:g} s rounds in under {GOAL_CORE_PERCENT:g}% of one core",
-            f"{share:.1f}% of one core",
-            share < GOAL_CORE_PERCENT,
+            f"{n} backends at {r['interval_s']:g} s rounds in under {GOAL_CORE_PERCENT:g}% of one core", f"{share:.1f}% of one core", share < GOAL_CORE_PERCENT
+        )
+    )
+    print(goal_line(f"{n} backends: a scrape under {GOAL_SCRAPE_MS:g} ms", f"{r['new_ms']:.0f} ms", r["new_ms"] < GOAL_SCRAPE_MS))
+    print(
+        goal_line(
+            f"{n} backends: a scrape at least {GOAL_SCRAPE_RATIO:g}x cheaper than prometheus_client rendering every snapshot",
+            f"{scrape_ratio:.0f}x",
+            scrape_ratio >= GOAL_SCRAPE_RATIO,
+        )
+    )
+    print(
+        goal_line(
+            f"{n} backends: a backend round under 1/{GOAL_PARSE_FRACTION:g} of prometheus_client's parse of its payload",
+            f"1/{parse_ratio:.1f}",
+            parse_ratio > GOAL_PARSE_FRACTION and math.isfinite(parse_ratio),
         )
     )
 

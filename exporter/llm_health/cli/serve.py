@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import sys
 from typing import Any
 
@@ -14,6 +15,36 @@ from ..config.load import load_yaml
 from ..config.restarter import parse_config as parse_restarter_config
 from ..config.web import load_web_config
 from .common import add_log_level, add_web_config, listen_address
+
+# Descriptors the exporter needs besides one connection per backend (listener, scrapes,
+# /probe targets, Redis, logs).
+FD_HEADROOM = 256
+
+
+def raise_nofile(backends: int, log: logging.Logger) -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit: each backend keeps a connection
+    open (up to 4 during a round), and a soft limit of 1024 (systemd's and most shells'
+    default) is past at about a thousand backends. Logged when raised; a warning when even
+    the hard limit leaves less than one descriptor per backend plus headroom. (soft, hard)
+    after the call."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the RLIMIT_NOFILE soft limit from %d to %d: %s", soft, hard, exc)
+        else:
+            log.info("raised the RLIMIT_NOFILE soft limit from %d to the hard limit %d", soft, hard)
+            soft = hard
+    wanted = backends + FD_HEADROOM
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        log.warning(
+            "RLIMIT_NOFILE is %d, under the %d descriptors %d backends want: raise the hard limit (LimitNOFILE=, ulimit -Hn, the container's nofile)",
+            soft,
+            wanted,
+            backends,
+        )
+    return soft, hard
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -110,9 +110,11 @@ def next_delay(verdict: Verdict | None, interval: float, hung_after: float, elap
 
 def new_session() -> aiohttp.ClientSession:
     """A backend's own HTTP session: its own small connection pool, so no backend (or
-    /probe caller) can use up connections another one waits for."""
+    /probe caller) can use up connections another one waits for. No cookie jar: nothing
+    the exporter reads sets or needs a cookie, and a jar is work on every request and
+    response (bench/bench_scale.py)."""
     connector = aiohttp.TCPConnector(limit=4, limit_per_host=4, enable_cleanup_closed=True)
-    return aiohttp.ClientSession(connector=connector, auto_decompress=True)
+    return aiohttp.ClientSession(connector=connector, auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar())
 
 
 def make_slot(b: Backend) -> Slot:
