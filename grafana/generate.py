@@ -502,7 +502,76 @@ def gpu_pool(cfg: dict) -> dash_b.Dashboard:
     )
 
 
-DASHBOARDS = {"fleet.json": fleet, "admission.json": admission, "gpu-pool.json": gpu_pool}
+def gpu_faults(board: dash_b.Dashboard, cfg: dict) -> dash_b.Dashboard:
+    """The fleet's last row: hangs joined with dcgm-exporter (rules/dcgm.rules.yml's records).
+    Counts read `or vector(0)`: 0 backends mapped is the answer where no DCGM series joins."""
+    sel = f'{cfg["selectors"]["exporter"]}, backend=~"$backend"'
+    red = [dash.Threshold(value=None, color="green"), dash.Threshold(value=1, color="red")]
+
+    def count(title: str, description: str, expr: str, thresholds: bool = False) -> stat_b.Panel:
+        panel = stat_b.Panel().title(title).description(description).unit("short").datasource(DATASOURCE).height(4).span(6)
+        if thresholds:
+            panel = panel.thresholds(dash_b.ThresholdsConfig().mode(dash.ThresholdsMode.ABSOLUTE).steps(red))
+        return panel.with_target(query(f"{expr} or vector(0)", title))
+
+    causes = [("no_gpu_data", "text"), ("software", "blue"), ("gpu_fault", "red")]
+    code = " or ".join(f'max by (backend) (backend:llm_hung_cause:info{{cause="{c}", {sel}}}) * {i}' for i, (c, _) in enumerate(causes))
+    mapping = dash.ValueMap(options={str(i): dash.ValueMappingResult(text=c, color=color, index=i) for i, (c, color) in enumerate(causes)})
+    timeline = (
+        state_b.Panel()
+        .title("Cause of each hang")
+        .description(
+            "Per hung backend: gpu_fault (a GPU of it reports a hardware XID or failed row remapping: drain, reset the GPU), "
+            "software (its GPUs report no fault: the restart fixes it) or no_gpu_data (no dcgm-exporter series joins it)."
+        )
+        .unit("none")
+        .datasource(DATASOURCE)
+        .height(6)
+        .span(24)
+        .show_value(common.VisibilityMode.NEVER)
+        .merge_values(True)
+        .line_width(0)
+        .fill_opacity(90)
+        .mappings([mapping])
+        .with_target(query(code, "{{backend}}"))
+    )
+    return (
+        board.with_row(dash_b.Row("GPU faults (dcgm-exporter)"))
+        .with_panel(
+            count(
+                "Backends mapped to a GPU",
+                "Backends whose GPUs report to DCGM through the join labels (rules/config.yaml, dcgm:). 0: no dcgm-exporter, or the labels do not match.",
+                f"count(backend:llm_gpu_fault:bool{{{sel}}})",
+            )
+        )
+        .with_panel(
+            count(
+                "Backends on a faulted GPU",
+                "Backends with a GPU that reports a hardware fault now (LLMBackendGPUFault), hung or not.",
+                f"sum(backend:llm_gpu_fault:bool{{{sel}}})",
+                thresholds=True,
+            )
+        )
+        .with_panel(
+            count(
+                "Hung on a GPU fault",
+                "Hung backends whose GPU reports a fault (LLMBackendHungGPUFault): not a restart's job.",
+                f'count(backend:llm_hung_cause:info{{cause="gpu_fault", {sel}}})',
+                thresholds=True,
+            )
+        )
+        .with_panel(
+            count(
+                "Hung, GPU healthy",
+                "Hung backends whose GPUs report no fault (LLMBackendHungSoftwareWedge): a software wedge, the restart fixes it.",
+                f'count(backend:llm_hung_cause:info{{cause="software", {sel}}})',
+            )
+        )
+        .with_panel(timeline)
+    )
+
+
+DASHBOARDS = {"fleet.json": lambda cfg: gpu_faults(fleet(cfg), cfg), "admission.json": admission, "gpu-pool.json": gpu_pool}
 
 
 def render(builder: dash_b.Dashboard) -> str:

@@ -135,6 +135,9 @@ def test_the_three_inhibitions_the_issue_asks_for():
     busy = next(i for i in config["inhibit_rules"] if "LLMBackendBusy" in str(i["source_matchers"]))
     assert matches(busy["target_matchers"], {"alertname": "ChatLatencyHigh"})
     assert not matches(busy["target_matchers"], {"alertname": "LLMBackendHung"})
+    # a GPU that reports a fault keeps the restarter off the backend; its own page is not muted
+    assert ("LLMBackendGPUFault", "LLMBackendHung") in pairs
+    assert not {p for p in pairs if p[1] in ("LLMBackendHungGPUFault", "VLLMEngineHung")}
     # the whole host down mutes per-backend alerts
     assert ("VLLMHostDown", "VLLMEngineDown") in pairs
     assert ("LLMBackendsAllDown", "LLMBackendDown") in pairs
@@ -205,3 +208,36 @@ def test_live_inhibition_and_delivery(alertmanager_factory, sink, tmp_path):
     assert ("LLMBackendProbeSlow", "gpu1") in ticketed and ("LLMBackendProbeSlow", "gpu0") not in ticketed
     paged = {a["labels"]["alertname"] for a in sink.alerts("/pager")}
     assert "VLLMEngineDown" not in paged and "LLMBackendBusy" not in paged
+
+
+def test_live_gpu_fault_keeps_the_restarter_off(alertmanager_factory, sink, tmp_path):
+    """LLMBackendGPUFault (info) mutes LLMBackendHung of its backend only: the restarter gets
+    the other backend's hang, the pager the GPU-fault hang (docs/runbook.md, LLMBackendHungGPUFault)."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    am = alertmanager_factory(rewrite_alertmanager_config(EXAMPLE.read_text(), sink.url, token))
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    exporter = {"job": "llm-health", "instance": "e:9118"}
+    am.post_alerts(
+        [
+            {"labels": {"alertname": "LLMBackendGPUFault", "severity": "info", "backend": "gpu3", **exporter}, "startsAt": now},
+            {"labels": {"alertname": "LLMBackendHung", "severity": "critical", "backend": "gpu3", "state": "hung", **exporter}, "startsAt": now},
+            {"labels": {"alertname": "LLMBackendHung", "severity": "critical", "backend": "gpu4", "state": "hung", **exporter}, "startsAt": now},
+            {
+                "labels": {"alertname": "LLMBackendHungGPUFault", "severity": "critical", "backend": "gpu3", "state": "hung", "cause": "gpu_fault", **exporter},
+                "startsAt": now,
+            },
+        ]
+    )
+
+    def inhibited_state():
+        state = {(a["labels"]["alertname"], a["labels"]["backend"]): bool(a["status"]["inhibitedBy"]) for a in am.alerts(inhibited=True)}
+        return state if len(state) == 4 and state[("LLMBackendHung", "gpu3")] else None
+
+    state = wait_until(inhibited_state, timeout=30, what="inhibition in Alertmanager")
+    assert not state[("LLMBackendHung", "gpu4")] and not state[("LLMBackendHungGPUFault", "gpu3")]
+    wait_until(lambda: sink.alerts("/restarter") and sink.alerts("/pager"), timeout=30, what="deliveries to the sink")
+    time.sleep(1.0)
+    assert {(a["labels"]["alertname"], a["labels"]["backend"]) for a in sink.alerts("/restarter")} == {("LLMBackendHung", "gpu4")}
+    paged = {(a["labels"]["alertname"], a["labels"]["backend"]) for a in sink.alerts("/pager")}
+    assert ("LLMBackendHungGPUFault", "gpu3") in paged and ("LLMBackendHung", "gpu3") not in paged

@@ -111,7 +111,7 @@ def test_promtool_check_config_with_the_mounted_rules(tmp_path):
     result = run_tool(PROMTOOL, "check", "config", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
     found = int(re.search(r"(\d+) rule files found", result.stdout).group(1))
-    assert found == len(list(rules_dir.glob("*.rules.yml"))) == 3, result.stdout
+    assert found == len(list(rules_dir.glob("*.rules.yml"))) == 4, result.stdout
 
 
 @pytest.mark.skipif(not PROMTOOL, reason="promtool is not installed")

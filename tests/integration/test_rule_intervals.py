@@ -93,7 +93,7 @@ def test_alerts_at_every_evaluation_of_an_hour(tmp_path, rules, scrape):
     config = config_for(rules)
     w = windows(config, scrape)
     files = rule_files(rules, tmp_path)
-    assert {p.name for p in files} == {"vllm.rules.yml", "llamacpp.rules.yml", "llm-health.rules.yml"}
+    assert {p.name for p in files} == {"vllm.rules.yml", "llamacpp.rules.yml", "llm-health.rules.yml", "dcgm.rules.yml"}
     test_file = suite(tmp_path / "intervals.test.yml", files, w, scrape)
     result = run_tool(PROMTOOL, "test", "rules", str(test_file), timeout=600)
     out = result.stdout + result.stderr

@@ -24,6 +24,7 @@ TEST_FILES = sorted((RULES / "tests").glob("*.test.yml"))
 RUNBOOK = ROOT / "docs" / "runbook.md"
 V1_PAYLOAD = REAL_METRICS / "vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom"
 REAL_VLLM_CAPTURES = REAL_VLLM
+DCGM_PAYLOADS = ROOT / "tests" / "data" / "dcgm"  # dcgm-exporter /metrics as published (SOURCES.md)
 
 # vLLM series newer than every real payload in tests/data/real-world/metrics/, each with
 # where it is documented, and each in the committed captures of a vLLM that has it
@@ -53,7 +54,7 @@ def alerts() -> list[dict]:
 
 
 def test_rule_files_exist():
-    assert {p.name for p in RULE_FILES} == {"vllm.rules.yml", "llamacpp.rules.yml", "llm-health.rules.yml"}
+    assert {p.name for p in RULE_FILES} == {"vllm.rules.yml", "llamacpp.rules.yml", "llm-health.rules.yml", "dcgm.rules.yml"}
     assert TEST_FILES
 
 
@@ -375,13 +376,18 @@ def test_every_series_read_by_a_rule_exists():
     captures = [payload_series(p) for p in sorted(REAL_VLLM_CAPTURES.glob("*.prom"))]
     assert captures, f"no captures of a real vLLM in {REAL_VLLM_CAPTURES}: the newer series would go unchecked"
     v1 = payloads[V1_PAYLOAD.name]
+    dcgm = set().union(*(payload_series(p) for p in sorted(DCGM_PAYLOADS.glob("*.prom"))))
+    assert dcgm, f"no dcgm-exporter payloads under {DCGM_PAYLOADS}"
     problems = []
     for rule in all_rules():
         who = rule.get("alert") or rule.get("record")
         for name in metric_names(rule["expr"]):
             if name in recorded or name == "up":
                 continue
-            if name.startswith("llamacpp:"):
+            if name.startswith("DCGM_"):
+                if name not in dcgm:
+                    problems.append(f"{who}: {name} is in no real dcgm-exporter payload ({DCGM_PAYLOADS.relative_to(ROOT)})")
+            elif name.startswith("llamacpp:"):
                 if name not in llamacpp:
                     problems.append(f"{who}: {name} is in no live llama-server payload ({REAL_LLAMACPP.relative_to(ROOT)})")
             elif name.startswith("llm_"):
