@@ -17,7 +17,8 @@ the recording rules. Every panel reads the `datasource`
 template variable and has a unit; counters are read through rate() or increase() over
 $__rate_interval. One answer per backend, pool and route whatever the number of exporter
 replicas (HA pairs, shards that each read Redis): totals and per-backend lines take
-`max by (backend)` (or pool, route) of the replicas first, then sum.
+`max without (instance)` (selectors.exporter_replica_labels; pools and routes: `max by
+(pool)`, `max by (route)`) of the replicas first, then sum.
 
 Longer than 500 lines because each dashboard is one function of panel definitions (the
 fleet alone is ~170 lines) that reads as the dashboard does, top to bottom; the shared
@@ -160,6 +161,7 @@ def base(uid: str, title: str, description: str) -> dash_b.Dashboard:
 def fleet(cfg: dict) -> dash_b.Dashboard:
     exporter, vllm, window = cfg["selectors"]["exporter"], cfg["selectors"]["vllm"], cfg["vllm"]["rate_window"]
     sel = f'{exporter}, backend=~"$backend"'
+    rep = cfg["selectors"]["exporter_replica_labels"]  # one series per backend whatever the replicas
     state_code = " or ".join(f'llm_backend_state{{state="{s}", {sel}}} * {i}' for i, (s, _) in enumerate(STATES))
     mapping = dash.ValueMap(options={str(i): dash.ValueMappingResult(text=s, color=c, index=i) for i, (s, c) in enumerate(STATES)})
     state_panel = (
@@ -185,8 +187,8 @@ def fleet(cfg: dict) -> dash_b.Dashboard:
         .height(4)
         .span(6)
         .description("Backends whose /metrics or /v1/models answered in the last round, of all watched.")
-        .with_target(query(f"sum(max by (backend) (llm_backend_up{{{sel}}}))", "up"))
-        .with_target(query(f"count(max by (backend) (llm_backend_up{{{sel}}}))", "watched", "B"))
+        .with_target(query(f"sum(max without ({rep}) (llm_backend_up{{{sel}}}))", "up"))
+        .with_target(query(f"count(max without ({rep}) (llm_backend_up{{{sel}}}))", "watched", "B"))
     )
     hung_panel = (
         stat_b.Panel()
@@ -201,7 +203,7 @@ def fleet(cfg: dict) -> dash_b.Dashboard:
             .mode(dash.ThresholdsMode.ABSOLUTE)
             .steps([dash.Threshold(value=None, color="green"), dash.Threshold(value=1, color="red")])
         )
-        .with_target(query(f'sum(max by (backend) (llm_backend_state{{state="hung", {sel}}}))', "hung"))
+        .with_target(query(f'sum(max without ({rep}) (llm_backend_state{{state="hung", {sel}}}))', "hung"))
     )
     restarts_stat = (
         stat_b.Panel()
@@ -213,7 +215,7 @@ def fleet(cfg: dict) -> dash_b.Dashboard:
         .description(
             "Restarts seen by the exporter over the dashboard's time range (a restart loop is a watchdog cascade: each false restart brings the next one)."
         )
-        .with_target(query(f"sum(max by (backend) (increase(llm_backend_restarts_total{{{sel}}}[$__range])))", "restarts"))
+        .with_target(query(f"sum(max without ({rep}) (increase(llm_backend_restarts_total{{{sel}}}[$__range])))", "restarts"))
     )
     round_stat = (
         stat_b.Panel()
@@ -241,7 +243,7 @@ def fleet(cfg: dict) -> dash_b.Dashboard:
                 "Engine steps per second",
                 "Engine steps (iteration_tokens_total count) per second, per engine: the progress signal. Zero with work in flight is what hung looks like.",
                 "ops",
-                [query(f"max by (backend, model_name, engine) (llm_backend_engine_steps_per_second{{{sel}}})", "{{backend}} {{model_name}} {{engine}}")],
+                [query(f"max without ({rep}) (llm_backend_engine_steps_per_second{{{sel}}})", "{{backend}} {{model_name}} {{engine}}")],
             )
         )
         .with_panel(
@@ -249,7 +251,7 @@ def fleet(cfg: dict) -> dash_b.Dashboard:
                 "Generated tokens per second",
                 "Output tokens per second, per engine. Stalls during a long prefill while steps go on.",
                 "suffix: tok/s",
-                [query(f"max by (backend, model_name, engine) (llm_backend_generation_tokens_per_second{{{sel}}})", "{{backend}} {{model_name}} {{engine}}")],
+                [query(f"max without ({rep}) (llm_backend_generation_tokens_per_second{{{sel}}})", "{{backend}} {{model_name}} {{engine}}")],
             )
         )
         .with_panel(
@@ -258,8 +260,8 @@ def fleet(cfg: dict) -> dash_b.Dashboard:
                 "Requests in the engines' batches and in their queues.",
                 "short",
                 [
-                    query(f"sum by (backend) (max by (backend, model_name, engine) (llm_backend_requests_running{{{sel}}}))", "{{backend}} running"),
-                    query(f"sum by (backend) (max by (backend, model_name, engine) (llm_backend_requests_waiting{{{sel}}}))", "{{backend}} waiting", "B"),
+                    query(f"sum by (backend) (max without ({rep}) (llm_backend_requests_running{{{sel}}}))", "{{backend}} running"),
+                    query(f"sum by (backend) (max without ({rep}) (llm_backend_requests_waiting{{{sel}}}))", "{{backend}} waiting", "B"),
                 ],
             )
         )
@@ -506,6 +508,7 @@ def gpu_faults(board: dash_b.Dashboard, cfg: dict) -> dash_b.Dashboard:
     """The fleet's last row: hangs joined with dcgm-exporter (rules/dcgm.rules.yml's records).
     Counts read `or vector(0)`: 0 backends mapped is the answer where no DCGM series joins."""
     sel = f'{cfg["selectors"]["exporter"]}, backend=~"$backend"'
+    rep = cfg["selectors"]["exporter_replica_labels"]  # each backend once behind an HA pair
     red = [dash.Threshold(value=None, color="green"), dash.Threshold(value=1, color="red")]
 
     def count(title: str, description: str, expr: str, thresholds: bool = False) -> stat_b.Panel:
@@ -541,14 +544,14 @@ def gpu_faults(board: dash_b.Dashboard, cfg: dict) -> dash_b.Dashboard:
             count(
                 "Backends mapped to a GPU",
                 "Backends whose GPUs report to DCGM through the join labels (rules/config.yaml, dcgm:). 0: no dcgm-exporter, or the labels do not match.",
-                f"count(backend:llm_gpu_fault:bool{{{sel}}})",
+                f"count(max without ({rep}) (backend:llm_gpu_fault:bool{{{sel}}}))",
             )
         )
         .with_panel(
             count(
                 "Backends on a faulted GPU",
                 "Backends with a GPU that reports a hardware fault now (LLMBackendGPUFault), hung or not.",
-                f"sum(backend:llm_gpu_fault:bool{{{sel}}})",
+                f"sum(max without ({rep}) (backend:llm_gpu_fault:bool{{{sel}}}))",
                 thresholds=True,
             )
         )
@@ -556,7 +559,7 @@ def gpu_faults(board: dash_b.Dashboard, cfg: dict) -> dash_b.Dashboard:
             count(
                 "Hung on a GPU fault",
                 "Hung backends whose GPU reports a fault (LLMBackendHungGPUFault): not a restart's job.",
-                f'count(backend:llm_hung_cause:info{{cause="gpu_fault", {sel}}})',
+                f'count(max without ({rep}) (backend:llm_hung_cause:info{{cause="gpu_fault", {sel}}}))',
                 thresholds=True,
             )
         )
@@ -564,7 +567,7 @@ def gpu_faults(board: dash_b.Dashboard, cfg: dict) -> dash_b.Dashboard:
             count(
                 "Hung, GPU healthy",
                 "Hung backends whose GPUs report no fault (LLMBackendHungSoftwareWedge): a software wedge, the restart fixes it.",
-                f'count(backend:llm_hung_cause:info{{cause="software", {sel}}})',
+                f'count(max without ({rep}) (backend:llm_hung_cause:info{{cause="software", {sel}}}))',
             )
         )
         .with_panel(timeline)

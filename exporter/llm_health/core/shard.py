@@ -19,7 +19,7 @@ relabel_configs:
 
 No coordinator: every replica computes the same answer from the name alone. Two
 replicas with the same `index` are an HA pair: both watch the same backends, and the
-rules aggregate them away (`max without (instance, pod)`).
+rules aggregate them away (`max without (instance)`).
 """
 
 from __future__ import annotations
