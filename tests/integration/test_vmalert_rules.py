@@ -34,7 +34,16 @@ import yaml
 
 from tests.fixtures.ci import require
 from tests.fixtures.paths import ROOT, RULES, load_script
-from tests.fixtures.victoriametrics import VICTORIA_METRICS, dry_run, install_problem, run_tool, scrape_config, start_victoria_metrics
+from tests.fixtures.stack import start_sink, wait_until
+from tests.fixtures.victoriametrics import (
+    VICTORIA_METRICS,
+    dry_run,
+    install_problem,
+    run_tool,
+    scrape_config,
+    start_victoria_metrics,
+    start_vmalert,
+)
 
 generate = load_script(RULES / "generate.py", "rules_generate_vm")
 RULE_FILES = sorted(RULES.glob("*.rules.yml")) + sorted((RULES / "fast").glob("*.rules.yml"))
@@ -154,4 +163,55 @@ def test_evidence_clauses_count_in_metricsql_as_in_prometheus(variant: str, tmp_
                         assert len(slow) == n_evals, (path.name, instance, f"too slow at only {len(slow)} of {n_evals}")
                         assert evident == [], (path.name, instance, "evidence at", [t - T0 for t in evident[:5]])
     finally:
+        vm.stop()
+
+
+@pytest.mark.parametrize("variant", sorted(MADE_FOR))
+def test_llm_backend_hung_fires_in_vmalert_with_its_evidence(variant: str, tmp_path: Path):
+    """LLMBackendHung of the shipped file, evaluated by vmalert on a hung backend's series:
+    it fires, and its `evidence` annotation (vmalert's `query`, `sortByLabel` and `printf`
+    templates) parses, with the restarter's own parser, to the exporter's 48-bit digest.
+    vmalert's templates differ from Prometheus' where a label is missing (`$labels.x` is
+    nil there, "" in Prometheus), so an annotation can render in one and not the other;
+    vmalert then drops the alert."""
+    require(install_problem("victoria-metrics", "vmalert"))
+    from llm_health.core.evidence import DIGEST_BITS, parse_evidence
+
+    digest = (1 << DIGEST_BITS) - 12345
+    vm = start_victoria_metrics(tmp_path)
+    sink = start_sink()
+    vmalert = None
+    try:
+        now = int(time.time())
+        base = 'job="llm-health",instance="127.0.0.1:9118",backend="gpu0"'
+        engine = f'{base},model_name="m",engine="0"'
+        series = {
+            f'llm_backend_state{{{base},state="hung"}}': 1,
+            f'llm_backend_engine_state{{{engine},state="hung"}}': 1,
+            f"llm_backend_engine_progress_digest{{{engine}}}": digest,
+            'up{job="llm-health",instance="127.0.0.1:9118"}': 1,
+        }
+        vm.import_prometheus("\n".join(f"{name} {value} {(now - age) * 1000}" for name, value in series.items() for age in range(0, 181, 5)))
+        vmalert = start_vmalert(tmp_path, [ROOT / variant / "llm-health.rules.yml"], vm.url, notifiers=[sink.url], evaluation_interval="5s")
+
+        def fired() -> dict | None:
+            return next((a for a in vmalert.alerts() if a["labels"]["alertname"] == "LLMBackendHung" and a["state"] == "firing"), None)
+
+        try:
+            alert = wait_until(fired, timeout=90, interval=1, what="LLMBackendHung firing in vmalert")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; vmalert's log:\n{vmalert.log()}") from None
+        assert parse_evidence(alert["annotations"]["evidence"]).digests == {digest}, alert["annotations"]
+        assert alert["labels"]["backend"] == "gpu0" and alert["labels"]["severity"] == "critical", alert["labels"]
+
+        def notified() -> bool:
+            # Alertmanager's v2 API: the body is the list of alerts
+            calls = [c["body"] for c in list(sink.received) if c["path"] == "/api/v2/alerts" and isinstance(c["body"], list)]
+            return any(a["labels"]["alertname"] == "LLMBackendHung" for body in calls for a in body)
+
+        wait_until(notified, timeout=60, what="vmalert's notification of LLMBackendHung")
+    finally:
+        if vmalert is not None:
+            vmalert.stop()
+        sink.stop()
         vm.stop()
