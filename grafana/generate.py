@@ -17,7 +17,7 @@ the recording rules. Every panel reads the `datasource`
 template variable and has a unit; counters are read through rate() or increase() over
 $__rate_interval. One answer per backend, pool and route whatever the number of exporter
 replicas (HA pairs, shards that each read Redis): totals and per-backend lines take
-`max without (instance)` (selectors.exporter_replica_labels; pools and routes: `max by
+`max without (instance)` (exporter.replica_labels; pools and routes: `max by
 (pool)`, `max by (route)`) of the replicas first, then sum.
 
 Longer than 500 lines because each dashboard is one function of panel definitions (the
@@ -161,7 +161,7 @@ def base(uid: str, title: str, description: str) -> dash_b.Dashboard:
 def fleet(cfg: dict) -> dash_b.Dashboard:
     exporter, vllm, window = cfg["selectors"]["exporter"], cfg["selectors"]["vllm"], cfg["vllm"]["rate_window"]
     sel = f'{exporter}, backend=~"$backend"'
-    rep = cfg["selectors"]["exporter_replica_labels"]  # one series per backend whatever the replicas
+    rep = cfg["exporter"]["replica_labels"]  # one series per backend whatever the replicas
     state_code = " or ".join(f'llm_backend_state{{state="{s}", {sel}}} * {i}' for i, (s, _) in enumerate(STATES))
     mapping = dash.ValueMap(options={str(i): dash.ValueMappingResult(text=s, color=c, index=i) for i, (s, c) in enumerate(STATES)})
     state_panel = (
@@ -508,7 +508,7 @@ def gpu_faults(board: dash_b.Dashboard, cfg: dict) -> dash_b.Dashboard:
     """The fleet's last row: hangs joined with dcgm-exporter (rules/dcgm.rules.yml's records).
     Counts read `or vector(0)`: 0 backends mapped is the answer where no DCGM series joins."""
     sel = f'{cfg["selectors"]["exporter"]}, backend=~"$backend"'
-    rep = cfg["selectors"]["exporter_replica_labels"]  # each backend once behind an HA pair
+    rep = cfg["exporter"]["replica_labels"]  # each backend once behind an HA pair
     red = [dash.Threshold(value=None, color="green"), dash.Threshold(value=1, color="red")]
 
     def count(title: str, description: str, expr: str, thresholds: bool = False) -> stat_b.Panel:
