@@ -17,6 +17,10 @@ of a busy backend's own payload, which the round's cost is judged against: a rou
 and judges a backend for less than 1/20 of what merely parsing its payload with
 prometheus_client would cost.
 
+A fleet process on a 2-core machine serves a few hundred reads a second: past ~1,000
+backends run it with a longer `--interval` (the share of a core at 10 s rounds is computed
+from the cost of a backend round, which does not depend on the interval).
+
     python -m bench.bench_scale [--backends 1000] [--interval 10] [--rounds 3] [--per-process 2500] [--scrapes 3] [--profile N]
 
 Goals: under 25% of one core at 10 s rounds and a scrape under 1 s (figures of this
@@ -153,9 +157,12 @@ async def run(urls: list[str], interval: float, rounds: int, scrapes: int, profi
     gzip_ms, zipped = timed(lambda: gzip_body(new_body), scrapes)
     default_gzip_ms, default_zipped = timed(lambda: gzip.compress(new_body), 1)  # what prometheus_client's handlers do
     states: dict[str, int] = {}
+    reasons: dict[str, str] = {}  # one reason of each state the fleet was not made to be in
     for s in exporter.slots.values():
         st = str(s.verdict.state) if s.verdict else "none"
         states[st] = states.get(st, 0) + 1
+        if st not in ("idle", "busy", "hung"):
+            reasons.setdefault(st, f"{s.backend.name}: {s.verdict.reason if s.verdict else 'no round'}")
     rss, peak = rss_mib()
     series = sum(1 for line in new_body.split(b"\n") if line and not line.startswith(b"#"))
     await exporter.stop()
@@ -177,7 +184,7 @@ async def run(urls: list[str], interval: float, rounds: int, scrapes: int, profi
         "cpu_s": c1 - c0,
         "measured_share": (c1 - c0) / wall,
         "per_round_ms": per_round_ms,
-        "share_at_interval": per_round_ms / 1000 * len(urls) / interval,
+        "share_at_10s": per_round_ms / 1000 * len(urls) / 10.0,
         "rss_mib": rss,
         "rss_growth_mib": rss - base_rss,
         "peak_rss_mib": peak,
@@ -191,6 +198,7 @@ async def run(urls: list[str], interval: float, rounds: int, scrapes: int, profi
         "default_gzip_bytes": len(default_zipped),
         "series": series,
         "states": states,
+        "reasons": reasons,
         "profile": top,
     }
 
@@ -298,7 +306,7 @@ def main() -> None:
     )
     print(
         f"exporter CPU: {r['cpu_s']:.2f} s = {100 * r['measured_share']:.1f}% of one core measured; "
-        f"{r['per_round_ms']:.3f} ms per backend round -> {100 * r['share_at_interval']:.1f}% of one core at {r['interval_s']:g} s rounds"
+        f"{r['per_round_ms']:.3f} ms per backend round -> {100 * r['share_at_10s']:.1f}% of one core at 10 s rounds"
     )
     parse_ratio = payload_ms / r["per_round_ms"]
     print(
@@ -318,15 +326,13 @@ def main() -> None:
     )
     print(f"series: {r['series']} ({r['series'] / n:.1f} per backend), {r['new_bytes'] / n:.0f} bytes per backend")
     print(f"states: {r['states']}")
+    for reason in r["reasons"].values():
+        print(f"  unexpected, e.g. {reason}")
     print(f"loadavg at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if r["profile"]:
         print(r["profile"])
-    share = 100 * r["share_at_interval"]
-    print(
-        goal_line(
-            f"{n} backends at {r['interval_s']:g} s rounds in under {GOAL_CORE_PERCENT:g}% of one core", f"{share:.1f}% of one core", share < GOAL_CORE_PERCENT
-        )
-    )
+    share = 100 * r["share_at_10s"]
+    print(goal_line(f"{n} backends at 10 s rounds in under {GOAL_CORE_PERCENT:g}% of one core", f"{share:.1f}% of one core", share < GOAL_CORE_PERCENT))
     print(goal_line(f"{n} backends: a scrape under {GOAL_SCRAPE_MS:g} ms", f"{r['new_ms']:.0f} ms", r["new_ms"] < GOAL_SCRAPE_MS))
     print(
         goal_line(
