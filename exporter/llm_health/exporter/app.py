@@ -36,7 +36,7 @@ from ..web import add_reload, healthy, metrics_handler, secure
 from .collectors import BackendsCollector, BuildInfoCollector
 from .probe_targets import ProbeTargets
 from .render import Exposition
-from .slots import Slot, make_slot, next_delay, run_round
+from .slots import Slot, first_round_delays, make_slot, next_delay, run_round
 
 log = logging.getLogger("llm_health.exporter")
 
@@ -63,15 +63,16 @@ class Exporter:
 
     # --- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
-        for b in self.config.watched():  # this replica's shard of them
-            self._add_backend(b)
+        self._add_backends(self.config.watched())  # this replica's shard of them
         await self._start_redis()
 
-    def _add_backend(self, b: Backend) -> None:
-        # Each backend has its own session and connection pool (see probe.client).
-        slot = make_slot(b)
-        self.slots[b.name] = slot
-        slot.task = asyncio.create_task(self._loop(slot), name=f"round-{b.name}")
+    def _add_backends(self, backends: tuple[Backend, ...] | list[Backend]) -> None:
+        delays = first_round_delays(len(backends), min((b.timing.interval for b in backends), default=1.0))
+        for b, delay in zip(backends, delays):
+            # Each backend has its own session and connection pool (see probe.client).
+            slot = make_slot(b)
+            self.slots[b.name] = slot
+            slot.task = asyncio.create_task(self._loop(slot, delay), name=f"round-{b.name}")
 
     async def _start_redis(self) -> None:
         if self.config.redis is None:
@@ -103,8 +104,10 @@ class Exporter:
         await self.targets.close()
         await self._stop_redis()
 
-    async def _loop(self, slot: Slot) -> None:
+    async def _loop(self, slot: Slot, first_delay: float = 0.0) -> None:
         timing = slot.backend.timing
+        if first_delay > 0:
+            await asyncio.sleep(first_delay)
         while True:
             started = time.monotonic()
             await run_round(slot)
@@ -135,8 +138,7 @@ class Exporter:
         redis_changed = new.redis != self.config.redis
         self.config = new
         self.targets.max_targets, self.targets.max_engines = new.timing.max_probe_targets, new.probe.max_engines
-        for name in added:
-            self._add_backend(wanted[name])
+        self._add_backends([wanted[name] for name in added])
         if redis_changed:
             await self._stop_redis()
             await self._start_redis()

@@ -97,6 +97,20 @@ class Slot:
         return out
 
 
+# A fleet's first rounds are spread over up to one interval, at most this many starting per
+# second: started at once, 10,000 first reads queue behind each other (and behind the
+# backends' accept queues) past their timeouts. A round's next one is due an interval after
+# its own start, so the spread stays. Fifty backends start within 0.1 s.
+FIRST_ROUNDS_PER_SECOND = 500.0
+
+
+def first_round_delays(count: int, interval: float) -> list[float]:
+    """Seconds from start to each of `count` backends' first round: evenly spread over
+    min(interval, count / FIRST_ROUNDS_PER_SECOND)."""
+    spread = min(interval, count / FIRST_ROUNDS_PER_SECOND)
+    return [spread * i / count for i in range(count)]
+
+
 def next_delay(verdict: Verdict | None, interval: float, hung_after: float, elapsed: float) -> float:
     """Seconds to wait before the backend's next round: `interval` from the start of the
     last one, or less where an engine that stalled becomes due for `hung` sooner: the round
