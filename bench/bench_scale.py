@@ -21,7 +21,12 @@ A fleet process on a 2-core machine serves a few hundred reads a second: past ~1
 backends run it with a longer `--interval` (the share of a core at 10 s rounds is computed
 from the cost of a backend round, which does not depend on the interval).
 
-    python -m bench.bench_scale [--backends 1000] [--interval 10] [--rounds 3] [--per-process 2500] [--scrapes 3] [--profile N]
+    python -m bench.bench_scale [--backends 1000] [--interval 10] [--rounds 3] [--per-process 2500] [--scrapes 3]
+                                [--server-keepalive 5] [--profile N]
+
+A real vLLM closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, uvicorn's
+default), so at 10 s rounds every round opens a new one; the simulated fleet does the same
+unless `--server-keepalive` says otherwise (75, aiohttp's default, shows a reused one).
 
 Goals: under 25% of one core at 10 s rounds and a scrape under 1 s (figures of this
 machine); a scrape at least 10x cheaper than the old path, and a backend round under 1/20
@@ -87,15 +92,17 @@ def raise_nofile() -> tuple[int, int]:
     return soft, hard
 
 
-def fleet_process(first: int, count: int, conn: Any) -> None:
+def fleet_process(first: int, count: int, conn: Any, keepalive: float = 75.0) -> None:
     """Backends b{first}..b{first+count-1}; only the busy ones progress (an idle or hung
-    engine's payload does not change, so it is rendered once)."""
+    engine's payload does not change, so it is rendered once). Each closes a connection
+    idle for `keepalive` seconds."""
     raise_nofile()
 
     async def main() -> None:
         servers, busy = [], []
         for i in range(first, first + count):
             s = CachedServer(f"b{i}")
+            s.keepalive_timeout = keepalive
             if i % 20 == 0:
                 sim.hang(s)
             elif i % 4 == 1:
@@ -248,11 +255,11 @@ def breakdown(stats: pstats.Stats, backend_rounds: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def start_fleet(n: int, per_process: int) -> tuple[list[str], list[tuple[mp.Process, Any]]]:
+def start_fleet(n: int, per_process: int, keepalive: float) -> tuple[list[str], list[tuple[mp.Process, Any]]]:
     procs, urls = [], []
     for first in range(0, n, per_process):
         parent, child = mp.Pipe()
-        proc = mp.Process(target=fleet_process, args=(first, min(per_process, n - first), child), daemon=True)
+        proc = mp.Process(target=fleet_process, args=(first, min(per_process, n - first), child, keepalive), daemon=True)
         proc.start()
         procs.append((proc, parent))
     for _, parent in procs:
@@ -267,6 +274,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--per-process", type=int, default=2500, help="listeners per fleet process")
     ap.add_argument("--scrapes", type=int, default=3, help="scrapes timed per path (the median is reported)")
+    ap.add_argument(
+        "--server-keepalive",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds a simulated backend keeps an idle connection (5: vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default, so "
+        "at 10 s rounds every round opens a new connection, as against a real vLLM; 75: aiohttp's default)",
+    )
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print the exporter's N costliest functions (cProfile)")
     args = ap.parse_args()
     machine = machine_line()  # the load average before the fleet starts
@@ -276,7 +291,7 @@ def main() -> None:
     sim.saturated(payload, running=8, waiting=0)
     payload_text = payload.payload()
     payload_before_ms = payload_ms = prometheus_parse_ms(payload_text)
-    urls, procs = start_fleet(args.backends, args.per_process)
+    urls, procs = start_fleet(args.backends, args.per_process, args.server_keepalive)
     try:
         # the loop `llm-health serve` runs on (web.run_app): uvloop where it is installed
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
@@ -294,7 +309,9 @@ def main() -> None:
     print(f"exporter: event loop {'uvloop' if loop_factory() else 'asyncio'}, the garbage collector frozen after start, as in `llm-health serve`")
     print(f"calibration: prometheus_client parses the 45 KB vLLM payload in {calibration:.1f} ms (best of 7)")
     print(
-        f"fleet: {n} backends in {len(procs)} processes (at most {args.per_process} listeners each); RLIMIT_NOFILE soft {soft} raised to {hard} in each process"
+        f"fleet: {n} backends in {len(procs)} processes (at most {args.per_process} listeners each); RLIMIT_NOFILE soft {soft} raised to {hard} in each process; "
+        f"an idle connection closed by the backend after {args.server_keepalive:g} s"
+        + (" (every round opens a new one)" if args.server_keepalive < args.interval else " (rounds reuse theirs)")
     )
     print(
         f"a busy backend's payload: {len(payload_text.encode()) / 1024:.0f} KiB, parsed by prometheus_client in "

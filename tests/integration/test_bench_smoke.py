@@ -18,6 +18,7 @@ SMALL = {
     "bench_parse": [],
     "bench_decision": [],
     "bench_scale": ["--backends", "10", "--interval", "1", "--rounds", "1"],
+    "bench_client": ["--reads", "20", "--backends", "2", "--passes", "1"],
     "bench_hostile": ["--backends", "5", "--interval", "0.5", "--seconds", "2"],
     "bench_gate": ["--rate", "50", "--seconds", "1"],
     "bench_admission": ["--rates", "20", "--litellm-rates", "10", "--seconds", "1", "--closed-seconds", "0.5", "--concurrency", "4"],

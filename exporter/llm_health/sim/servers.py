@@ -37,9 +37,13 @@ class Received:
         return self.running > 0 or self.waiting > 0
 
 
-async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
-    """Start `app` on host:port (0: a free port); its runner and the port it got."""
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+async def serve_app(
+    app: web.Application, host: str = "127.0.0.1", port: int = 0, keepalive_timeout: float = 75.0
+) -> tuple[web.AppRunner, int]:
+    """Start `app` on host:port (0: a free port); its runner and the port it got.
+    `keepalive_timeout`: seconds an idle connection is kept (aiohttp's default, 75; vLLM's
+    uvicorn closes one after 5)."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1, keepalive_timeout=keepalive_timeout)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -53,12 +57,13 @@ class _Served:
 
     _runner: web.AppRunner | None = None
     port: int | None = None
+    keepalive_timeout = 75.0  # aiohttp's default; bench_scale sets vLLM's 5 s
 
     def app(self) -> web.Application:
         raise NotImplementedError
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self._runner, self.port = await serve_app(self.app(), host, port)
+        self._runner, self.port = await serve_app(self.app(), host, port, self.keepalive_timeout)
         return self.url
 
     async def stop(self) -> None:
