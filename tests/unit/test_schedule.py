@@ -25,10 +25,10 @@ def test_next_delay():
 def test_first_rounds_are_spread_not_aligned():
     # a small fleet starts at once
     assert first_round_delays(0, 10) == []
-    assert max(first_round_delays(50, 10)) < 0.1
-    # 1,000 backends: over 2 s (500 a second); 10,000: over the whole 10 s interval, evenly
-    thousand = first_round_delays(1000, 10)
-    assert thousand[0] == 0 and 1.99 < thousand[-1] < 2.0
+    assert max(first_round_delays(10, 10)) < 0.1
+    # 500 backends: over 5 s (100 a second); 10,000: over the whole 10 s interval, evenly
+    five_hundred = first_round_delays(500, 10)
+    assert five_hundred[0] == 0 and five_hundred[-1] == pytest.approx(4.99)
     fleet = first_round_delays(10_000, 10)
     assert 9.99 < fleet[-1] < 10.0
     gaps = {round(b - a, 9) for a, b in itertools.pairwise(fleet)}
