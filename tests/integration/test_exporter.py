@@ -379,3 +379,13 @@ async def test_metrics_from_the_rounds_text_is_prometheus_clients_over_the_snaps
 
     assert gzip.decompress(await zipped.read()) == choose_encoder("")[0](exporter.registry)
     await exporter.stop()
+
+
+async def test_event_loop_lag_shows_an_exporter_that_cannot_keep_up(sim_server, ticker, serve):
+    idle = await sim_server("idle")
+    _, client = await serve([("idle", idle.url, "vllm")])
+    await wait_for(client, "idle", "idle")
+    time.sleep(1.0)  # the event loop held for a second, as by more rounds than it can run
+    await asyncio.sleep(0.6)  # the lag task wakes (late) and notes it
+    lag = samples(await (await client.get("/metrics")).text())[("llm_exporter_event_loop_lag_seconds", ())]
+    assert lag >= 0.7, lag  # asked to wake every 0.25 s: at least 0.75 s late

@@ -34,6 +34,7 @@ from ..tasks import cancel_and_wait
 from ..urls import BadTarget, parse_target
 from ..web import add_reload, healthy, metrics_handler, secure
 from .collectors import BackendsCollector, BuildInfoCollector
+from .lag import LoopLag
 from .probe_targets import ProbeTargets
 from .render import Exposition
 from .slots import Slot, first_round_delays, make_slot, next_delay, run_round
@@ -58,11 +59,15 @@ class Exporter:
         build = BuildInfoCollector()
         self.registry.register(build)
         self.rest.register(build)
+        self.lag = LoopLag()
+        self.registry.register(self.lag)
+        self.rest.register(self.lag)
         self.exposition = Exposition(lambda: self.slots.values(), self.rest)
         self._redis_collector: Any = None
 
     # --- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
+        self.lag.start()
         self._add_backends(self.config.watched())  # this replica's shard of them
         await self._start_redis()
 
@@ -103,6 +108,7 @@ class Exporter:
             await slot.close()
         await self.targets.close()
         await self._stop_redis()
+        await self.lag.stop()
 
     async def _loop(self, slot: Slot, first_delay: float = 0.0) -> None:
         timing = slot.backend.timing

@@ -37,9 +37,7 @@ class Received:
         return self.running > 0 or self.waiting > 0
 
 
-async def serve_app(
-    app: web.Application, host: str = "127.0.0.1", port: int = 0, keepalive_timeout: float = 75.0
-) -> tuple[web.AppRunner, int]:
+async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0, keepalive_timeout: float = 75.0) -> tuple[web.AppRunner, int]:
     """Start `app` on host:port (0: a free port); its runner and the port it got.
     `keepalive_timeout`: seconds an idle connection is kept (aiohttp's default, 75; vLLM's
     uvicorn closes one after 5)."""
