@@ -14,4 +14,5 @@ pytest_plugins = [
     "tests.fixtures.hostile",
     "tests.fixtures.restarter",
     "tests.fixtures.summary",
+    "tests.fixtures.browser",
 ]

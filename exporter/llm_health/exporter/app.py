@@ -8,7 +8,8 @@ those pieces together, with no I/O. One slow or broken backend delays only its o
 Routes: `/metrics`, `/status` (JSON per backend), `/probe?target=URL&kind=vllm`
 (multi-target, blackbox-exporter style, state kept per target, bounded), `/-/healthy`,
 `/-/live?backend=NAME` (a kubelet liveness probe: 503 only for a proven hang),
-`/-/reload` (POST; or SIGHUP) and a landing page.
+`/-/reload` (POST; or SIGHUP) and `/`, the status page (exporter.page: states, pools and
+routes, refreshed in place).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -26,6 +28,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from .. import __version__
 from ..config import exporter as config_mod
 from ..config.exporter import KINDS, Backend, Config, Timing
 from ..config.web import WebConfig
@@ -33,6 +36,7 @@ from ..core.states import State
 from ..tasks import cancel_and_wait
 from ..urls import BadTarget, parse_target
 from ..web import add_reload, healthy, metrics_handler, secure
+from . import page
 from .collectors import BackendsCollector, BuildInfoCollector
 from .lag import LoopLag
 from .probe_targets import ProbeTargets
@@ -220,18 +224,20 @@ class Exporter:
         return web.Response(text=f"{name}: {state}\n")
 
     async def handle_index(self, request: web.Request) -> web.Response:
-        rows = "".join(
-            f"<tr><td>{_esc(s.backend.name)}</td><td>{_esc(s.verdict.state if s.verdict else 'unknown')}</td>"
-            f"<td>{_esc(s.verdict.reason if s.verdict else '')}</td></tr>"
-            for s in self.slots.values()
+        """The status page (exporter.page): the worst MAX_BACKEND_ROWS backends' entries of
+        /status (only theirs are built), every state's count, the Redis view's section."""
+        states = [(str(s.verdict.state if s.verdict else State.UNKNOWN), s) for s in self.slots.values()]
+        shown = page.worst_first(states, page.MAX_BACKEND_ROWS)
+        data = page.PageData(
+            backends=[s.status() for s in shown],
+            counts=Counter(state for state, _s in states),
+            now=time.time(),
+            refresh_s=self.config.timing.interval,
+            redis=self._redis_collector.status() if self._redis_collector is not None else None,
+            shard={"index": self.config.shard.index, "total": self.config.shard.total, "configured": len(self.config.backends)},
+            version=__version__,
         )
-        html = (
-            "<html><head><title>llm-health exporter</title></head><body><h1>llm-health exporter</h1>"
-            '<p><a href="/metrics">Metrics</a> · <a href="/status">Status (JSON)</a> · '
-            "<code>/probe?target=http://host:8000&amp;kind=vllm</code></p>"
-            f"<table border=1><tr><th>backend</th><th>state</th><th>reason</th></tr>{rows}</table></body></html>"
-        )
-        return web.Response(text=html, content_type="text/html")
+        return web.Response(text=page.render(data), content_type="text/html", charset="utf-8", headers=page.HEADERS)
 
     def app(self, web_config: WebConfig | None = None) -> web.Application:
         app = web.Application()
@@ -261,10 +267,6 @@ def _scrape_budget(header: str | None) -> float | None:
     except ValueError:
         return None
     return max(0.5, seconds - 0.5) if math.isfinite(seconds) and seconds > 0 else None
-
-
-def _esc(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def _clean(o: Any) -> Any:

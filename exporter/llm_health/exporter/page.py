@@ -1,0 +1,298 @@
+"""The exporter's status page (`/`): the fleet's states, the GPU pools and the admission
+routes, for a team without Grafana at hand. Pure: it renders what `/status` reports
+(each backend's `Slot.status()`, the Redis view's `redis_status`) and does no I/O.
+
+Every string that comes from a configuration file, a backend or Redis (backend, pool,
+route and model names, reasons, error messages) goes through `html.escape`, attributes
+quoted. The page refreshes itself in place: a small inline script fetches `/` again every
+refresh interval and swaps the `<main>` it got for the one shown (the answer is parsed
+with `DOMParser`, whose scripts never run), so every byte the browser shows was escaped
+here, and there is one renderer. With JavaScript off, a `<noscript>` meta refresh
+reloads the page instead. No external asset, no framework; `CSP` allows exactly the
+inline style and script below (by hash), requests to this origin, and nothing else.
+
+Large fleets: the worst `MAX_BACKEND_ROWS` backends are listed (hung first, then down,
+... idle last), with the count of every state above the table; `/status` has them all.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import html
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ..core.states import State
+
+MAX_BACKEND_ROWS = 200
+MAX_ENGINES_SHOWN = 8  # per backend; the rest are counted
+MAX_POOL_ROWS = 100
+MAX_ROUTE_ROWS = 100
+REFRESH_MIN_S, REFRESH_MAX_S = 1.0, 30.0
+
+T = TypeVar("T")
+
+STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:1em 2em;color:#1b1f24;background:#fff}
+h1{font-size:1.4em;margin:.2em 0}h2{font-size:1.1em;margin:1.2em 0 .4em}
+nav,#refresh{color:#555}#refresh-error{color:#a00;font-weight:600}
+table{border-collapse:collapse;margin:.3em 0}
+th,td{border:1px solid #d0d7de;padding:.25em .5em;text-align:left;vertical-align:top}
+th{background:#f3f5f7}td.n{text-align:right;font-variant-numeric:tabular-nums}
+td.reason{max-width:42em;overflow-wrap:anywhere}
+.st{display:inline-block;padding:0 .45em;border-radius:.3em;font-weight:600;white-space:nowrap}
+.s-hung,.s-stalled{background:#ffd7d5;color:#82071e}
+.s-down,.s-unresponsive,.s-no_metrics{background:#ffe2b8;color:#7a3e00}
+.s-busy{background:#ddf4ff;color:#0a3069}.s-restarted{background:#fbefff;color:#6e40c9}
+.s-idle,.s-sleeping,.s-paused,.s-up{background:#dafbe1;color:#116329}
+.s-unknown,.s-other{background:#eaeef2;color:#424a53}
+ul.eng{margin:0;padding-left:1em}.muted{color:#666}.bad{color:#a00;font-weight:600}
+"""
+
+SCRIPT = """
+(function () {
+  var main = document.getElementById("page");
+  var every = Number(main.getAttribute("data-refresh-ms")) || 5000;
+  var note = document.getElementById("refresh-error");
+  var done = 0;
+  function tick() {
+    fetch(location.origin + location.pathname, {headers: {"Accept": "text/html"}, cache: "no-store", credentials: "same-origin"})
+      .then(function (r) {
+        if (!r.ok) { throw new Error("HTTP " + r.status); }
+        return r.text();
+      })
+      .then(function (text) {
+        var fresh = new DOMParser().parseFromString(text, "text/html").getElementById("page");
+        if (!fresh) { throw new Error("no status in the answer"); }
+        done += 1;
+        fresh.setAttribute("data-refreshes", String(done));
+        main.replaceWith(fresh);
+        main = fresh;
+        note.textContent = "";
+      })
+      .catch(function (e) {
+        note.textContent = " refresh failed (" + e.message + "): showing the last status";
+      })
+      .finally(function () { setTimeout(tick, every); });
+  }
+  setTimeout(tick, every);
+})();
+"""
+
+
+def _sha256(text: str) -> str:
+    return base64.b64encode(hashlib.sha256(text.encode()).digest()).decode()
+
+
+# The page's own Content-Security-Policy: its inline style and script (by hash), fetches
+# to this origin, nothing else (no images, fonts, frames, forms, plugins or base URL).
+CSP = f"default-src 'none'; script-src 'sha256-{_sha256(SCRIPT)}'; style-src 'sha256-{_sha256(STYLE)}'; connect-src 'self'; base-uri 'none'; form-action 'none'"
+HEADERS = {"Content-Security-Policy": CSP, "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
+
+
+def esc(value: object) -> str:
+    """Text for an element or a quoted attribute: & < > " ' escaped."""
+    return html.escape(str(value), quote=True)
+
+
+def state_of(value: object) -> State | None:
+    try:
+        return State(str(value))
+    except ValueError:
+        return None
+
+
+def badge(value: object) -> str:
+    """A state as a coloured badge; a class only for a known state."""
+    state = state_of(value)
+    cls = f"s-{state.value}" if state is not None else "s-other"
+    return f'<span class="st {cls}">{esc(value)}</span>'
+
+
+def worst_first(items: Iterable[tuple[str, T]], limit: int) -> list[T]:
+    """The `limit` items of the worst states (`State.severity`), in their given order
+    within a state; unknown state names after the known ones."""
+    ranked = sorted(enumerate(items), key=lambda e: (_severity(e[1][0]), e[0]))
+    return [item for _i, (_state, item) in ranked[:limit]]
+
+
+def _severity(name: str) -> int:
+    state = state_of(name)
+    return state.severity if state is not None else len(State)
+
+
+def refresh_seconds(interval: float) -> float:
+    """The page's refresh: the exporter's round interval, within 1-30 s."""
+    if not math.isfinite(interval):
+        return REFRESH_MAX_S
+    return min(max(interval, REFRESH_MIN_S), REFRESH_MAX_S)
+
+
+@dataclass
+class PageData:
+    """What one rendering shows. `backends`: the `/status` entries of the backends to
+    list (worst first, at most MAX_BACKEND_ROWS); `counts`: every watched backend's state;
+    `redis`: the `/status` Redis section, or None without a `redis:` section."""
+
+    backends: Sequence[Mapping[str, Any]]
+    counts: Mapping[str, int]
+    now: float  # wall clock, seconds
+    refresh_s: float
+    redis: Mapping[str, Any] | None = None
+    shard: Mapping[str, int] = field(default_factory=lambda: {"index": 0, "total": 1, "configured": 0})
+    version: str = ""
+
+
+def render(data: PageData) -> str:
+    refresh = refresh_seconds(data.refresh_s)
+    main = [_summary(data), _backends(data)]
+    if data.redis is not None:
+        main.append(_redis(data.redis))
+    updated = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(data.now))
+    return (
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>llm-health exporter</title><style>{STYLE}</style>"
+        f'<noscript><meta http-equiv="refresh" content="{refresh:g}"></noscript></head>\n<body>'
+        f"<header><h1>llm-health exporter</h1>"
+        '<nav><a href="/metrics">Metrics</a> · <a href="/status">Status (JSON)</a> · '
+        "<code>/probe?target=http://host:8000&amp;kind=vllm</code>"
+        f"{' · version ' + esc(data.version) if data.version else ''}</nav>"
+        f'<p id="refresh">Refreshed in place every {refresh:g} s (read-only).<span id="refresh-error"></span></p></header>\n'
+        f'<main id="page" data-refresh-ms="{int(refresh * 1000)}" data-refreshes="0">'
+        f'<p class="muted">Status at <time id="updated">{esc(updated)}</time>.</p>\n' + "\n".join(main) + f"</main>\n<script>{SCRIPT}</script></body></html>\n"
+    )
+
+
+# --- backends ------------------------------------------------------------------------------
+
+
+def _summary(data: PageData) -> str:
+    total = sum(data.counts.values())
+    parts = [f"{badge(s)} {n}" for s, n in sorted(data.counts.items(), key=lambda c: (_severity(c[0]), c[0])) if n]
+    shard = data.shard
+    where = ""
+    if shard.get("total", 1) > 1:
+        where = f" (shard {esc(shard['index'])} of {esc(shard['total'])}; {esc(shard.get('configured', total))} configured in all)"
+    return f'<p id="summary">{total} backend{"" if total == 1 else "s"} watched{where}: {", ".join(parts) or "none"}</p>'
+
+
+def _num(value: Any, digits: int = 0) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return '<span class="muted">–</span>'
+    return esc(f"{value:,.{digits}f}") if isinstance(value, int | float) else esc(value)
+
+
+def _ago(at: Any, now: float) -> str:
+    if not isinstance(at, int | float):
+        return '<span class="muted">never</span>'
+    return f"{max(0.0, now - at):.0f} s ago"
+
+
+def _engines(entries: Sequence[Mapping[str, Any]]) -> str:
+    if not entries:
+        return '<span class="muted">–</span>'
+    items = []
+    for e in entries[:MAX_ENGINES_SHOWN]:
+        unit = esc(e.get("model_name") or "") or '<span class="muted">(no model label)</span>'
+        if e.get("engine"):
+            unit += f' <span class="muted">engine {esc(e["engine"])}</span>'
+        items.append(f"<li>{unit}: {badge(e.get('state', 'unknown'))} run {_num(e.get('running'))}, wait {_num(e.get('waiting'))}</li>")
+    more = len(entries) - MAX_ENGINES_SHOWN
+    if more > 0:
+        items.append(f'<li class="muted">{more} more engine units in /status</li>')
+    return f'<ul class="eng">{"".join(items)}</ul>'
+
+
+def _backends(data: PageData) -> str:
+    rows = []
+    for b in data.backends:
+        state = b.get("state", "unknown")
+        rows.append(
+            f'<tr data-backend="{esc(b.get("backend", ""))}" data-state="{esc(state)}">'
+            f"<td>{esc(b.get('backend', ''))}</td><td>{badge(state)}</td>"
+            f'<td class="reason">{esc(b.get("reason", ""))}</td>'
+            f"<td>{_engines(b.get('engines') or ())}</td>"
+            f'<td class="n">{_num(b.get("running"))}</td><td class="n">{_num(b.get("waiting"))}</td>'
+            f'<td class="n">{_num(b.get("generation_tokens_per_second"), 1)}</td>'
+            f"<td>{esc(b.get('profile') or b.get('kind', ''))}</td><td>{_ago(b.get('last_round_at'), data.now)}</td></tr>"
+        )
+    total = sum(data.counts.values())
+    note = ""
+    if total > len(data.backends):
+        note = f'<p class="muted">The {len(data.backends)} worst of {total} backends are listed; /status has every one.</p>'
+    head = "<tr><th>backend</th><th>state</th><th>reason</th><th>engines</th><th>running</th><th>waiting</th><th>tokens/s</th><th>engine kind</th><th>last round</th></tr>"
+    return f'<h2>Backends</h2><table id="backends">{head}{"".join(rows)}</table>{note}'
+
+
+# --- Redis: pools and routes -------------------------------------------------------------
+
+
+def _ms(value: Any) -> str:
+    """Milliseconds as read (`queue_age_ms`, `deadline_slack_ms`), in seconds past 10 s."""
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        return '<span class="muted">–</span>'
+    if abs(value) >= 10_000:
+        return esc(f"{value / 1000:,.1f} s")
+    return esc(f"{value:,.0f} ms")
+
+
+def _redis(r: Mapping[str, Any]) -> str:
+    up = bool(r.get("up"))
+    head = f"Redis {esc(r.get('url', ''))}: {'up' if up else '<span class=bad>down</span>'}"
+    if r.get("error"):
+        head += f' <span class="bad">({esc(r["error"])})</span>'
+    if r.get("stale"):
+        head += " <span class=bad>: the pools and routes below are from the last refresh that read it</span>"
+    keyspace = r.get("keyspace_events") or {}
+    if keyspace.get("ok") is False:
+        head += f'<br><span class="bad">notify-keyspace-events is {esc(keyspace.get("flags"))}: lease releases are not counted from events; run {esc(keyspace.get("fix"))}</span>'
+    return f'<p id="redis">{head}</p>{_pools(r.get("pools") or {})}{_routes(r.get("routes") or {})}'
+
+
+def _pools(pools: Mapping[str, Mapping[str, Any]]) -> str:
+    rows = []
+    for name, p in list(pools.items())[:MAX_POOL_ROWS]:
+        releases = p.get("releases") or {}
+        drift = p.get("drift") or {}
+        drifted = ", ".join(f"{esc(kind)}: {esc(d.get('count', 0))}" for kind, d in sorted(drift.items()) if d.get("count"))
+        rows.append(
+            f'<tr data-pool="{esc(name)}"><td>{esc(name)}</td><td class="n">{_num(p.get("size"))}</td>'
+            f'<td class="n">{_num(p.get("leases_held"))}</td><td class="n">{_num(p.get("free"))}</td>'
+            f'<td class="n">{_num(p.get("waiters"))}</td><td class="n">{_ms(p.get("lease_ttl_min_ms"))}</td>'
+            f'<td class="n">{_ms(p.get("lease_age_max_ms"))}</td>'
+            f'<td class="n">{_num(releases.get("del"))} / {_num(releases.get("expired"))}</td>'
+            f"<td>{drifted or '<span class=muted>none</span>'}</td></tr>"
+        )
+    note = f'<p class="muted">{len(pools) - MAX_POOL_ROWS} more pools in /status.</p>' if len(pools) > MAX_POOL_ROWS else ""
+    head = (
+        "<tr><th>pool</th><th>GPUs</th><th>leased</th><th>free</th><th>waiters</th><th>lease TTL (min)</th>"
+        "<th>oldest lease</th><th>released / expired</th><th>drift</th></tr>"
+    )
+    body = "".join(rows) or '<tr><td colspan="9" class="muted">no pools configured</td></tr>'
+    return f'<h2>GPU pools</h2><table id="pools">{head}{body}</table>{note}'
+
+
+def _routes(routes: Mapping[str, Mapping[str, Any]]) -> str:
+    rows = []
+    for name, q in sorted(routes.items())[:MAX_ROUTE_ROWS]:
+        ratio = q.get("token_duplication_ratio_max")
+        slack = q.get("deadline_slack_ms")
+        late = isinstance(slack, int | float) and slack < 0
+        rows.append(
+            f'<tr data-route="{esc(name)}"><td>{esc(name)}</td><td class="n">{_num(q.get("queue_depth"))}</td>'
+            f'<td class="n">{_ms(q.get("queue_age_ms"))}</td>'
+            f'<td class="n{" bad" if late else ""}">{_ms(slack)}</td><td class="n">{_num(q.get("past_deadline"))}</td>'
+            f'<td class="n">{_num(q.get("retried_requests"))}</td><td class="n">{_num(ratio, 2)}</td></tr>'
+        )
+    note = f'<p class="muted">{len(routes) - MAX_ROUTE_ROWS} more routes in /status.</p>' if len(routes) > MAX_ROUTE_ROWS else ""
+    head = (
+        "<tr><th>route</th><th>queued</th><th>oldest (queue_age_ms)</th><th>smallest slack (deadline_slack_ms)</th>"
+        "<th>past deadline</th><th>retried</th><th>token duplication (max)</th></tr>"
+    )
+    body = "".join(rows) or '<tr><td colspan="7" class="muted">no routes</td></tr>'
+    return f'<h2>Admission routes</h2><table id="routes">{head}{body}</table>{note}'
