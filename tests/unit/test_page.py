@@ -86,7 +86,16 @@ def redis_section(pool: str = "a100", route: str = "chat", **kw: Any) -> dict[st
                 "drift": {"busy_without_lease": {"count": 1, "gpus": ["g3"]}, "lease_on_idle_backend": {"count": 0, "gpus": []}},
             }
         },
-        "routes": {route: {"queue_depth": 5, "queue_age_ms": 4033, "deadline_slack_ms": -250, "past_deadline": 1, "retried_requests": 2, "token_duplication_ratio_max": 3.0}},
+        "routes": {
+            route: {
+                "queue_depth": 5,
+                "queue_age_ms": 4033,
+                "deadline_slack_ms": -250,
+                "past_deadline": 1,
+                "retried_requests": 2,
+                "token_duplication_ratio_max": 3.0,
+            }
+        },
         "stale": False,
     }
     section.update(kw)
