@@ -103,7 +103,7 @@ def png_size(data: bytes) -> tuple[int, int]:
     return width, height
 
 
-async def test_status_page_refreshes_in_place_in_chromium(tmp_path, sim_server, ticker, llm_health, redis_url, chromium: Chromium):
+async def test_status_page_refreshes_in_place_in_chromium(chromium: Chromium, tmp_path, sim_server, ticker, llm_health, redis_url):
     servers = await fleet(sim_server, ticker)
     await fill_redis(redis_url)
     headers = "http_server_config:\n  headers: {Content-Security-Policy: \"default-src 'self'\", X-Frame-Options: DENY}\n"
