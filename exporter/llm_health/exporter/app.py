@@ -226,7 +226,7 @@ class Exporter:
     async def handle_index(self, request: web.Request) -> web.Response:
         """The status page (exporter.page): the worst MAX_BACKEND_ROWS backends' entries of
         /status (only theirs are built), every state's count, the Redis view's section."""
-        states = [(str(s.verdict.state if s.verdict else State.UNKNOWN), s) for s in self.slots.values()]
+        states = [(s.verdict.state if s.verdict else State.UNKNOWN, s) for s in self.slots.values()]
         shown = page.worst_first(states, page.MAX_BACKEND_ROWS)
         data = page.PageData(
             backends=[s.status() for s in shown],

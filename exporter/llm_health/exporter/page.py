@@ -115,14 +115,23 @@ def badge(value: object) -> str:
 
 def worst_first(items: Iterable[tuple[str, T]], limit: int) -> list[T]:
     """The `limit` items of the worst states (`State.severity`), in their given order
-    within a state; unknown state names after the known ones."""
-    ranked = sorted(enumerate(items), key=lambda e: (_severity(e[1][0]), e[0]))
-    return [item for _i, (_state, item) in ranked[:limit]]
+    within a state; unknown state names after the known ones. One pass: a bucket per state."""
+    buckets: dict[int, list[T]] = {}
+    for state, item in items:
+        buckets.setdefault(_RANK.get(state, len(_RANK)), []).append(item)
+    out: list[T] = []
+    for rank in sorted(buckets):
+        out.extend(buckets[rank][: limit - len(out)])
+        if len(out) >= limit:
+            break
+    return out
+
+
+_RANK = {s.value: s.severity for s in State}
 
 
 def _severity(name: str) -> int:
-    state = state_of(name)
-    return state.severity if state is not None else len(State)
+    return _RANK.get(name, len(_RANK))
 
 
 def refresh_seconds(interval: float) -> float:
