@@ -9,6 +9,7 @@ Proven here, from the DOM Chromium rendered:
   the page's own refresh ran, through the same basic auth as the other endpoints;
 * a model name built to inject HTML is shown as text and adds no element;
 * the GPU pool and the admission route read from Redis are shown with their figures.
+* with JavaScript off, the page's <noscript> meta refresh reloads it.
 
 With LLM_HEALTH_SCREENSHOT=PATH the screenshot of that page is also written to PATH: the
 README's docs/status-page.png is made so (README, "Status page").
@@ -164,3 +165,11 @@ async def test_status_page_refreshes_in_place_in_chromium(chromium: Chromium, tm
     (tmp_path / "status-page.png").write_bytes(shot)
     if target := os.environ.get("LLM_HEALTH_SCREENSHOT"):
         Path(target).write_bytes(shot)
+
+    # JavaScript off: the <noscript> meta refresh reloads the page (a new document)
+    await chromium.call("Emulation.setScriptExecutionDisabled", value=True)
+    await chromium.navigate(exporter.url.replace("http://", f"http://{USER}:{PASSWORD}@") + "/")
+    first = await chromium.evaluate("performance.timeOrigin")
+    assert await chromium.evaluate("document.getElementById('page').dataset.refreshes") == "0"
+    await chromium.wait_for(f"performance.timeOrigin > {first} && document.readyState === 'complete'", "the page reloaded by its meta refresh")
+    assert await chromium.evaluate(row(HUNG, "r.dataset.state")) == "hung"
