@@ -93,8 +93,9 @@ class BearerToken:
         return hmac.compare_digest(offered, self._digest) and scheme.lower() == "bearer"
 
 
-# Paths an orchestrator's probes call without credentials: they tell nothing but "alive".
-OPEN_PATHS = frozenset({"/-/healthy", "/-/live"})
+# Paths an orchestrator's probes and load balancers' health checks call without
+# credentials: they tell nothing but "alive" or "ready" (and a backend's state in a word).
+OPEN_PATHS = frozenset({"/-/healthy", "/-/live", "/-/ready"})
 USER_KEY = "llm_health_basic_auth_user"  # set on a request that passed basic auth
 _DUMMY_HASH = b"$2b$10$" + b"." * 53  # checked against for unknown users: same cost either way
 

@@ -17,6 +17,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_health.core.health import EngineVerdict, Memory, Verdict
+from llm_health.core.readiness import Readiness
 from llm_health.core.states import State
 from llm_health.exporter.collectors import BackendsCollector, BuildInfoCollector
 from llm_health.exporter.render import FAMILIES, Exposition, Renderer, escape
@@ -45,6 +46,7 @@ class FakeSlot:
     monitor: FakeMonitor = field(default_factory=FakeMonitor)
     verdict: Verdict | None = None
     errors: dict[str, int] = field(default_factory=dict)
+    readiness: Readiness = field(default_factory=Readiness)
     renderer: Renderer = field(default_factory=Renderer)
     rendered: tuple[bytes, ...] = ()
 
@@ -89,7 +91,7 @@ def fleet() -> list[FakeSlot]:
         Verdict(State.HUNG, "hung", Memory(), odd_engines),
         {'re"ason\n': 1, "exception": 10**12},
     )
-    down = FakeSlot(FakeBackend("down", kind="proxy"), verdict=Verdict(State.DOWN, "refused", Memory()))
+    down = FakeSlot(FakeBackend("down", kind="proxy"), verdict=Verdict(State.DOWN, "refused", Memory()), readiness=Readiness(False, "down", not_ready_total=3))
     slots = [never, plain, odd, down]
     for s in slots:
         s.render()

@@ -3,6 +3,7 @@ alerts are acted on, idempotency keys, budget, cooldown, backoff; and its config
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -11,8 +12,8 @@ from llm_health.config import restarter as rs_config
 from llm_health.config.errors import ConfigError
 from llm_health.config.restarter import Target
 from llm_health.core import restart_policy
-from llm_health.core.restart_policy import Budget, Policy, RestartRecord, budget_verdict
-from llm_health.core.webhook import Alert, Malformed, fingerprint, parse_webhook
+from llm_health.core.restart_policy import ACTED_ON, Budget, Policy, RestartRecord, budget_verdict
+from llm_health.core.webhook import MAX_ALERTS, Alert, Malformed, fingerprint, parse_webhook
 from tests.fixtures.webhooks import BODY_1051, BODY_2447, BODY_MSTEAMS, MALFORMED
 
 # --- the webhook body (pure) ----------------------------------------------------------------
@@ -37,6 +38,42 @@ def test_real_bodies_parse_and_fingerprint_matches_alertmanager():
 def test_malformed_bodies(why, body):
     with pytest.raises(Malformed):
         parse_webhook(body)
+
+
+def _alerts_body(alerts: list) -> str:
+    return json.dumps({"version": "4", "status": "firing", "receiver": "restarter", "alerts": alerts})
+
+
+def _one(alertname: str, n: int, **labels: str) -> dict:
+    return {"labels": {"alertname": alertname, "n": str(n), **labels}, "startsAt": "2026-12-01T00:00:00Z", "status": "firing"}
+
+
+def test_a_notification_past_max_alerts_reads_the_watched_alerts_wherever_they_are():
+    """More than MAX_ALERTS alerts is no refusal: the watched ones are read (the hung one at
+    the very end included), the others left unread, unvalidated (a broken one among them too)."""
+    others = [_one("KubePodCrashLooping", i) for i in range(MAX_ALERTS + 200)] + [{"labels": "not an object"}, 7]
+    body = _alerts_body([others[0], _one("LLMBackendHung", 1, backend="gpu1"), *others[1:], _one("VLLMEngineHung", 2, instance="h:8000")])
+    hook = parse_webhook(body, ACTED_ON)
+    assert [(a.alertname, a.labels.get("backend") or a.labels.get("instance")) for a in hook.alerts] == [("LLMBackendHung", "gpu1"), ("VLLMEngineHung", "h:8000")]
+    assert (hook.total, hook.unread, hook.unread_watched) == (len(others) + 2, len(others), 0)
+    # At the bound, the body is read whole and validated whole, as before.
+    at = [_one("KubePodCrashLooping", i) for i in range(MAX_ALERTS - 1)] + [_one("LLMBackendHung", 1, backend="gpu1")]
+    assert (len(parse_webhook(_alerts_body(at), ACTED_ON).alerts), parse_webhook(_alerts_body(at), ACTED_ON).unread) == (MAX_ALERTS, 0)
+    with pytest.raises(Malformed, match=r"alerts\[0\]: expected an object"):
+        parse_webhook(_alerts_body([7, *at[1:]]), ACTED_ON)
+    # A watched alert that is malformed still refuses the body, past the bound too.
+    bad = {"labels": {"alertname": "LLMBackendHung"}, "status": "firing"}  # no startsAt
+    with pytest.raises(Malformed, match=r"alerts\[1\]\.startsAt"):
+        parse_webhook(_alerts_body([others[0], bad, *others[1:]]), ACTED_ON)
+
+
+def test_more_watched_alerts_than_max_alerts_reads_the_first_ones():
+    hung = [_one("LLMBackendHung", i, backend=f"gpu{i}") for i in range(MAX_ALERTS + 5)]
+    hook = parse_webhook(_alerts_body(hung), ACTED_ON)
+    assert len(hook.alerts) == MAX_ALERTS and hook.alerts[-1].labels["backend"] == f"gpu{MAX_ALERTS - 1}"
+    assert (hook.unread, hook.unread_watched) == (5, 5)
+    # Without `watched`, every alert is watched: the first MAX_ALERTS are read.
+    assert len(parse_webhook(_alerts_body(hung)).alerts) == MAX_ALERTS
 
 
 # --- the decision core (pure, injected time) ------------------------------------------------
@@ -159,6 +196,7 @@ backends:
   - name: gpu1
     url: http://gpu1.internal/v1
     restart: [docker, restart, vllm-b]
+    drain_command: [/usr/local/bin/lb-drain, gpu1, 30]
     api_key_env: RESTARTER_TEST_KEY
   - {name: lb, url: "http://10.0.0.9:8000", kind: proxy}
 """
@@ -176,6 +214,7 @@ def test_config_from_the_issue(tmp_path, monkeypatch):
     assert (gpu1.instance, gpu1.api_key, gpu1.restart_timeout) == ("gpu1.internal:80", "k-123", 120)
     assert "k-123" not in repr(cfg)
     assert (lb.kind, lb.restart) == ("proxy", ())
+    assert (gpu0.drain_command, gpu1.drain_command, gpu1.drain_timeout) == ((), ("/usr/local/bin/lb-drain", "gpu1", "30"), 5.0)
     # what this file leaves out, at its defaults: the quick confirmation, the hold, memory state
     assert (cfg.confirm_interval, cfg.raw_alert_hold, cfg.recovery_interval, cfg.redis, cfg.output_dir) == (1.0, 45.0, 1.0, None, None)
 
@@ -207,6 +246,11 @@ def test_config_shared_state_and_outputs(tmp_path, monkeypatch):
         (("restart_timeout: 120s", "restart_timeout: 120s\n    shell: true"), "backends[0].shell", "unknown key"),
         (("instance: 10.0.0.5:8000", "instance: gpu1.internal:80"), "backends[1].instance", "could not tell them apart"),
         (("kind: proxy}", "kind: proxy, restart: [/bin/true]}"), "backends[2].restart", "never restarted"),
+        (("kind: proxy}", "kind: proxy, drain_command: [/bin/true]}"), "backends[2].drain_command", "never restarted"),
+        (("drain_command: [/usr/local/bin/lb-drain, gpu1, 30]", 'drain_command: "lb-drain gpu1"'), "backends[1].drain_command", "without a shell"),
+        (("drain_command: [/usr/local/bin/lb-drain, gpu1, 30]", "drain_command: [lb-drain, '']"), "backends[1].drain_command[1]", "non-empty string"),
+        (("drain_command: [/usr/local/bin/lb-drain, gpu1, 30]", "drain_command: [lb-drain]\n    drain_timeout: 2m"), "backends[1].drain_timeout", "at most 60s"),
+        (("restart_timeout: 120s", "restart_timeout: 120s\n    drain_timeout: 3s"), "backends[0].drain_timeout", "no drain_command"),
         (("api_key_env: RESTARTER_TEST_KEY", "api_key_env: RESTARTER_TEST_UNSET_VAR"), "backends[1].api_key_env", "not set"),
         (("recovery_timeout: 10m", "recovery_timeout: 10m\n  confirm_interval: 0s"), "restarter.confirm_interval", "greater than"),
         (("recovery_timeout: 10m", "recovery_timeout: 10m\nredis: {url: http://x}"), "redis.url", "redis://"),

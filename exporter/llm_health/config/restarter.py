@@ -16,6 +16,8 @@ backends:
     instance: 10.0.0.5:8000          # the `instance` label of VLLMEngineHung (default: host:port of url)
     restart: [systemctl, restart, vllm@gpu0]     # an argv, run without a shell
     restart_timeout: 2m
+    drain_command: [/usr/local/bin/lb-drain, gpu0]  # optional: run before the restart, same rules
+    drain_timeout: 5s
 ```
 """
 
@@ -37,6 +39,8 @@ from .redis import redis_url
 log = logging.getLogger("llm_health.restarter")
 
 TOKEN_ENV = "LLM_HEALTH_RESTARTER_TOKEN"
+DRAIN_TIMEOUT = 5.0  # seconds: a drain holds a proven hang's restart no longer than this (and 1 s to kill it)
+MAX_DRAIN_TIMEOUT = 60.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,8 @@ class Target:
     restart: tuple[str, ...] = ()
     restart_timeout: float = 120.0
     api_key: str | None = field(default=None, repr=False)  # never printed
+    drain_command: tuple[str, ...] = ()  # run once a restart is decided, before it (restarter.drain)
+    drain_timeout: float = DRAIN_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -168,17 +174,24 @@ def parse_config(data: object, where: str = "<config>") -> RestarterConfig:
             raise entry.error("instance", f"{instance!r} is also backend {instances[instance]!r}: a VLLMEngineHung alert could not tell them apart")
         instances[instance] = name
         restart: tuple[str, ...] = ()
+        drain: tuple[str, ...] = ()
         if kind == "proxy":
-            if "restart" in entry:
-                raise entry.error("restart", "a proxy is never restarted (restart its backends): remove this key")
+            for key in ("restart", "drain_command", "drain_timeout"):
+                if key in entry:
+                    raise entry.error(key, "a proxy is never restarted (restart its backends): remove this key")
         else:
             if "restart" not in entry:
                 raise entry.error("restart", "missing: the argv that restarts this backend, e.g. [systemctl, restart, vllm@gpu0]")
             restart = entry.argv("restart")
+            if "drain_command" in entry:
+                drain = entry.argv("drain_command")
+            elif "drain_timeout" in entry:
+                raise entry.error("drain_timeout", "set, but there is no drain_command to time: add one or remove this key")
         restart_timeout = entry.duration("restart_timeout", 120.0)
+        drain_timeout = entry.duration("drain_timeout", DRAIN_TIMEOUT, maximum=MAX_DRAIN_TIMEOUT) if drain else DRAIN_TIMEOUT
         api_key = entry.secret("api_key")
         entry.done()
-        targets.append(Target(name, url, instance, kind, restart, restart_timeout, api_key))
+        targets.append(Target(name, url, instance, kind, restart, restart_timeout, api_key, drain, drain_timeout))
     top.done()
     return RestarterConfig(
         targets=tuple(targets),

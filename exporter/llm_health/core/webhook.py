@@ -4,11 +4,14 @@ any of it. Pure: no I/O."""
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 WEBHOOK_VERSION = "4"
-# What one notification may hold: Alertmanager groups a handful of alerts per call; a body
-# past these is refused whole (a 4xx, which Alertmanager does not retry).
+# What one notification may hold. Past MAX_ALERTS alerts a notification is not refused (a
+# 4xx, which Alertmanager does not retry, would drop a hung alert inside it): only the
+# alerts the receiver watches are read, at most MAX_ALERTS of them; the others are left
+# unread. The other bounds refuse a body whole.
 MAX_ALERTS = 1000
 MAX_LABELS_CHARS = 64 * 1024  # characters (not bytes) of one alert's label names and values, and of its annotations'
 MAX_FIELD = 1024  # characters of startsAt and fingerprint
@@ -49,7 +52,10 @@ class Webhook:
     receiver: str
     status: str
     alerts: tuple[Alert, ...]
-    truncated_alerts: int = 0
+    truncated_alerts: int = 0  # Alertmanager's own count of alerts its max_alerts left out
+    total: int = 0  # alerts in the body
+    unread: int = 0  # of those, left unread (a body of more than MAX_ALERTS)
+    unread_watched: int = 0  # of those, watched ones past the MAX_ALERTS read
 
 
 def _strings(value: object, where: str) -> dict[str, str]:
@@ -61,8 +67,18 @@ def _strings(value: object, where: str) -> dict[str, str]:
     return dict(value)
 
 
-def parse_webhook(body: bytes | str) -> Webhook:
-    """Validate a webhook body completely before anything acts on any of it."""
+def _alertname(a: object) -> object:
+    labels = a.get("labels") if isinstance(a, dict) else None
+    return labels.get("alertname") if isinstance(labels, dict) else None
+
+
+def parse_webhook(body: bytes | str, watched: Collection[str] | None = None) -> Webhook:
+    """Validate a webhook body completely before anything acts on any of it.
+
+    A body of at most MAX_ALERTS alerts is validated whole. Past that, only the alerts
+    whose `alertname` is in `watched` (every alert when None) are read and validated, the
+    first MAX_ALERTS of them in the body's order; the others are counted as unread and
+    never looked at again."""
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -80,10 +96,15 @@ def parse_webhook(body: bytes | str) -> Webhook:
     raw = data.get("alerts")
     if not isinstance(raw, list) or not raw:
         raise Malformed("alerts: expected a non-empty list")
+    picked: list[tuple[int, object]] = list(enumerate(raw))
+    unread_watched = 0
     if len(raw) > MAX_ALERTS:
-        raise Malformed(f"alerts: {len(raw)} in one notification, more than {MAX_ALERTS}")
+        if watched is not None:
+            picked = [(i, a) for i, a in picked if _alertname(a) in watched]
+        unread_watched = max(0, len(picked) - MAX_ALERTS)
+        picked = picked[:MAX_ALERTS]
     alerts = []
-    for i, a in enumerate(raw):
+    for i, a in picked:
         if not isinstance(a, dict):
             raise Malformed(f"alerts[{i}]: expected an object")
         labels = _strings(a.get("labels"), f"alerts[{i}].labels")
@@ -101,4 +122,12 @@ def parse_webhook(body: bytes | str) -> Webhook:
             raise Malformed(f"alerts[{i}].fingerprint: expected a non-empty string of at most {MAX_FIELD} characters")
         alerts.append(Alert(labels["alertname"], status, labels, starts_at, fp or fingerprint(labels), annotations))
     truncated = data.get("truncatedAlerts", 0)
-    return Webhook(str(data.get("receiver", "")), group_status, tuple(alerts), truncated if isinstance(truncated, int) else 0)
+    return Webhook(
+        str(data.get("receiver", "")),
+        group_status,
+        tuple(alerts),
+        truncated if isinstance(truncated, int) and not isinstance(truncated, bool) else 0,
+        total=len(raw),
+        unread=len(raw) - len(alerts),
+        unread_watched=unread_watched,
+    )

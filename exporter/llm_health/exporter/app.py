@@ -8,6 +8,8 @@ those pieces together, with no I/O. One slow or broken backend delays only its o
 Routes: `/metrics`, `/status` (JSON per backend), `/probe?target=URL&kind=vllm`
 (multi-target, blackbox-exporter style, state kept per target, bounded), `/-/healthy`,
 `/-/live?backend=NAME` (a kubelet liveness probe: 503 only for a proven hang),
+`/-/ready?backend=NAME` (a readinessProbe or a load balancer's health check: 503 while the
+backend is hung, down, or back from a hang but not yet idle or busy; core.readiness),
 `/-/reload` (POST; or SIGHUP) and `/`, the status page (exporter.page: states, pools and
 routes, refreshed in place).
 """
@@ -223,6 +225,24 @@ class Exporter:
             return web.Response(status=503, text=f"{name}: hung: {v.reason}\n")
         return web.Response(text=f"{name}: {state}\n")
 
+    async def handle_ready(self, request: web.Request) -> web.Response:
+        """For a kubelet's `readinessProbe` or a load balancer's health check:
+        `?backend=NAME` is 503 while that backend should get no new traffic (hung; down;
+        after a hang, until a round sees it idle or busy again), 200 otherwise, busy above
+        all (core.readiness). Decided when each round ends and answered from memory: the
+        call sends nothing to the backend. 404 for a backend this exporter does not
+        watch; 400 without `backend` (readiness is a backend's, not the exporter's)."""
+        name = request.query.get("backend")
+        if name is None:
+            return web.Response(status=400, text="give the backend: /-/ready?backend=NAME (a name in this exporter's configuration)\n")
+        slot = self.slots.get(name)
+        if slot is None:
+            return web.Response(status=404, text=f"no backend {name[:100]!r} in this exporter's configuration\n")
+        r = slot.readiness
+        if not r.ready:
+            return web.Response(status=503, text=f"{name}: not ready: {r.reason}\n")
+        return web.Response(text=f"{name}: ready: {r.reason}\n")
+
     async def handle_index(self, request: web.Request) -> web.Response:
         """The status page (exporter.page): the worst MAX_BACKEND_ROWS backends' entries of
         /status (only theirs are built), every state's count, the Redis view's section."""
@@ -248,6 +268,7 @@ class Exporter:
         app.router.add_get("/probe", self.handle_probe)
         app.router.add_get("/-/healthy", healthy)
         app.router.add_get("/-/live", self.handle_live)
+        app.router.add_get("/-/ready", self.handle_ready)
         add_reload(app, self.reload)
 
         async def lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -70,8 +70,15 @@ FAMILIES: tuple[Family, ...] = (
     Family("llm_backend_info", "gauge", "Backend kind and the engine profile detected from its payload.", ("backend", "kind", "profile")),
     Family("llm_exporter_round_duration_seconds", "gauge", "Duration of the backend's last round.", ("backend",)),
     Family("llm_exporter_round_errors", "counter", "Rounds that could not read the backend, by what failed.", ("backend", "reason")),
+    Family(
+        "llm_exporter_readiness_not_ready",
+        "counter",
+        "Times the backend's readiness (/-/ready) turned not ready (hung, down, or back from a hang but not yet idle or busy), "
+        "decided when a round ends; only backends that turned so at least once.",
+        ("backend",),
+    ),
 )
-(UP, STATE, ESTATE, RUNNING, WAITING, STEPS, TOKENS, SINCE, DIGEST, RESTARTS, PROBES, PROBE_S, FETCH_S, INFO, ROUND_S, ERRORS) = range(len(FAMILIES))
+(UP, STATE, ESTATE, RUNNING, WAITING, STEPS, TOKENS, SINCE, DIGEST, RESTARTS, PROBES, PROBE_S, FETCH_S, INFO, ROUND_S, ERRORS, NOT_READY) = range(len(FAMILIES))
 STATES = tuple(State)
 ONE_HOT = frozenset({STATE, ESTATE})  # one series per state: 1 for the one the sample names, 0 for the others
 
@@ -83,6 +90,7 @@ class SlotLike(Protocol):
     monitor: Any
     verdict: Any
     errors: dict[str, int]
+    readiness: Any
 
 
 # family index, label values (in the family's order), value; for a ONE_HOT family the
@@ -128,6 +136,8 @@ def samples(slot: SlotLike) -> Iterator[Sample]:
     yield ROUND_S, (name,), stats.seconds
     for reason, count in sorted(slot.errors.items()):
         yield ERRORS, (name, reason), count
+    if slot.readiness.not_ready_total:
+        yield NOT_READY, (name,), slot.readiness.not_ready_total
 
 
 def escape(value: str) -> str:

@@ -12,6 +12,7 @@ import aiohttp
 
 from ..config.exporter import Backend
 from ..core.health import Verdict
+from ..core.readiness import Readiness, next_readiness
 from ..core.states import State
 from ..probe.client import BackendClient
 from ..probe.monitor import BackendMonitor
@@ -28,6 +29,7 @@ class Slot:
     backend: Backend
     monitor: BackendMonitor
     verdict: Verdict | None = None
+    readiness: Readiness = field(default_factory=Readiness)  # /-/ready, updated when a round ends
     last_round_at: float | None = None  # wall clock
     errors: dict[str, int] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
@@ -66,6 +68,8 @@ class Slot:
             "kind": self.backend.kind,
             "state": v.state if v else State.UNKNOWN,
             "reason": v.reason if v else "no round yet",
+            "ready": self.readiness.ready,
+            "readiness": self.readiness.reason,
             "profile": stats.profile,
             "running": v.running if v and v.engines else None,
             "waiting": v.waiting if v and v.engines else None,
@@ -162,6 +166,8 @@ async def run_round(slot: Slot) -> None:
         log.exception("round for backend %s failed: %s", slot.backend.name, type(exc).__name__)
         slot.errors["exception"] = slot.errors.get("exception", 0) + 1
     slot.last_round_at = time.time()
+    v = slot.verdict
+    slot.readiness = next_readiness(slot.readiness, v.state if v else State.UNKNOWN, v.reason if v else "")
     try:
         slot.render()
     except Exception:  # the previous round's text is kept; the same error would fail a scrape

@@ -1,5 +1,7 @@
 """One accepted alert and what became of it; the restart itself and the wait for the
-backend to come back."""
+backend to come back.
+
+Once the restart is decided, in this order: drain (restarter.drain), restart, recovery."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from ..core.health import Settings
 from ..core.states import State
 from ..probe.client import BackendClient
 from ..probe.monitor import BackendMonitor
+from .drain import drain, result_record
 from .runner import OutputFiles, run_command
 
 log = logging.getLogger("llm_health.restarter")
@@ -33,7 +36,7 @@ class Action:
     received_at: float
     labels: dict[str, str]
     dry_run: bool = False
-    phase: str = "queued"  # queued, holding, verifying, restarting, recovering, done
+    phase: str = "queued"  # queued, holding, verifying, draining, restarting, recovering, done
     evidence: str | None = None  # where the evidence came from: this alert, or handed over by another
     verification: dict[str, Any] | None = None
     refusal: str | None = None
@@ -41,6 +44,9 @@ class Action:
     detail: str = ""
     command: list[str] = field(default_factory=list)
     command_result: dict[str, Any] | None = None
+    drain_command: list[str] = field(default_factory=list)
+    drain_result: dict[str, Any] | None = None  # the drain command's, as command_result
+    drain_started_at: float | None = None
     recovery_seconds: float | None = None
     recovery_state: str | None = None
     restart_seen: bool | None = None
@@ -74,8 +80,14 @@ def monitor_for(session: aiohttp.ClientSession, target: Target, config: Restarte
 
 
 async def restart_and_recover(action: Action, target: Target, config: RestarterConfig, env: dict[str, str], outputs: OutputFiles) -> None:
-    """Run the restart command, then read the backend every `recovery_interval` until it
-    is idle or busy again (or `recovery_timeout`). Fills in the action."""
+    """Drain the backend, run the restart command, then read the backend every
+    `recovery_interval` until it is idle or busy again (or `recovery_timeout`). Fills in the action."""
+    # 1. Drain: the target's drain_command, bounded by drain_timeout; the restart goes on whatever it did.
+    if target.drain_command:
+        action.phase = "draining"
+        action.drain_command = list(target.drain_command)
+        action.drain_started_at = time.time()
+        action.drain_result = await drain(target, action.id, config, env, outputs)
     async with aiohttp.ClientSession() as session:
         monitor = monitor_for(session, target, config)
         # A baseline of the old process, so its successor shows as `restarted`.
@@ -87,17 +99,7 @@ async def restart_and_recover(action: Action, target: Target, config: RestarterC
         output_file = outputs.new(target.name, action.id)
         result = await run_command(target.restart, target.restart_timeout, output_file, config.kill_grace, config.max_output_bytes, env)
         action.command_ended_at = time.time()
-        action.command_result = {
-            "outcome": result.outcome,
-            "exit_code": result.exit_code,
-            "pid": result.pid,
-            "seconds": round(result.seconds, 3),
-            "output": result.output,
-            "output_bytes": result.output_bytes,
-            "output_truncated": result.truncated,
-            "output_file": result.output_file,
-            "detail": result.detail,
-        }
+        action.command_result = result_record(result)
         if result.outcome != "ok":
             action.outcome = result.outcome
             action.detail = f"restart command {result.detail}"

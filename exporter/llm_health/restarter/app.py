@@ -13,6 +13,9 @@ Alertmanager ──POST /alerts (webhook v4, Bearer token)──▶ validate ─
               ▼
   claim the budget (window, cooldown, backoff) ── spent: refuse, budget_exhausted 1
               ▼
+  drain: /-/ready?backend=NAME answers 503 from here until the action is done; the
+  target's drain_command (argv, no shell, drain_timeout), whatever it does the restart follows
+              ▼
   restart argv (no shell; own session; only its own exit waited for; output to a file)
               ▼
   wait for the backend: `restarted`, then `idle` or `busy` (read every recovery_interval)
@@ -27,12 +30,15 @@ What the authority remembers (the one action per backend, the alerts acted on, t
 budget) is in `state.MemoryState`, or with a `redis:` section in
 `shared_state.RedisState`, shared by replicas and kept across restarts. The decision core
 (`core.restart_policy`, `core.confirm`, `core.webhook`) is pure. Routes: `POST /alerts`
-and `GET /status` (bearer token), `/metrics`, `/-/healthy`, `/-/reload`, a landing page.
+and `GET /status` (bearer token), `/metrics`, `/-/healthy`, `/-/ready?backend=NAME`
+(open, like `/-/healthy`: 503 while a restart of that backend is under way), `/-/reload`,
+a landing page.
 
 Series (`restarter.collector`): `llm_restarter_restarts_total{backend,outcome}`
 (outcome: recovered, not_recovered, failed, timeout, error, dry_run),
 `llm_restarter_refusals_total{reason}`, `llm_restarter_recovery_seconds{backend}` (last),
-`llm_restarter_budget_exhausted{backend}`.
+`llm_restarter_budget_exhausted{backend}`, `llm_restarter_drains_total{backend,outcome}`
+(outcome: ok, failed, timeout, error), `llm_restarter_unread_alerts_total`.
 """
 
 from __future__ import annotations
@@ -55,9 +61,9 @@ from ..config.errors import ConfigError
 from ..config.restarter import TOKEN_ENV, RestarterConfig, Target, load_config
 from ..config.web import WebConfig
 from ..core.evidence import BadEvidence, parse_evidence
-from ..core.restart_policy import OUTCOMES, REFUSALS
+from ..core.restart_policy import ACTED_ON, OUTCOMES, REFUSALS
 from ..core.states import State
-from ..core.webhook import Alert, Malformed, parse_webhook
+from ..core.webhook import MAX_ALERTS, Alert, Malformed, parse_webhook
 from ..probe.check import check_with
 from ..probe.client import BackendClient
 from ..web import OPEN_PATHS, USER_KEY, BearerToken, add_reload, healthy, metrics_handler, secure
@@ -69,7 +75,10 @@ from .state import MemoryState, RestartState
 
 log = logging.getLogger("llm_health.restarter")
 
-MAX_BODY = 1024 * 1024
+# A notification's body: 1,000 alerts (the shipped Alertmanager's max_alerts) of up to
+# 8 KiB each. A body past 1 MiB is parsed off the event loop.
+MAX_BODY = 8 * 1024 * 1024
+PARSE_IN_THREAD_OVER = 1024 * 1024
 JANITOR_INTERVAL = 10.0  # seconds between checks of the restart commands' output files
 
 Verifier = Callable[[Target], Awaitable[dict[str, Any]]]
@@ -113,6 +122,9 @@ class Restarter:
         self.refusals = dict.fromkeys(REFUSALS, 0)
         self.outcomes: dict[tuple[str, str], int] = {(t.name, o): 0 for t in config.targets if t.kind != "proxy" for o in OUTCOMES}
         self.recovery_seconds: dict[str, float] = {}
+        self.draining: dict[str, int] = {}  # backend -> the action restarting it: /-/ready is 503
+        self.drains: dict[tuple[str, str], int] = {}
+        self.unread_alerts = 0
         self.actions: deque[Action] = deque(maxlen=config.history)
         self.refused: deque[dict[str, Any]] = deque(maxlen=config.history)
         self.tasks: set[asyncio.Task[None]] = set()
@@ -225,8 +237,9 @@ class Restarter:
             action.command = list(target.restart)
             if self.dry_run:
                 action.outcome = "dry_run"
+                drain = f"drain with {list(target.drain_command)} (timeout {target.drain_timeout:g}s), " if target.drain_command else ""
                 action.detail = (
-                    f"dry run: would run {list(target.restart)} (no shell, timeout {target.restart_timeout:g}s), "
+                    f"dry run: would {drain}run {list(target.restart)} (no shell, timeout {target.restart_timeout:g}s), "
                     f"then wait up to {self.config.recovery_timeout:g}s for the backend to come back"
                 )
                 log.info("%s: %s", target.name, action.detail)
@@ -238,6 +251,7 @@ class Restarter:
                 self._refuse("state_unavailable", action.detail, **about)
                 return
             env = {**self.child_env, "LLM_HEALTH_BACKEND": target.name, "LLM_HEALTH_BACKEND_URL": target.url}
+            self.draining[target.name] = action.id  # from here until done: /-/ready says 503
             await restart_and_recover(action, target, self.config, env, self.outputs)
             if action.recovery_seconds is not None:
                 self.recovery_seconds[target.name] = action.recovery_seconds
@@ -254,6 +268,11 @@ class Restarter:
                 action.refusal = "not_hung"
                 self._refuse("not_hung", action.detail, **about)
         finally:
+            if self.draining.get(target.name) == action.id:
+                del self.draining[target.name]
+            if action.drain_result is not None:
+                key = (target.name, action.drain_result["outcome"])
+                self.drains[key] = self.drains.get(key, 0) + 1
             if action.outcome:
                 self.outcomes[(target.name, action.outcome)] = self.outcomes.get((target.name, action.outcome), 0) + 1
             action.finished_at = time.time()
@@ -277,14 +296,32 @@ class Restarter:
     async def handle_alerts(self, request: web.Request) -> web.Response:
         if not self.authorised(request):
             return self._unauthorised(request)
+        body = await request.read()
         try:
-            webhook = parse_webhook(await request.read())
+            if len(body) > PARSE_IN_THREAD_OVER:
+                webhook = await asyncio.to_thread(parse_webhook, body, ACTED_ON)
+            else:
+                webhook = parse_webhook(body, ACTED_ON)
         except Malformed as exc:
             self._refuse("malformed")
             log.warning("refused a webhook body: %s", exc)
             return web.json_response({"error": f"malformed webhook: {exc}"}, status=400)
         if webhook.truncated_alerts:
             log.warning("Alertmanager truncated %d alerts from this notification (max_alerts)", webhook.truncated_alerts)
+        if webhook.unread:
+            self.unread_alerts += webhook.unread
+            log.log(
+                logging.ERROR if webhook.unread_watched else logging.WARNING,
+                "a notification of %d alerts, more than %d: read the %d it may act on (%s), left %d unread (%d of them %s past the %d read)",
+                webhook.total,
+                MAX_ALERTS,
+                len(webhook.alerts),
+                ", ".join(ACTED_ON),
+                webhook.unread,
+                webhook.unread_watched,
+                "/".join(ACTED_ON),
+                MAX_ALERTS,
+            )
         answers = []
         accepted = 0
         for alert in webhook.alerts:
@@ -330,14 +367,19 @@ class Restarter:
                 log.info("%s (fingerprint %s) refused: %s: %s", alert.alertname, alert.fingerprint, adm.decision, adm.detail)
             answers.append(answer)
         # 2xx is success to Alertmanager; 202 says the work goes on in the background.
-        return web.json_response({"accepted": accepted, "alerts": answers, "dry_run": self.dry_run}, status=202 if accepted else 200)
+        out: dict[str, Any] = {"accepted": accepted, "alerts": answers, "dry_run": self.dry_run}
+        if webhook.unread:
+            out.update(unread=webhook.unread, unread_watched=webhook.unread_watched)
+        return web.json_response(out, status=202 if accepted else 200)
 
     async def status(self) -> dict[str, Any]:
         backends = []
         for t in self.config.targets:
             entry: dict[str, Any] = {"backend": t.name, "url": t.url, "instance": t.instance, "kind": t.kind}
             if t.kind != "proxy":
-                entry.update(restart=list(t.restart), restart_timeout=t.restart_timeout)
+                entry.update(restart=list(t.restart), restart_timeout=t.restart_timeout, ready=t.name not in self.draining)
+                if t.drain_command:
+                    entry.update(drain_command=list(t.drain_command), drain_timeout=t.drain_timeout)
                 try:
                     view = await self.state.budget(t.name)
                     entry.update(
@@ -370,9 +412,27 @@ class Restarter:
             return self._unauthorised(request)
         return web.json_response(await self.status(), dumps=lambda o: json.dumps(o, default=str))
 
+    async def handle_ready(self, request: web.Request) -> web.Response:
+        """`?backend=NAME`: 503 from the moment this restarter decided to restart that
+        backend (re-verified hung, budget claimed) until the action is done (recovered or
+        not), 200 otherwise; from memory, nothing sent to the backend. 404 for a backend
+        not in the configuration, 400 without `backend`. Open like /-/healthy: it tells
+        only whether this replica is restarting the backend."""
+        name = request.query.get("backend")
+        if name is None:
+            return web.Response(status=400, text="give the backend: /-/ready?backend=NAME (a name in this restarter's configuration)\n")
+        if not any(t.name == name for t in self.config.targets):
+            return web.Response(status=404, text=f"no backend {name[:100]!r} in this restarter's configuration\n")
+        action_id = self.draining.get(name)
+        if action_id is not None:
+            phase = next((a.phase for a in self.actions if a.id == action_id), "restarting")
+            return web.Response(status=503, text=f"{name}: not ready: action {action_id} is restarting it ({phase})\n")
+        return web.Response(text=f"{name}: ready: no restart under way\n")
+
     async def handle_index(self, request: web.Request) -> web.Response:
         return web.Response(
-            text="llm-health restarter: POST /alerts (Alertmanager webhook v4, bearer token), GET /status (bearer token), /metrics, /-/healthy\n"
+            text="llm-health restarter: POST /alerts (Alertmanager webhook v4, bearer token), GET /status (bearer token), /metrics, /-/healthy, "
+            "/-/ready?backend=NAME\n"
         )
 
     async def start(self) -> None:
@@ -419,6 +479,7 @@ class Restarter:
         app.router.add_get("/status", self.handle_status)
         app.router.add_get("/metrics", metrics_handler(self.registry))
         app.router.add_get("/-/healthy", healthy)
+        app.router.add_get("/-/ready", self.handle_ready)
         add_reload(app, self.reload)
 
         async def on_startup(_app: web.Application) -> None:

@@ -13,6 +13,8 @@ from ..collector import SnapshotCollector
 from ..config.restarter import RestarterConfig
 from ..core.restart_policy import REFUSALS
 
+DRAIN_OUTCOMES = ("ok", "failed", "timeout", "error")
+
 
 class Exhausted(Protocol):
     def exhausted(self, backend: str) -> bool: ...
@@ -31,6 +33,10 @@ class Counts(Protocol):
     def refusals(self) -> Mapping[str, int]: ...
     @property
     def recovery_seconds(self) -> Mapping[str, float]: ...
+    @property
+    def drains(self) -> Mapping[tuple[str, str], int]: ...
+    @property
+    def unread_alerts(self) -> int: ...
 
 
 class RestarterCollector(SnapshotCollector):
@@ -64,4 +70,19 @@ class RestarterCollector(SnapshotCollector):
         for t in r.config.targets:
             if t.kind != "proxy":
                 exhausted.add_metric([t.name], 1.0 if r.state.exhausted(t.name) else 0.0)
-        return [restarts, refusals, recovery, exhausted]
+        drains = CounterMetricFamily(
+            "llm_restarter_drains",
+            "Drain commands run before a restart, by outcome (ok, failed, timeout, error: the restart went on in every case).",
+            labels=["backend", "outcome"],
+        )
+        for t in r.config.targets:
+            if t.drain_command:
+                for outcome in DRAIN_OUTCOMES:
+                    drains.add_metric([t.name, outcome], r.drains.get((t.name, outcome), 0))
+        unread = CounterMetricFamily(
+            "llm_restarter_unread_alerts",
+            "Alerts of notifications of more than 1,000 alerts that were left unread: those the restarter does not act on, "
+            "and any LLMBackendHung or VLLMEngineHung past the first 1,000 of them.",
+        )
+        unread.add_metric([], r.unread_alerts)
+        return [restarts, refusals, recovery, exhausted, drains, unread]

@@ -116,16 +116,20 @@ async def run_command(
 
 
 class OutputFiles:
-    """The restart commands' output files in one directory: named per action, the newest
-    `keep` kept, each truncated when something (a server the command left running) grows
+    """The restart (and drain) commands' output files in one directory: named per kind and
+    action, the newest `keep` of each kind kept, each truncated when something (a server the command left running) grows
     it past `max_bytes`."""
 
     def __init__(self, directory: str | os.PathLike[str] | None, keep: int = 100, max_bytes: int = 16 * 1024 * 1024):
         self.directory = Path(directory) if directory is not None else None
         self.keep = keep
         self.max_bytes = max_bytes
-        self.files: deque[Path] = deque()
+        self.kinds: dict[str, deque[Path]] = {}  # per kind of command (restart, drain): the newest `keep` of each
         self._warned: set[Path] = set()
+
+    @property
+    def files(self) -> list[Path]:
+        return [p for q in self.kinds.values() for p in q]
 
     def prepare(self) -> Path:
         """The directory, made (0700) if missing; without one configured, a new private one
@@ -135,14 +139,15 @@ class OutputFiles:
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         return self.directory
 
-    def new(self, backend: str, action: int) -> Path:
+    def new(self, backend: str, action: int, kind: str = "restart") -> Path:
         directory = self.prepare()
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in backend)[:64]
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        path = directory / f"restart-{safe}-{action}-{stamp}-{os.getpid()}.log"
-        self.files.append(path)
-        while len(self.files) > self.keep:
-            old = self.files.popleft()
+        path = directory / f"{kind}-{safe}-{action}-{stamp}-{os.getpid()}.log"
+        files = self.kinds.setdefault(kind, deque())
+        files.append(path)
+        while len(files) > self.keep:
+            old = files.popleft()
             with contextlib.suppress(OSError):
                 old.unlink()
             self._warned.discard(old)
