@@ -257,11 +257,23 @@ async def test_live_endpoint_for_a_kubelet(sim_server, ticker, serve):
             assert (await resp.text()).startswith(f"{name}: ")
             if name not in ("idle", "busy", "dead"):
                 assert (await resp.text()).startswith(f"{name}: {name}"), await resp.text()  # in the state named
+        # Readiness (/-/ready): 503 for hung and down, 200 for the rest, busy above all.
+        for name, code in (codes | {"dead": 503}).items():
+            resp = await client.get("/-/ready", params={"backend": name})
+            assert resp.status == code, (name, await resp.text())
+            assert (await resp.text()).startswith(f"{name}: {'ready' if code == 200 else 'not ready'}: "), await resp.text()
+        text = await (await client.get("/metrics")).text()
+        turned = {dict(k[1])["backend"]: v for k, v in samples(text).items() if k[0] == "llm_exporter_readiness_not_ready_total"}
+        assert turned == {"hung": 1.0, "dead": 1.0}, turned  # once each: the hang and the dead backend stay not ready
+        assert {b["backend"]: b["ready"] for b in (await (await client.get("/status")).json())["backends"]}["busy"] is True
     finally:
         restarting.cancel()
     unknown = await client.get("/-/live", params={"backend": "<script>" * 40})
     assert unknown.status == 404 and len(await unknown.text()) < 200
     assert (await client.get("/-/live")).status == 200
+    for path in ("/-/ready?backend=" + "<script>" * 40, "/-/ready"):
+        resp = await client.get(path)
+        assert resp.status == (404 if "=" in path else 400) and len(await resp.text()) < 200
     # Answered from memory: the calls themselves sent nothing (rounds run on their own clock,
     # so compare with a round's worth of slack rather than exact counts).
     assert all(len(s.received) == sent[s.name] for s in (busy, hung))
@@ -311,6 +323,49 @@ async def test_llamacpp_fleet_states(sim_server, ticker, serve):
     assert after == before + 1
     await wait_for(client, "restarting", "idle")
     await exporter.stop()
+
+
+async def test_readiness_stays_503_from_the_hang_until_the_restarted_server_is_back(sim_server, ticker, serve):
+    """/-/ready through a whole restart of a simulated llama-server: 503 from the round that
+    proves the hang, through the restart and the seconds it loads its model (`no_metrics`,
+    then `restarted`), 200 again once a round sees it idle; /-/live is 503 only while hung.
+    Readiness turned not ready once; the other backend, busy all along, never."""
+    server = await sim_server("gpu0", scenario="hung", kind="llamacpp")
+    busy = await sim_server("busy", scenario="saturated", kind="llamacpp")
+    ticker.extend([server, busy])
+    exporter, client = await serve([("gpu0", server.url, "vllm"), ("busy", busy.url, "vllm")])
+
+    async def codes() -> tuple[str, int, int]:
+        ready = await client.get("/-/ready", params={"backend": "gpu0"})
+        live = await client.get("/-/live", params={"backend": "gpu0"})
+        return exporter.slots["gpu0"].verdict.state, ready.status, live.status
+
+    async def until(state: str) -> tuple[str, int, int]:
+        deadline = time.monotonic() + 10
+        while (got := await codes())[0] != state:
+            assert time.monotonic() < deadline, f"never {state}: {got}"
+            await asyncio.sleep(0.02)
+        return got
+
+    assert await until("hung") == ("hung", 503, 503)
+    server.restart()
+    server.loading = True
+    assert await until("no_metrics") == ("no_metrics", 503, 200)
+    server.loading = False
+    sim.idle(server)
+    rounds = exporter.slots["gpu0"].monitor.rounds
+    seen = set()
+    deadline = time.monotonic() + 10
+    while (got := await codes())[0] != "idle":
+        assert time.monotonic() < deadline, f"never idle: {got}"
+        seen.add(got)
+        await asyncio.sleep(0.02)
+    assert got == ("idle", 200, 200) and exporter.slots["gpu0"].monitor.rounds > rounds
+    assert all(code == 503 for state, code, _ in seen if state != "idle"), seen  # restarted, not yet idle: still 503
+    text = await (await client.get("/metrics")).text()
+    turned = {dict(k[1])["backend"]: v for k, v in samples(text).items() if k[0] == "llm_exporter_readiness_not_ready_total"}
+    assert turned == {"gpu0": 1.0}, turned
+    assert (await client.get("/-/ready", params={"backend": "busy"})).status == 200
 
 
 async def test_a_server_loading_its_model_is_not_a_failed_round(sim_server, ticker, serve):

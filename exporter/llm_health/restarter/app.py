@@ -268,8 +268,6 @@ class Restarter:
                 action.refusal = "not_hung"
                 self._refuse("not_hung", action.detail, **about)
         finally:
-            if self.draining.get(target.name) == action.id:
-                del self.draining[target.name]
             if action.drain_result is not None:
                 key = (target.name, action.drain_result["outcome"])
                 self.drains[key] = self.drains.get(key, 0) + 1
@@ -280,8 +278,10 @@ class Restarter:
                 await asyncio.shield(self.state.finish(target.name, alert.key, restarted))
             finally:
                 # Done once the shared state knows it: /status never says done while a
-                # repeat of this alert could still be judged new.
+                # repeat of this alert could still be judged new. Ready again at that moment.
                 action.phase = "done"
+                if self.draining.get(target.name) == action.id:
+                    del self.draining[target.name]
 
     # --- HTTP -----------------------------------------------------------------------------
     def authorised(self, request: web.Request) -> bool:
