@@ -9,6 +9,7 @@ import time
 import pytest
 import yaml
 
+from llm_health.core.webhook import MAX_ALERTS
 from tests.fixtures.paths import ROOT, RULES
 from tests.fixtures.stack import AMTOOL, rewrite_alertmanager_config, run_tool, wait_until
 
@@ -100,6 +101,19 @@ def test_restarter_receiver_is_authenticated_and_points_at_compose_service():
     auth = hook["http_config"]["authorization"]
     assert auth["credentials_file"].startswith("/") and "credentials" not in auth
     assert hook.get("send_resolved") is False  # a resolved hang needs no restart
+
+
+def test_every_webhook_bounds_its_notifications_at_what_the_restarter_reads():
+    """max_alerts on every webhook (Alertmanager's default, 0, sends a group whole), never
+    above the alerts the restarter reads of one notification; and the restarter's route
+    makes each notification one alert (grouped by every label), so the bound cannot cut
+    a hang off there."""
+    config = yaml.safe_load(EXAMPLE.read_text())
+    hooks = {r["name"]: r["webhook_configs"] for r in config["receivers"] if "webhook_configs" in r}
+    assert set(hooks) == {"pager", "ticket", "restarter"}
+    assert all(0 < h.get("max_alerts", 0) <= MAX_ALERTS for hs in hooks.values() for h in hs), hooks
+    (route,) = [r for r in config["route"]["routes"] if r["receiver"] == "restarter"]
+    assert route["group_by"] == ["..."]
 
 
 def test_inhibit_rules_match_real_alerts_and_source_fires_first():

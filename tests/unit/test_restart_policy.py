@@ -54,7 +54,10 @@ def test_a_notification_past_max_alerts_reads_the_watched_alerts_wherever_they_a
     others = [_one("KubePodCrashLooping", i) for i in range(MAX_ALERTS + 200)] + [{"labels": "not an object"}, 7]
     body = _alerts_body([others[0], _one("LLMBackendHung", 1, backend="gpu1"), *others[1:], _one("VLLMEngineHung", 2, instance="h:8000")])
     hook = parse_webhook(body, ACTED_ON)
-    assert [(a.alertname, a.labels.get("backend") or a.labels.get("instance")) for a in hook.alerts] == [("LLMBackendHung", "gpu1"), ("VLLMEngineHung", "h:8000")]
+    assert [(a.alertname, a.labels.get("backend") or a.labels.get("instance")) for a in hook.alerts] == [
+        ("LLMBackendHung", "gpu1"),
+        ("VLLMEngineHung", "h:8000"),
+    ]
     assert (hook.total, hook.unread, hook.unread_watched) == (len(others) + 2, len(others), 0)
     # At the bound, the body is read whole and validated whole, as before.
     at = [_one("KubePodCrashLooping", i) for i in range(MAX_ALERTS - 1)] + [_one("LLMBackendHung", 1, backend="gpu1")]
@@ -249,7 +252,11 @@ def test_config_shared_state_and_outputs(tmp_path, monkeypatch):
         (("kind: proxy}", "kind: proxy, drain_command: [/bin/true]}"), "backends[2].drain_command", "never restarted"),
         (("drain_command: [/usr/local/bin/lb-drain, gpu1, 30]", 'drain_command: "lb-drain gpu1"'), "backends[1].drain_command", "without a shell"),
         (("drain_command: [/usr/local/bin/lb-drain, gpu1, 30]", "drain_command: [lb-drain, '']"), "backends[1].drain_command[1]", "non-empty string"),
-        (("drain_command: [/usr/local/bin/lb-drain, gpu1, 30]", "drain_command: [lb-drain]\n    drain_timeout: 2m"), "backends[1].drain_timeout", "at most 60s"),
+        (
+            ("drain_command: [/usr/local/bin/lb-drain, gpu1, 30]", "drain_command: [lb-drain]\n    drain_timeout: 2m"),
+            "backends[1].drain_timeout",
+            "at most 60s",
+        ),
         (("restart_timeout: 120s", "restart_timeout: 120s\n    drain_timeout: 3s"), "backends[0].drain_timeout", "no drain_command"),
         (("api_key_env: RESTARTER_TEST_KEY", "api_key_env: RESTARTER_TEST_UNSET_VAR"), "backends[1].api_key_env", "not set"),
         (("recovery_timeout: 10m", "recovery_timeout: 10m\n  confirm_interval: 0s"), "restarter.confirm_interval", "greater than"),

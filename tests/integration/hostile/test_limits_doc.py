@@ -76,10 +76,15 @@ def test_payload_pieces_are_the_code_size():
 
 def test_webhook_limits_are_the_code_constants():
     m = sentence(
-        r"At most ([\d,]+ (?:KiB|MiB)); JSON nested too deeply, more than ([\d,]+) alerts, more than ([\d,]+) characters of labels in one alert, "
-        r"or a `startsAt` or `fingerprint` over ([\d,]+) characters is refused as malformed \(400"
+        r"At most ([\d,]+ (?:KiB|MiB)) \(a larger body is answered 413\); JSON nested too deeply, more than ([\d,]+) characters of labels in one "
+        r"alert, or a `startsAt` or `fingerprint` over ([\d,]+) characters is refused as malformed \(400"
     )
-    assert [number(g) for g in m.groups()] == [restarter.MAX_BODY, webhook.MAX_ALERTS, webhook.MAX_LABELS_CHARS, webhook.MAX_FIELD]
+    assert [number(g) for g in m.groups()] == [restarter.MAX_BODY, webhook.MAX_LABELS_CHARS, webhook.MAX_FIELD]
+    alerts = sentence(r"A notification of up to ([\d,]+) alerts is read and validated whole")
+    past = sentence(r"wherever they are in the body, up to the first ([\d,]+) of them")
+    shipped = sentence(r"configurations set `max_alerts: ([\d,]+)` on every webhook")
+    assert number(alerts.group(1)) == number(past.group(1)) == number(shipped.group(1)) == webhook.MAX_ALERTS
+    assert number(sentence(r"A body past ([\d,]+ (?:KiB|MiB)) is parsed off the event").group(1)) == restarter.PARSE_IN_THREAD_OVER
 
 
 def span(text: str, rest: str = "") -> tuple[int, int]:

@@ -8,6 +8,11 @@ by alert, its `LLMBackendHung`s acted on (re-verified against an idle simulated 
 refused `not_hung`, so no restart command runs). One past the bound the body is refused
 whole, with the status and the field named, and nothing acts on any of it, not even on the
 plain alert before the bad one. A good body sent after the refused one is processed.
+
+The count of alerts is no such bound: past 1,000 the notification is read for the alerts
+the restarter acts on, wherever they are in it, and the rest left unread (a 4xx would make
+Alertmanager drop a hung alert inside it). Tested with the restarter alone and behind a
+real Alertmanager that sends it one notification of 1,500 alerts with one real hang inside.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ import aiohttp
 import pytest
 
 from llm_health.core.webhook import fingerprint
+from llm_health.sim import servers as sim
 from tests.fixtures.webhooks import BODY_2447
 
 # The bounds as docs/limits.md states them (test_limits_doc.py holds the doc to the code):
 # written out here, so that a bound the code moves by one fails these tests too.
-MAX_BODY = 1024 * 1024  # bytes of a body
-MAX_ALERTS = 1000  # alerts in one notification
+MAX_BODY = 8 * 1024 * 1024  # bytes of a body
+MAX_ALERTS = 1000  # alerts in one notification read, of those the restarter acts on
 MAX_LABELS_CHARS = 64 * 1024  # characters of one alert's label names and values (and of its annotations')
 MAX_FIELD = 1024  # characters of startsAt, of fingerprint
 
@@ -45,7 +51,8 @@ DEADLINE = 60.0  # a failure bound for polls, never a measured time
 @dataclass
 class Restarter:
     url: str
-    marker: Path  # the restart command appends to it: it must never exist here
+    marker: Path  # the restart command appends to it: it must never exist here (but in the hung tests)
+    servers: list[Any]
 
     async def post(self, body: bytes) -> tuple[int, str]:
         async with aiohttp.ClientSession() as http, http.post(self.url + "/alerts", data=body, headers=HEADERS) as r:
@@ -83,7 +90,7 @@ async def restarter(tmp_path, llm_health, sim_server) -> Restarter:
         "backends:\n" + "".join(f"  - {{name: gpu{i}, url: '{s.url}', restart: {restart}}}\n" for i, s in enumerate(servers))
     )
     proc = llm_health("restarter", "--config.file", str(cfg), env={"LLM_HEALTH_RESTARTER_TOKEN": TOKEN}).wait_ready()
-    return Restarter(proc.url, marker)
+    return Restarter(proc.url, marker, servers)
 
 
 _seq = itertools.count(1)
@@ -123,9 +130,12 @@ def padded(pad: str, total: int, **fixed: str) -> dict[str, str]:
 
 
 # --- one case per bound: the body holding `n` (the bound, or one past it) -------------------
+FILLERS = MAX_BODY // 60_000 + 1  # Watchdog alerts filling a body: each description under the labels' bound
+
+
 def body_of_bytes(n: int) -> bytes:
     """A body of exactly n bytes: the plain alert, then Watchdog alerts whose descriptions fill it."""
-    fillers = 20
+    fillers = FILLERS
     fill = [alert("Watchdog", labels={"severity": "none"}) for _ in range(fillers)]
     for a in fill:
         a["annotations"] = {"description": ""}
@@ -175,8 +185,7 @@ class Case:
 
 
 CASES = {
-    "body bytes": Case(body_of_bytes, MAX_BODY, 413, f"Maximum request body size {MAX_BODY} exceeded", 21, 1),
-    "alerts": Case(body_of_alerts, MAX_ALERTS, 400, f"alerts: {MAX_ALERTS + 1} in one notification, more than {MAX_ALERTS}", MAX_ALERTS, 1),
+    "body bytes": Case(body_of_bytes, MAX_BODY, 413, f"Maximum request body size {MAX_BODY} exceeded", FILLERS + 1, 1),
     "labels": Case(body_of_labels, MAX_LABELS_CHARS, 400, f"alerts[1].labels: more than {MAX_LABELS_CHARS} characters", 2, 2),
     "annotations": Case(body_of_annotations, MAX_LABELS_CHARS, 400, f"alerts[1].annotations: more than {MAX_LABELS_CHARS} characters", 2, 2),
     "startsAt": Case(body_of_starts_at, MAX_FIELD, 400, f"alerts[1].startsAt: missing or longer than {MAX_FIELD} characters", 2, 2),
@@ -232,4 +241,94 @@ async def test_webhook_limit_at_and_one_past_the_bound(restarter, name):
     assert after["refusals"]["malformed"] == before["refusals"]["malformed"] + (case.refused == 400)
 
     await accepted(restarter, body(alert(), alert(labels={"backend": "gpu1"})), 2, 2)  # the next good one
+    assert not restarter.marker.exists()
+
+
+# --- past 1,000 alerts: read for the alerts the restarter acts on ---------------------------
+async def restart_when_asked(restarter: Restarter, server: Any) -> None:
+    """What the restart command would do to a real server: once the marker says it ran, a
+    new process, idle."""
+    deadline = time.monotonic() + DEADLINE
+    while not restarter.marker.exists():
+        assert time.monotonic() < deadline, "the hung backend was never restarted"
+        await asyncio.sleep(0.05)
+    server.restart()
+    sim.idle(server)
+
+
+async def unread_total(restarter: Restarter) -> float:
+    async with aiohttp.ClientSession() as http, http.get(restarter.url + "/metrics") as r:
+        text = await r.text()
+    (line,) = [x for x in text.splitlines() if x.startswith("llm_restarter_unread_alerts_total ")]
+    return float(line.split()[1])
+
+
+async def test_past_max_alerts_a_hung_alert_at_the_end_is_acted_on(restarter):
+    """1,499 alerts the restarter does not act on, then an LLMBackendHung for gpu1, which is
+    hung: answered 202 (never a 400 for the count), only the hung alert read and answered, the
+    others counted unread, gpu1 restarted once and back."""
+    sim.hang(restarter.servers[1])
+    raw = body(*(alert("KubeJobFailed", labels={"severity": "warning", "n": str(i)}) for i in range(1499)), alert(labels={"backend": "gpu1"}))
+    status, text = await restarter.post(raw)
+    assert status == 202, text[:500]
+    answer = json.loads(text)
+    assert (answer["accepted"], answer["unread"], answer["unread_watched"]) == (1, 1499, 0)
+    ((a,),) = [answer["alerts"]]
+    assert (a["alertname"], a["backend"], a["decision"]) == ("LLMBackendHung", "gpu1", "accepted")
+    await restart_when_asked(restarter, restarter.servers[1])
+    (action,) = await restarter.finished([a["action"]])
+    assert (action["verification"]["state"], action["outcome"]) == ("hung", "recovered"), action
+    assert restarter.marker.read_text() == "restart\n"
+    assert await unread_total(restarter) == 1499
+
+
+async def test_a_real_alertmanager_notification_of_1500_alerts_with_a_hang_inside(restarter, alertmanager_factory, tmp_path):
+    """A real Alertmanager groups 1,500 alerts into one notification (a route without
+    max_alerts, grouped by one label they share) and sends it to the real restarter process:
+    the one hung backend among them is restarted, and Alertmanager records no failed
+    notification (a 400 it would not retry)."""
+    token = tmp_path / "am-token"
+    token.write_text(TOKEN + "\n")
+    config = {
+        "route": {"receiver": "restarter", "group_by": ["fleet"], "group_wait": "1s", "group_interval": "10m", "repeat_interval": "1h"},
+        "receivers": [
+            {
+                "name": "restarter",
+                "webhook_configs": [
+                    {
+                        "url": restarter.url + "/alerts",
+                        "send_resolved": False,
+                        "http_config": {"authorization": {"type": "Bearer", "credentials_file": str(token)}},
+                    }
+                ],
+            }
+        ],
+    }
+    am = alertmanager_factory(json.dumps(config))
+    sim.hang(restarter.servers[1])
+    others = [{"labels": {"alertname": "KubeJobFailed", "fleet": "a", "severity": "warning", "n": str(i)}} for i in range(1499)]
+    hung = {"labels": {"alertname": "LLMBackendHung", "fleet": "a", "severity": "critical", "backend": "gpu1"}, "annotations": {"summary": "gpu1 hung"}}
+    am.post_alerts([*others[:700], hung, *others[700:]])
+    await restart_when_asked(restarter, restarter.servers[1])
+    deadline = time.monotonic() + DEADLINE
+    while not (actions := (await restarter.status())["actions"]) or actions[0]["phase"] != "done":
+        assert time.monotonic() < deadline, actions
+        await asyncio.sleep(0.1)
+    (action,) = actions
+    assert (action["backend"], action["outcome"]) == ("gpu1", "recovered"), action
+    assert await unread_total(restarter) == 1499  # one notification of 1,500: all but the hung one unread
+    async with aiohttp.ClientSession() as http, http.get(am.url + "/metrics") as r:
+        metrics = await r.text()
+    failed = [x for x in metrics.splitlines() if x.startswith("alertmanager_notifications_failed_total") and 'integration="webhook"' in x]
+    assert failed and all(x.endswith(" 0") for x in failed), failed
+    sent = [x for x in metrics.splitlines() if x.startswith("alertmanager_notifications_total") and 'integration="webhook"' in x]
+    assert sent and float(sent[0].split()[-1]) == 1, sent
+
+
+async def test_at_max_alerts_every_alert_is_answered_and_past_it_only_the_watched(restarter):
+    await accepted(restarter, body_of_alerts(MAX_ALERTS), MAX_ALERTS, 1)
+    status, text = await restarter.post(body_of_alerts(MAX_ALERTS + 1))
+    answer = json.loads(text)
+    assert (status, answer["accepted"], len(answer["alerts"]), answer["unread"]) == (202, 1, 1, MAX_ALERTS), text[:300]
+    await restarter.finished([answer["alerts"][0]["action"]])
     assert not restarter.marker.exists()
