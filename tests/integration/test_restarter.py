@@ -381,10 +381,18 @@ async def test_proxy_unknown_and_other_alerts(sim_server, restarter_client, tmp_
 
 async def test_metrics_pass_promtool(restarter_client, sim_server, tmp_path):
     s = await sim_server(scenario="idle")
-    _, client = await restarter_client(make_config(marker_target("gpu0", s, tmp_path / "m")))
+    _, client = await restarter_client(make_config(marker_target("gpu0", s, tmp_path / "m", drain_command=("/bin/true",))))
     text = await (await client.get("/metrics")).text()
     names = {f.name for f in text_string_to_metric_families(text)}
-    assert names == {"llm_restarter_restarts", "llm_restarter_refusals", "llm_restarter_recovery_seconds", "llm_restarter_budget_exhausted"}
+    assert names == {
+        "llm_restarter_restarts",
+        "llm_restarter_refusals",
+        "llm_restarter_recovery_seconds",
+        "llm_restarter_budget_exhausted",
+        "llm_restarter_drains",
+        "llm_restarter_unread_alerts",
+    }
+    assert 'llm_restarter_drains_total{backend="gpu0",outcome="timeout"} 0.0' in text
     import shutil
 
     require(None if shutil.which("promtool") else "promtool is not installed (apt-get install prometheus)")

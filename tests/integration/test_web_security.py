@@ -1,6 +1,6 @@
 """`--web.config.file` on real processes: `llm-health serve`, `gate` and `restarter` serve
-TLS with a certificate made in the test and check bcrypt basic auth users; `/-/healthy`
-and `/-/live` stay open; the restarter's bearer token still opens `/alerts` and
+TLS with a certificate made in the test and check bcrypt basic auth users; `/-/healthy`,
+`/-/live` and `/-/ready` stay open; the restarter's bearer token still opens `/alerts` and
 `/status`; a bad web config stops the server at start, naming the file and the field
 (README.md, "Install"; docs/limits.md, "TLS and basic auth")."""
 
@@ -95,6 +95,10 @@ async def test_exporter_serves_tls_and_basic_auth(tmp_path, llm_health):
         protected=[("GET", "/metrics"), ("GET", "/status"), ("GET", "/"), ("POST", "/-/reload")],
         open_paths=["/-/healthy", "/-/live", "/-/live?backend=gpu0"],
     )
+    # readiness is open too (a load balancer's health check sends no credentials): 200 or,
+    # once a round has found this dead backend down, 503, never the Basic challenge
+    ready = await call(proc.url + "/-/ready?backend=gpu0", context=context)
+    assert ready.status in (200, 503) and "WWW-Authenticate" not in ready.headers, ready
     status = await call(proc.url + "/status", context=context, user=(USER, PASSWORD))
     assert [b["backend"] for b in status.json()["backends"]] == ["gpu0"]
     probe = await call(proc.url + "/probe?target=" + dead_url(), context=context)
@@ -175,7 +179,10 @@ async def test_restarter_serves_tls_basic_auth_and_its_bearer_token(tmp_path, ll
     cfg = restarter_config(tmp_path / "restarter.yml", ["gpu0"])
     proc = llm_health("restarter", "--config.file", cfg, "--web.config.file", web_file, env=RESTARTER_ENV, scheme="https").wait_ready(context=context)
     await check_basic_auth(
-        proc.url, context, protected=[("GET", "/metrics"), ("GET", "/status"), ("GET", "/"), ("POST", "/-/reload")], open_paths=["/-/healthy"]
+        proc.url,
+        context,
+        protected=[("GET", "/metrics"), ("GET", "/status"), ("GET", "/"), ("POST", "/-/reload")],
+        open_paths=["/-/healthy", "/-/ready?backend=gpu0"],
     )
     bearer = {"Authorization": f"Bearer {TOKEN}"}
     # /alerts: without credentials the Basic challenge; a basic auth user or the bearer token is let in

@@ -1,8 +1,10 @@
-"""The exporter's `/-/live?backend=NAME` (a kubelet's livenessProbe) against a REAL vLLM:
-200 while the server is busy (throttled, requests in flight), 503 once the exporter has
-proved it hung (EngineCore stopped with requests in flight), and never a request sent to
-vLLM because of the call: a recording proxy in front of vLLM counts what the exporter
-sends, and a burst of liveness calls adds nothing beyond the exporter's own rounds.
+"""The exporter's `/-/live?backend=NAME` (a kubelet's livenessProbe) and
+`/-/ready?backend=NAME` (its readinessProbe, a load balancer's health check) against a
+REAL vLLM: both 200 while the server is busy (throttled, requests in flight), both 503
+once the exporter has proved it hung (EngineCore stopped with requests in flight), while
+vLLM's own `/health` still answers 200; and never a request sent to vLLM because of the
+calls: a recording proxy in front of vLLM counts what the exporter sends, and a burst of
+calls adds nothing beyond the exporter's own rounds.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def test_live_endpoint_on_a_real_vllm(idle_vllm_server, tmp_path):
         )
         base = f"http://127.0.0.1:{port}"
         url = base + "/-/live?backend=cpu0"
+        ready = base + "/-/ready?backend=cpu0"
         load = None
         try:
             wait_until(lambda: live(base + "/-/healthy") == 200, timeout=60, what="the exporter")
@@ -57,6 +60,7 @@ def test_live_endpoint_on_a_real_vllm(idle_vllm_server, tmp_path):
 
             wait_until(lambda: state() == "idle", timeout=60, what="idle")
             assert live(url) == 200 and live(base + "/-/live?backend=nope") == 404
+            assert live(ready) == 200 and live(base + "/-/ready?backend=nope") == 404
 
             # Busy: throttled engine, four requests in flight.
             with srv.throttle(run_ms=20, period_ms=500) as throttle:
@@ -64,8 +68,8 @@ def test_live_endpoint_on_a_real_vllm(idle_vllm_server, tmp_path):
                 srv.wait_for(lambda c: c["num_requests_running"] == 4 and (c["generation_tokens_total"] or 0) > 0, timeout=120)
                 wait_until(lambda: state() == "busy", timeout=60, what="busy")
                 posts = proxy.count("POST")  # the probes of the idle engine, before the load
-                busy = [live(url) for _ in range(20)]
-                assert busy == [200] * 20
+                busy = [live(u) for _ in range(20) for u in (url, ready)]
+                assert busy == [200] * 40
                 assert proxy.count("POST") == posts  # nothing is sent to an engine with work in flight
                 throttle.freeze()  # then stop it where it is, mid-batch
             srv.cont_engine("worker")
@@ -73,14 +77,15 @@ def test_live_endpoint_on_a_real_vllm(idle_vllm_server, tmp_path):
             wait_until(lambda: state() == "hung", timeout=120, what="hung")
             reads = proxy.count("GET", "/metrics")
             started = time.monotonic()
-            hung = [live(url) for _ in range(50)]
+            hung = [live(u) for _ in range(50) for u in (url, ready)]
             elapsed = time.monotonic() - started
-            assert hung == [503] * 50
-            # Answered from memory: 50 calls cost no read beyond the exporter's rounds.
+            assert hung == [503] * 100
+            assert live(srv.url + "/health") == 200  # vLLM's own health check sees nothing wrong
+            # Answered from memory: 100 calls cost no read beyond the exporter's rounds.
             assert proxy.count("GET", "/metrics") - reads <= elapsed / INTERVAL + 2
             assert proxy.count("POST") == posts
             srv.cont_engine("both")
-            wait_until(lambda: live(url) == 200, timeout=120, what="200 again once the engine moves")
+            wait_until(lambda: live(url) == 200 and live(ready) == 200, timeout=120, what="200 again once the engine moves")
         finally:
             srv.cont_engine("both")
             exporter.terminate()
