@@ -310,18 +310,21 @@ class Restarter:
             log.warning("Alertmanager truncated %d alerts from this notification (max_alerts)", webhook.truncated_alerts)
         if webhook.unread:
             self.unread_alerts += webhook.unread
+            level, w = logging.ERROR if webhook.unread_watched else logging.WARNING, webhook
             log.log(
-                logging.ERROR if webhook.unread_watched else logging.WARNING,
-                "a notification of %d alerts, more than %d: read the %d it may act on (%s), left %d unread (%d of them %s past the %d read)",
-                webhook.total,
+                level,
+                "a notification of %d alerts (over %d): read its %d LLMBackendHung/VLLMEngineHung, left %d unread",
+                w.total,
                 MAX_ALERTS,
-                len(webhook.alerts),
-                ", ".join(ACTED_ON),
-                webhook.unread,
-                webhook.unread_watched,
-                "/".join(ACTED_ON),
-                MAX_ALERTS,
+                len(w.alerts),
+                w.unread,
             )
+            if w.unread_watched:
+                log.error(
+                    "%d LLMBackendHung/VLLMEngineHung past the first %d of one notification left unread: set max_alerts at most 1000",
+                    w.unread_watched,
+                    MAX_ALERTS,
+                )
         answers = []
         accepted = 0
         for alert in webhook.alerts:
