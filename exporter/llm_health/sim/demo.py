@@ -1,4 +1,14 @@
-"""`llm-health demo`: a simulated fleet on loopback, the exporter on it, a live table.
+"""`llm-health demo`: the whole product on loopback, for a while, then what it proved.
+
+- the simulated fleet and the exporter on it (this module);
+- a real redis-server (sim.launch) with a GPU pool whose jobs lease through the lease
+  library, one crashing (sim.gpu_pool), read by the exporter's `redis:` section;
+- `llm-health gate` in front of a simulated worker with the retry drill's traffic
+  (sim.demo_routes);
+- where installed, Prometheus with the shipped rules and Alertmanager routing the hung
+  alerts to `llm-health restarter`, whose restart command restarts the simulated server
+  (sim.alerting);
+- the terminal view and the summary (sim.demo_view).
 
 The fleet: an idle server, two saturated at 12 running (their limit),
 a batch job at 8 tokens/s, a V1 long prefill, a hung engine, a data-parallel pair with
@@ -8,13 +18,26 @@ one rank hung, a server that restarts, one that sleeps, a proxy and a dead backe
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+import sys
 import time
+from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from ..config.exporter import Backend, Config, Timing
+from ..config.redis import parse_redis_config
 from ..exporter.app import Exporter
+from ..store.records import Pool
+from . import alerting, launch
 from . import servers as sim
+from .demo_routes import RetryTraffic
+from .demo_view import Parts, frame, parse_series, proofs, summary
+from .gpu_pool import GpuPool
+
+POOL, GPUS, ROUTE = "demo", ("g0", "g1", "g2", "g3"), "chat"
 
 
 def _one_rank_hung(server: sim.SimServer) -> None:
@@ -93,41 +116,104 @@ class DemoFleet:
             await self.proxy.stop()
 
 
-def table(exporter: Exporter) -> str:
-    lines = [f"{'backend':<14} {'state':<13} {'run':>4} {'wait':>4} {'steps/s':>8} {'tok/s':>7}  reason"]
-    for slot in exporter.slots.values():
-        st = slot.status()
-
-        def num(v: float | None, fmt: str) -> str:
-            return format(v, fmt) if v is not None else "-"
-
-        lines.append(
-            f"{st['backend']:<14} {st['state']:<13} {num(st['running'], '4.0f'):>4} {num(st['waiting'], '4.0f'):>4} "
-            f"{num(st['steps_per_second'], '8.1f'):>8} {num(st['generation_tokens_per_second'], '7.1f'):>7}  {st['reason'][:90]}"
-        )
-    return "\n".join(lines)
-
-
-async def run_demo(duration: float = 60.0, listen: tuple[str, int] = ("127.0.0.1", 9118), interval: float = 2.0) -> int:
-    fleet = DemoFleet()
-    await fleet.start()
-    timing = Timing(interval=interval, hung_after_seconds=2 * interval, probe_interval=10 * interval, probe_timeout=1.0, metrics_timeout=5.0)
-    exporter = Exporter(Config(timing=timing, backends=fleet.backends(timing), source="<demo>"))
-    runner = web.AppRunner(exporter.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, *listen)
-    await site.start()
-    host, port = listen
-    print(f"llm-health demo: exporter on http://{host}:{port}/metrics and /status; {len(exporter.slots)} simulated backends", flush=True)
-    started = time.monotonic()
+async def _metrics_text(session: aiohttp.ClientSession, url: str) -> str:
     try:
-        while duration <= 0 or time.monotonic() - started < duration:
-            await asyncio.sleep(interval)
-            print(f"\n--- t={time.monotonic() - started:5.1f}s", flush=True)
-            print(table(exporter), flush=True)
-        busy_probed = sum(len(s.completions_while_busy()) for s in fleet.servers.values())
-        print(f"\ncompletions sent to servers with work in flight: {busy_probed}", flush=True)
+        async with session.get(url + "/metrics") as resp:
+            return await resp.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return ""
+
+
+def _install_sigterm(task: asyncio.Task[Any] | None) -> None:
+    """SIGTERM stops the demo as Ctrl-C does: cleanly, every process it started stopped."""
+    if task is not None:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+
+
+async def run_demo(duration: float = 60.0, listen: tuple[str, int] = ("127.0.0.1", 9118), interval: float = 1.0, view_every: float | None = None) -> int:
+    """The whole product on loopback for `duration` seconds (0: until interrupted); 0 when
+    every proof of the summary holds, 1 otherwise."""
+    _install_sigterm(asyncio.current_task())
+    tty = sys.stdout.isatty()
+    every = view_every if view_every is not None else (interval if tty else 5.0)
+    stack = contextlib.AsyncExitStack()
+    skipped: dict[str, str] = {}
+    started_pids: dict[str, int] = {}
+    try:
+        fleet = DemoFleet()
+        stack.push_async_callback(fleet.stop)
+        await fleet.start()
+        hung_at_start = {n for n, s in fleet.servers.items() if any(e.mode == "hung" for e in s.engines)}
+
+        redis_url = None
+        try:
+            redis = await asyncio.to_thread(launch.RedisServer)
+            stack.callback(redis.stop)
+            redis_url, started_pids["redis-server"] = redis.url, redis.pid
+        except launch.NotInstalled as exc:
+            skipped["pool"] = skipped["route"] = f"{exc}"
+
+        pool = route = None
+        redis_cfg = None
+        if redis_url:
+            pool = GpuPool(redis_url, Pool(POOL, GPUS))
+            stack.push_async_callback(pool.stop)
+            await pool.start()
+            route = RetryTraffic(redis_url, ROUTE)
+            stack.push_async_callback(route.stop)
+            await route.start()
+            redis_cfg = parse_redis_config({"url": redis_url, "pools": [{"name": POOL, "gpus": list(GPUS)}], "routes": [ROUTE]}, "<demo>")
+
+        timing = Timing(interval=interval, hung_after_seconds=2 * interval, probe_interval=10 * interval, probe_timeout=1.0, metrics_timeout=5.0)
+        exporter = Exporter(Config(timing=timing, backends=fleet.backends(timing), redis=redis_cfg, source="<demo>"))
+        runner = web.AppRunner(exporter.app(), access_log=None)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        await web.TCPSite(runner, *listen).start()
+        host, port = listen
+        exporter_url = f"http://{host}:{port}"
+
+        alerts = None
+        why = alerting.missing()
+        if why:
+            skipped["alerts"] = why
+        else:
+            scrape = {"llm-health": [f"{host}:{port}"]}
+            if route is not None:
+                scrape["llm-health-gate"] = [route.gate_url.removeprefix("http://")]
+            alerts = alerting.AlertLoop(dict(fleet.servers), scrape)
+            stack.push_async_callback(alerts.stop)
+            await alerts.start()
+            started_pids.update(alerts.pids())
+
+        parts = Parts(exporter, exporter_url, pool, route, alerts, skipped, time.time(), time.monotonic())
+        print(f"llm-health demo: exporter on {exporter_url}/metrics and /status; {len(exporter.slots)} simulated backends", flush=True)
+        if route is not None:
+            print(f"llm-health gate on {route.gate_url} (route {ROUTE}), Redis at {redis_url}", flush=True)
+        if alerts is not None and alerts.prom and alerts.am:
+            print(f"Prometheus on {alerts.prom.url} (rules/fast), Alertmanager on {alerts.am.url} (rules/alertmanager.example.yml)", flush=True)
+        for part, reason in skipped.items():
+            print(f"skipped {part}: {reason}", flush=True)
+        print("processes started: " + (", ".join(f"{n} pid {p}" for n, p in started_pids.items()) or "none"), flush=True)
+
+        started = parts.t0_mono
+        last_view = -every
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+                while duration <= 0 or time.monotonic() - started < duration:
+                    await asyncio.sleep(min(interval, 0.5))
+                    elapsed = time.monotonic() - started
+                    if elapsed - last_view >= every:
+                        last_view = elapsed
+                        text = frame(parts, parse_series(await _metrics_text(session, exporter_url)), elapsed)
+                        print(("\x1b[H\x1b[J" if tty else "\n") + text, flush=True)
+        except asyncio.CancelledError:
+            print("\ninterrupted", flush=True)
+        items = proofs(parts, fleet.servers, hung_at_start)
+        print(summary(items), flush=True)
+        return 0 if all(p.ok for p in items) else 1
     finally:
-        await runner.cleanup()
-        await fleet.stop()
-    return 0
+        await stack.aclose()
+        if started_pids:
+            print("stopped: " + ", ".join(f"{n} pid {p}" for n, p in started_pids.items()), flush=True)

@@ -16,22 +16,19 @@ real hang.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
+from .launch import temporary_redis
 from .replay import DayPlan, format_table, replay
 from .servers import serve_app
+
+__all__ = ["RetryDrillResult", "format_retry", "run_retry", "temporary_redis", "watchdog_report"]
 
 PROMPT_TOKENS = 256
 COMPLETION_TOKENS = 16
@@ -170,34 +167,6 @@ async def run_retry(redis_url: str, gated: bool, scale: float = 1.0, fault: bool
             await grunner.cleanup()
         await wrunner.cleanup()
     return RetryDrillResult(gated, len(statuses), worker.calls, worker.units.get("lab-1", 0), statuses, tl.render(scale), rejection, scale)
-
-
-@contextlib.contextmanager
-def temporary_redis() -> Iterator[str]:
-    """A throwaway redis-server on a free loopback port (for users without one)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("llm-health drill retry: needs Redis: pass --redis URL or install redis-server (apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tmp = tempfile.mkdtemp(prefix="llm-health-drill-")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp, "--notify-keyspace-events", "Egx"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def format_retry(uncapped: RetryDrillResult, gated: RetryDrillResult) -> tuple[str, bool]:

@@ -1,0 +1,131 @@
+"""The demo's admission route: `llm-health gate` (route `chat`, its queue in the demo's
+Redis) in front of a simulated worker, with the retry drill's traffic (sim.drills'
+retry proxy: the same id resent after a 503 until a timely answer or a refusal).
+
+Scaled to half the drill's times: every request has a 1500 ms deadline; a `slow-` request
+takes the worker 2000 ms and ends in a 503 (its tokens spent), so its retry is sent after
+its deadline and the gate must refuse it; a `fresh-` request takes 1250 ms and is
+answered in time. Two clients, out of step. The gate stamps each admitted request with its
+`x-queue-age-ms` and `x-deadline-slack-ms` (read here at the worker) and puts the slack in
+each refusal; the exporter reads the route's queue from Redis. Counted from the clients'
+own answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from ..config.gate import parse_gate_config
+from ..gate.app import Gate
+from .drills import COMPLETION_TOKENS, PROMPT_TOKENS, Timeline, retry_proxy
+from .servers import serve_app
+
+SCALE = 0.5
+DEADLINE_MS = 3000 * SCALE
+SLOW_MS, NORMAL_MS = 4000 * SCALE, 2500 * SCALE
+
+
+@dataclass
+class RouteFigures:
+    fresh_sent: int = 0
+    fresh_admitted: int = 0  # first attempts the gate let through to the worker
+    fresh_refused: int = 0
+    retries_sent: int = 0
+    late_retries_refused: int = 0
+    late_retries_admitted: int = 0  # retries sent after their deadline that reached the worker
+    worker_calls: int = 0
+    # What the gate stamped on the last request it admitted (x-queue-age-ms,
+    # x-deadline-slack-ms, forwarded to the worker) and said in its last refusal.
+    admitted_age_ms: float | None = None
+    admitted_slack_ms: float | None = None
+    refused_slack_ms: float | None = None
+    last: list[str] = field(default_factory=list)
+
+
+class RetryTraffic:
+    def __init__(self, redis_url: str, route: str = "chat", clients: int = 2):
+        self.redis_url, self.route, self.clients = redis_url, route, clients
+        self.figures = RouteFigures()
+        self.gate_url = ""
+        self._runners: list[web.AppRunner] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._session: aiohttp.ClientSession | None = None
+        self._ids = itertools.count(1)
+
+    async def _worker(self, request: web.Request) -> web.Response:
+        rid = request.headers.get("X-Request-Id", "?")
+        self.figures.worker_calls += 1
+        with contextlib.suppress(KeyError, ValueError):
+            self.figures.admitted_age_ms = float(request.headers["x-queue-age-ms"])
+            self.figures.admitted_slack_ms = float(request.headers["x-deadline-slack-ms"])
+        await request.read()
+        slow = rid.startswith("slow-")
+        await asyncio.sleep((SLOW_MS if slow else NORMAL_MS) / 1000)
+        usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS, "total_tokens": PROMPT_TOKENS + COMPLETION_TOKENS}
+        if slow:
+            return web.json_response({"error": {"message": "worker overloaded"}, "usage": usage}, status=503)
+        return web.json_response({"id": rid, "choices": [{"text": "ok"}], "usage": usage})
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._worker)
+        wrunner, wport = await serve_app(app)
+        self._runners.append(wrunner)
+        cfg = parse_gate_config(
+            {
+                "admission": {"reject_if_queue_age_ms_gte": DEADLINE_MS, "reject_if_retry_count_gte": 1, "ignore_worker_util_when_slack_ms_lte": 0},
+                "gate": {"redis": self.redis_url, "routes": {self.route: {"upstream": f"http://127.0.0.1:{wport}"}}},
+            },
+            "<demo>",
+        )
+        self.gate = Gate(cfg)
+        grunner, gport = await serve_app(self.gate.app())
+        self._runners.append(grunner)
+        self.gate_url = f"http://127.0.0.1:{gport}"
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        self._tasks = [asyncio.create_task(self._client(i)) for i in range(self.clients)]
+
+    async def _client(self, i: int) -> None:
+        await asyncio.sleep(i * 0.7)
+        for n in itertools.count():
+            slow = (n + i) % 2 == 0
+            rid = f"{'slow' if slow else 'fresh'}-{next(self._ids)}"
+            deadline_ms = int(time.time() * 1000 + DEADLINE_MS)  # Unix ms, as the header says
+            assert self._session is not None
+            tl = Timeline()
+            statuses, rejection = await retry_proxy(self._session, self.gate_url, rid, deadline_ms, 4, tl)
+            self._count(statuses, rejection is not None, rejection.code if rejection else "")
+            if rejection is not None and rejection.deadline_slack_ms is not None:
+                self.figures.refused_slack_ms = rejection.deadline_slack_ms
+            self.figures.last = [*self.figures.last[-3:], f"{rid}: " + " -> ".join(str(s) for s in statuses) + (f" ({rejection.code})" if rejection else "")]
+            await asyncio.sleep(0.3)
+
+    def _count(self, statuses: list[int], refused_last: bool, code: str) -> None:
+        f = self.figures
+        f.fresh_sent += 1
+        first_refused = refused_last and len(statuses) == 1
+        f.fresh_refused += first_refused
+        f.fresh_admitted += not first_refused
+        retries = len(statuses) - 1
+        f.retries_sent += retries
+        if retries:
+            refused = 1 if refused_last else 0
+            f.late_retries_refused += refused if code == "reject_retry_late" else 0
+            # Every retry here follows a 503 that came after the deadline: a late retry.
+            f.late_retries_admitted += retries - refused
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session:
+            await self._session.close()
+        for r in reversed(self._runners):
+            await r.cleanup()
