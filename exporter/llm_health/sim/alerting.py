@@ -158,21 +158,25 @@ class AlertLoop:
     def pids(self) -> dict[str, int]:
         return {p.name: p.pid for p in (self.prom, self.am) if p is not None}
 
+    async def refresh(self) -> None:
+        """Prometheus' alerts and the restarter's actions, now."""
+        try:
+            assert self.prom is not None
+            alerts = await asyncio.to_thread(self.prom.alerts)
+            now = time.monotonic()
+            firing = {(a["labels"]["alertname"], a["labels"].get("backend") or a["labels"].get("instance", "")) for a in alerts if a["state"] == "firing"}
+            for key in firing:
+                self.figures.firing.setdefault(key, now)
+            self.figures.firing_now = firing
+            st = await self.restarter.status()
+            self.figures.actions, self.figures.refused = st["actions"], st["refused"]
+            self.figures.error = None
+        except Exception as exc:  # Prometheus busy or starting: say so, keep going
+            self.figures.error = f"{type(exc).__name__}: {exc}"
+
     async def _poll(self) -> None:
         while True:
-            try:
-                assert self.prom is not None
-                alerts = await asyncio.to_thread(self.prom.alerts)
-                now = time.monotonic()
-                firing = {(a["labels"]["alertname"], a["labels"].get("backend") or a["labels"].get("instance", "")) for a in alerts if a["state"] == "firing"}
-                for key in firing:
-                    self.figures.firing.setdefault(key, now)
-                self.figures.firing_now = firing
-                st = await self.restarter.status()
-                self.figures.actions, self.figures.refused = st["actions"], st["refused"]
-                self.figures.error = None
-            except Exception as exc:  # Prometheus busy or starting: say so, keep going
-                self.figures.error = f"{type(exc).__name__}: {exc}"
+            await self.refresh()
             await asyncio.sleep(1.0)
 
     async def stop(self) -> None:

@@ -220,6 +220,8 @@ async def run_demo(
                     if until_proven and all(p.ok for p in proofs(parts, fleet.servers, hung_at_start)):
                         print(f"\nevery proof holds at t={time.monotonic() - started:.1f}s: stopping (--until-proven)", flush=True)
                         break
+                if alerts is not None:
+                    await alerts.refresh()
                 text = frame(parts, parse_series(await _metrics_text(session, exporter_url)), time.monotonic() - started)
                 print(("\x1b[H\x1b[J" if tty else "\n") + text, flush=True)  # the last view, then the summary
         except asyncio.CancelledError:

@@ -5,7 +5,8 @@ retry proxy: the same id resent after a 503 until a timely answer or a refusal).
 Scaled to half the drill's times: every request has a 1500 ms deadline; a `slow-` request
 takes the worker 2000 ms and ends in a 503 (its tokens spent), so its retry is sent after
 its deadline and the gate must refuse it; a `fresh-` request takes 1250 ms and is
-answered in time. Two clients, out of step. The gate stamps each admitted request with its
+answered in time. Two clients, out of step, and a batch scheduler's waiting room that
+records its requests in the route's queue, keeping about two waiting (`_waiting_room`). The gate stamps each admitted request with its
 `x-queue-age-ms` and `x-deadline-slack-ms` (read here at the worker) and puts the slack in
 each refusal; the exporter reads the route's queue from Redis. Counted from the clients'
 own answers.
@@ -24,12 +25,14 @@ from aiohttp import web
 
 from ..config.gate import parse_gate_config
 from ..gate.app import Gate
+from ..store.queue import AdmissionQueue
 from .drills import COMPLETION_TOKENS, PROMPT_TOKENS, Timeline, retry_proxy
 from .servers import serve_app
 
 SCALE = 0.5
 DEADLINE_MS = 3000 * SCALE
 SLOW_MS, NORMAL_MS = 4000 * SCALE, 2500 * SCALE
+ROOM_TICK_S, ROOM_KEEPS = 0.2, 2  # the waiting room: one request in per tick, served once more than 2 wait
 
 
 @dataclass
@@ -41,11 +44,14 @@ class RouteFigures:
     late_retries_refused: int = 0
     late_retries_admitted: int = 0  # retries sent after their deadline that reached the worker
     worker_calls: int = 0
+    room_enqueued: int = 0  # the batch scheduler's requests, recorded in the route's queue
+    room_served: int = 0
     # What the gate stamped on the last request it admitted (x-queue-age-ms,
     # x-deadline-slack-ms, forwarded to the worker) and said in its last refusal.
     admitted_age_ms: float | None = None
     admitted_slack_ms: float | None = None
     refused_slack_ms: float | None = None
+    ages_ms: list[float] = field(default_factory=list)  # every admitted request's x-queue-age-ms
     last: list[str] = field(default_factory=list)
 
 
@@ -59,6 +65,7 @@ class RetryTraffic:
         self._session: aiohttp.ClientSession | None = None
         self._ids = itertools.count(1)
         self._stopping = False
+        self._queue: AdmissionQueue | None = None
 
     async def _worker(self, request: web.Request) -> web.Response:
         rid = request.headers.get("X-Request-Id", "?")
@@ -66,6 +73,7 @@ class RetryTraffic:
         with contextlib.suppress(KeyError, ValueError):
             self.figures.admitted_age_ms = float(request.headers["x-queue-age-ms"])
             self.figures.admitted_slack_ms = float(request.headers["x-deadline-slack-ms"])
+            self.figures.ages_ms.append(self.figures.admitted_age_ms)
         await request.read()
         slow = rid.startswith("slow-")
         await asyncio.sleep((SLOW_MS if slow else NORMAL_MS) / 1000)
@@ -92,6 +100,28 @@ class RetryTraffic:
         self.gate_url = f"http://127.0.0.1:{gport}"
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
         self._tasks = [asyncio.create_task(self._client(i)) for i in range(self.clients)]
+        self._queue = AdmissionQueue.from_url(self.redis_url)
+        self._tasks.append(asyncio.create_task(self._waiting_room()))
+
+    async def _waiting_room(self) -> None:
+        """A second door on the route: a batch scheduler that records its waiting requests
+        in the route's queue (the Redis contract, store.queue) and serves the oldest once
+        more than ROOM_KEEPS wait. The oldest has waited about ROOM_KEEPS ticks: the age
+        the gate weighs against each request's slack, and the exporter exports."""
+        assert self._queue is not None
+        for n in itertools.count(1):
+            if self._stopping:
+                return
+            now = int(time.time() * 1000)
+            await self._queue.enqueue(f"batch/b-{n}", self.route, "batch", deadline_ms=now + int(2 * DEADLINE_MS))
+            self.figures.room_enqueued += 1
+            while self.figures.room_enqueued - self.figures.room_served > ROOM_KEEPS:
+                record = await self._queue.pop_oldest(self.route)
+                if record is None:
+                    break
+                await self._queue.complete(record.request_id, 200, route=self.route)
+                self.figures.room_served += 1
+            await asyncio.sleep(ROOM_TICK_S)
 
     async def _client(self, i: int) -> None:
         await asyncio.sleep(i * 0.7)
@@ -134,5 +164,7 @@ class RetryTraffic:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._session:
             await self._session.close()
+        if self._queue is not None:
+            await self._queue.aclose()
         for r in reversed(self._runners):
             await r.cleanup()
