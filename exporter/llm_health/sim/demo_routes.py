@@ -6,7 +6,7 @@ Scaled to half the drill's times: every request has a 1500 ms deadline; a `slow-
 takes the worker 2000 ms and ends in a 503 (its tokens spent), so its retry is sent after
 its deadline and the gate must refuse it; a `fresh-` request takes 1250 ms and is
 answered in time. Two clients, out of step, and a batch scheduler's waiting room that
-records its requests in the route's queue, keeping about two waiting (`_waiting_room`). The gate stamps each admitted request with its
+records its requests in the route's queue and serves each after 400 ms (`_waiting_room`). The gate stamps each admitted request with its
 `x-queue-age-ms` and `x-deadline-slack-ms` (read here at the worker) and puts the slack in
 each refusal; the exporter reads the route's queue from Redis. Counted from the clients'
 own answers.
@@ -15,6 +15,7 @@ own answers.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import time
@@ -32,7 +33,7 @@ from .servers import serve_app
 SCALE = 0.5
 DEADLINE_MS = 3000 * SCALE
 SLOW_MS, NORMAL_MS = 4000 * SCALE, 2500 * SCALE
-ROOM_TICK_S, ROOM_KEEPS = 0.2, 2  # the waiting room: one request in per tick, served once more than 2 wait
+ROOM_TICK_S, ROOM_WAIT_MS = 0.2, 400  # the waiting room: one request in per tick, each served after 400 ms
 
 
 @dataclass
@@ -105,18 +106,22 @@ class RetryTraffic:
 
     async def _waiting_room(self) -> None:
         """A second door on the route: a batch scheduler that records its waiting requests
-        in the route's queue (the Redis contract, store.queue) and serves the oldest once
-        more than ROOM_KEEPS wait. The oldest has waited about ROOM_KEEPS ticks: the age
-        the gate weighs against each request's slack, and the exporter exports."""
+        in the route's queue (the Redis contract, store.queue), one every ROOM_TICK_S, and
+        serves each once it has waited ROOM_WAIT_MS. The oldest has waited up to about
+        ROOM_WAIT_MS: the age the gate weighs against each request's slack, and the
+        exporter exports."""
         assert self._queue is not None
+        waiting: collections.deque[int] = collections.deque()  # enqueue times, oldest first
         for n in itertools.count(1):
             if self._stopping:
                 return
             now = int(time.time() * 1000)
             await self._queue.enqueue(f"batch/b-{n}", self.route, "batch", deadline_ms=now + int(2 * DEADLINE_MS))
+            waiting.append(now)
             self.figures.room_enqueued += 1
-            while self.figures.room_enqueued - self.figures.room_served > ROOM_KEEPS:
+            while waiting and int(time.time() * 1000) - waiting[0] >= ROOM_WAIT_MS:
                 record = await self._queue.pop_oldest(self.route)
+                waiting.popleft()
                 if record is None:
                     break
                 await self._queue.complete(record.request_id, 200, route=self.route)
