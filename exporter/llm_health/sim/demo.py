@@ -197,7 +197,7 @@ async def run_demo(
             started_pids.update(alerts.pids())
 
         parts = Parts(exporter, exporter_url, pool, route, alerts, skipped, time.time(), time.monotonic())
-        print(f"llm-health demo: exporter on {exporter_url}/metrics and /status; {len(exporter.slots)} simulated backends", flush=True)
+        print(f"llm-health demo: exporter on {exporter_url}/ (its status page), /metrics and /status; {len(exporter.slots)} simulated backends", flush=True)
         if route is not None:
             print(f"llm-health gate on {route.gate_url} (route {ROUTE}), Redis at {redis_url}", flush=True)
         if alerts is not None and alerts.prom and alerts.am:
