@@ -58,6 +58,7 @@ from prometheus_client import generate_latest
 from bench._goal import goal_line
 from bench._machine import machine_line, parse_calibration_ms, prometheus_parse_ms
 from llm_health.config.exporter import Backend, Config, Timing
+from llm_health.exporter import slots
 from llm_health.exporter.app import Exporter
 from llm_health.sim import servers as sim
 from llm_health.web import gzip_body
@@ -126,6 +127,10 @@ def cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def system_cpu() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
 def rss_mib() -> tuple[float, float]:
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
@@ -149,14 +154,14 @@ async def run(urls: list[str], interval: float, rounds: int, scrapes: int, profi
     gc.freeze()  # as web.freeze_after_startup does in `llm-health serve`
     await asyncio.sleep(interval * 1.5)  # warm-up round: connections, first readings
     profiler = cProfile.Profile() if profile else None
-    c0, t0 = cpu(), time.monotonic()
+    c0, t0, sys0 = cpu(), time.monotonic(), system_cpu()
     rounds0 = sum(s.monitor.rounds for s in exporter.slots.values())
     if profiler:
         profiler.enable()
     await asyncio.sleep(interval * rounds)
     if profiler:
         profiler.disable()
-    c1, t1 = cpu(), time.monotonic()
+    c1, t1, sys1 = cpu(), time.monotonic(), system_cpu()
     rounds1 = sum(s.monitor.rounds for s in exporter.slots.values())
     # a scrape of the exporter itself, both ways, as Prometheus would take it every round
     new_ms, new_body = timed(lambda: exporter.exposition.render(generate_latest), scrapes)
@@ -189,6 +194,7 @@ async def run(urls: list[str], interval: float, rounds: int, scrapes: int, profi
         "backend_rounds": backend_rounds,
         "expected_rounds": len(urls) * wall / interval,
         "cpu_s": c1 - c0,
+        "system_ms_per_round": (sys1 - sys0) / max(1, backend_rounds) * 1000,
         "measured_share": (c1 - c0) / wall,
         "per_round_ms": per_round_ms,
         "share_at_10s": per_round_ms / 1000 * len(urls) / 10.0,
@@ -282,8 +288,16 @@ def main() -> None:
         help="seconds a simulated backend keeps an idle connection (5: vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default, so "
         "at 10 s rounds every round opens a new connection, as against a real vLLM; 75: aiohttp's default)",
     )
+    ap.add_argument(
+        "--first-rounds-per-second",
+        type=float,
+        default=slots.FIRST_ROUNDS_PER_SECOND,
+        metavar="R",
+        help="how fast the exporter starts its backends' first rounds (the exporter's own setting by default; 1e9: all at once, the rounds then stay aligned)",
+    )
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print the exporter's N costliest functions (cProfile)")
     args = ap.parse_args()
+    slots.FIRST_ROUNDS_PER_SECOND = args.first_rounds_per_second
     machine = machine_line()  # the load average before the fleet starts
     soft, hard = raise_nofile()
     calibration = parse_calibration_ms()
@@ -325,6 +339,7 @@ def main() -> None:
         f"exporter CPU: {r['cpu_s']:.2f} s = {100 * r['measured_share']:.1f}% of one core measured; "
         f"{r['per_round_ms']:.3f} ms per backend round -> {100 * r['share_at_10s']:.1f}% of one core at 10 s rounds"
     )
+    print(f"  of which system (kernel) time {r['system_ms_per_round']:.3f} ms a round; first rounds at most {slots.FIRST_ROUNDS_PER_SECOND:g} a second")
     parse_ratio = payload_ms / r["per_round_ms"]
     print(
         f"a backend round costs 1/{parse_ratio:.1f} of prometheus_client's parse of its payload ({r['per_round_ms'] / calibration:.3f} of the calibration parse)"
