@@ -12,6 +12,8 @@ command -v redis-sentinel >/dev/null || need_apt+=(redis-sentinel)  # tests/fixt
 command -v promtool >/dev/null || need_apt+=(prometheus)
 command -v amtool >/dev/null || need_apt+=(prometheus-alertmanager)
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need_apt+=(nginx-light)  # the auth_request door: tests/integration/test_door_nginx.py
+command -v gdb >/dev/null || need_apt+=(gdb)  # the restarter's native stacks: tests/integration/test_incidents.py
+command -v eu-stack >/dev/null || need_apt+=(elfutils)  # eu-stack, the fallback beside gdb
 command -v vmalert >/dev/null || need_apt+=(victoria-metrics)  # victoria-metrics, vmagent, vmalert: tests/integration/test_vmalert_rules.py, realllamacpp/test_loop_vmalert.py
 command -v chromium >/dev/null || need_apt+=(chromium)  # headless, driven over DevTools: the status page, tests/integration/test_status_page.py (Debian 12: 156.0.8078.114, 23 s to install)
 if [ ${#need_apt[@]} -gt 0 ]; then

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import threading
+import time
 
 PTRACE_DETACH = 17
 PTRACE_SEIZE = 0x4206
@@ -108,6 +110,24 @@ class FrozenThread:
         if self._error is not None:
             raise self._error
         return self
+
+    def hand_over_to_sigstop(self) -> None:
+        """Leave the whole process SIGSTOPped, the frozen thread where it was, and let go of
+        it: a debugger may attach then (two tracers cannot hold one thread). SIGSTOP first,
+        so every other thread enters the group stop; the detached thread joins it before it
+        runs a user instruction (the kernel re-arms a group stop in effect on detach)."""
+        os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + self.timeout
+        others = [int(t) for t in os.listdir(f"/proc/{self.pid}/task") if int(t) != self.tid]
+        while any(thread_state(self.pid, t) not in ("T", "") for t in others):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"process {self.pid} did not stop")
+            time.sleep(0.01)
+        self.thaw()
+        while thread_state(self.pid, self.tid) not in ("T", ""):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"thread {self.tid} did not join the group stop")
+            time.sleep(0.01)
 
     def thaw(self) -> None:
         if self._tracer is None:

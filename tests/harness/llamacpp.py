@@ -215,6 +215,7 @@ class Freeze:
     frozen_at: float
     snapshot: dict[str, float]
     attempts: int
+    thread: FrozenThread | None = None  # the freeze itself (hand_over_to_sigstop)
 
 
 # ---------------------------------------------------------------------------
@@ -458,7 +459,7 @@ class LlamaServer:
                 inside = b.get("requests_processing", 0) > 0 and a.get("n_decode_total") == b.get("n_decode_total")
                 last = f"requests_processing {b.get('requests_processing')}, n_decode_total {a.get('n_decode_total')} -> {b.get('n_decode_total')}"
                 if inside:
-                    yield Freeze(frozen_at=frozen_at, snapshot=b, attempts=attempt)
+                    yield Freeze(frozen_at=frozen_at, snapshot=b, attempts=attempt, thread=ft)
                     return
             except (TimeoutError, OSError) as e:
                 last = f"/metrics gave no answer while frozen ({type(e).__name__}): stopped outside a decode"

@@ -391,6 +391,8 @@ async def test_metrics_pass_promtool(restarter_client, sim_server, tmp_path):
         "llm_restarter_budget_exhausted",
         "llm_restarter_drains",
         "llm_restarter_unread_alerts",
+        "llm_restarter_incidents",
+        "llm_restarter_capture_failures",
     }
     assert 'llm_restarter_drains_total{backend="gpu0",outcome="timeout"} 0.0' in text
     import shutil

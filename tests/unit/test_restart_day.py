@@ -140,7 +140,7 @@ async def replay_through_restarter(plan: DayPlan, monkeypatch, output_dir: str, 
     restarts: list[tuple[float, str, bool]] = []
     failed_by_restarts = [0]
 
-    async def restart_and_recover(action, target, config, env, outputs) -> None:
+    async def restart_and_recover(action, target, config, env, outputs, capture=None) -> None:  # the replay captures nothing
         """The process's part: the restart applied to the simulated server, then the
         backend read every recovery_interval until it is idle or busy."""
         action.phase = "restarting"

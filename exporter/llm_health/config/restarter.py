@@ -8,6 +8,7 @@ restarter:
   confirm_interval: 1s        # between the two reads that confirm an alert's evidence
   raw_alert_hold: 45s         # a VLLMEngineHung waits this long for the exporter's LLMBackendHung
   output_dir: /var/lib/llm-health/restarter   # restart commands' output files
+  incidents: {dir: /var/lib/llm-health/incidents, keep: 50}   # config.capture
 redis:                        # optional: budget, cooldown, de-duplication shared and kept
   url: redis://127.0.0.1:6379/0
 backends:
@@ -18,6 +19,7 @@ backends:
     restart_timeout: 2m
     drain_command: [/usr/local/bin/lb-drain, gpu0]  # optional: run before the restart, same rules
     drain_timeout: 5s
+    capture: {pid_file: /run/vllm/gpu0.pid, budget: 10s}   # stacks before the restart (config.capture)
 ```
 """
 
@@ -31,6 +33,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..core.restart_policy import Budget
+from .capture import Capture, Incidents, parse_capture, parse_incidents
 from .errors import ConfigError
 from .fields import Section
 from .load import load_yaml
@@ -67,6 +70,7 @@ class Target:
     api_key: str | None = field(default=None, repr=False)  # never printed
     drain_command: tuple[str, ...] = ()  # run once a restart is decided, before it (restarter.drain)
     drain_timeout: float = DRAIN_TIMEOUT
+    capture: Capture = field(default_factory=Capture)  # the evidence read before a restart
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class RestarterConfig:
     max_output_file_bytes: int = 16 * 1024 * 1024
     history: int = 100  # recent actions and refusals shown on /status
     redis: SharedState | None = None
+    incidents: Incidents = field(default_factory=Incidents)
     source: str = "<config>"
 
 
@@ -143,6 +148,7 @@ def parse_config(data: object, where: str = "<config>") -> RestarterConfig:
     output_dir = section.string("output_dir", None)
     max_output_file = section.integer("max_output_file_bytes", defaults.max_output_file_bytes, minimum=max_output, maximum=1 << 40)
     history = section.integer("history", defaults.history, maximum=100_000)
+    incidents = parse_incidents(section)
     section.done()
 
     shared = None
@@ -190,8 +196,9 @@ def parse_config(data: object, where: str = "<config>") -> RestarterConfig:
         restart_timeout = entry.duration("restart_timeout", 120.0)
         drain_timeout = entry.duration("drain_timeout", DRAIN_TIMEOUT, maximum=MAX_DRAIN_TIMEOUT) if drain else DRAIN_TIMEOUT
         api_key = entry.secret("api_key")
+        capture = parse_capture(entry) if kind != "proxy" else Capture(enabled=False)
         entry.done()
-        targets.append(Target(name, url, instance, kind, restart, restart_timeout, api_key, drain, drain_timeout))
+        targets.append(Target(name, url, instance, kind, restart, restart_timeout, api_key, drain, drain_timeout, capture=capture))
     top.done()
     return RestarterConfig(
         targets=tuple(targets),
@@ -207,6 +214,7 @@ def parse_config(data: object, where: str = "<config>") -> RestarterConfig:
         max_output_file_bytes=max_output_file,
         history=history,
         redis=shared,
+        incidents=incidents,
         source=where,
     )
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from ..config.restarter import RestarterConfig, Target
-from ..core.health import Settings
+from ..core.health import Settings, Verdict
 from ..core.states import State
 from ..probe.client import BackendClient
 from ..probe.monitor import BackendMonitor
@@ -55,9 +56,16 @@ class Action:
     command_ended_at: float | None = None
     recovered_at: float | None = None
     finished_at: float | None = None
+    evidence_annotation: str | None = None  # the evidence confirmed (this alert's, or handed over)
+    incident: str | None = None  # the incident record's id (restarter.incidents), once written
+    capture_seconds: float | None = None
+    reads: list[dict[str, Any]] = field(default_factory=list, repr=False)  # the confirming reads, for the record
 
     def status(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        out = {k: v for k, v in self.__dict__.items() if k != "reads"}
+        if self.incident:
+            out["incident_url"] = f"/incidents/{self.incident}"
+        return out
 
 
 def client_for(session: aiohttp.ClientSession, target: Target, config: RestarterConfig) -> BackendClient:
@@ -79,9 +87,16 @@ def monitor_for(session: aiohttp.ClientSession, target: Target, config: Restarte
     return BackendMonitor(client_for(session, target, config), kind=target.kind, settings=settings)
 
 
-async def restart_and_recover(action: Action, target: Target, config: RestarterConfig, env: dict[str, str], outputs: OutputFiles) -> None:
-    """Drain the backend, run the restart command, then read the backend every
-    `recovery_interval` until it is idle or busy again (or `recovery_timeout`). Fills in the action."""
+Capture = Callable[[Verdict], Awaitable[None]]
+
+
+async def restart_and_recover(
+    action: Action, target: Target, config: RestarterConfig, env: dict[str, str], outputs: OutputFiles, capture: Capture | None = None
+) -> None:
+    """Drain the backend, keep the evidence, run the restart command, then read the backend
+    every `recovery_interval` until it is idle or busy again (or `recovery_timeout`). Fills
+    in the action. `capture`: the incident record's evidence, read after the baseline and
+    before the restart (bounded by its own budget; it never raises)."""
     # 1. Drain: the target's drain_command, bounded by drain_timeout; the restart goes on whatever it did.
     if target.drain_command:
         action.phase = "draining"
@@ -91,7 +106,12 @@ async def restart_and_recover(action: Action, target: Target, config: RestarterC
     async with aiohttp.ClientSession() as session:
         monitor = monitor_for(session, target, config)
         # A baseline of the old process, so its successor shows as `restarted`.
-        await monitor.round()
+        baseline = await monitor.round()
+        # 2. Evidence: the stacks and the record, before the restart destroys them ----------
+        if capture is not None:
+            action.phase = "capturing"
+            await capture(baseline)
+        # ------------------------------------------------------------------------------------
         action.phase = "restarting"
         log.warning("%s: restarting: %s (timeout %gs)", target.name, list(target.restart), target.restart_timeout)
         started = time.monotonic()

@@ -38,7 +38,9 @@ Series (`restarter.collector`): `llm_restarter_restarts_total{backend,outcome}`
 (outcome: recovered, not_recovered, failed, timeout, error, dry_run),
 `llm_restarter_refusals_total{reason}`, `llm_restarter_recovery_seconds{backend}` (last),
 `llm_restarter_budget_exhausted{backend}`, `llm_restarter_drains_total{backend,outcome}`
-(outcome: ok, failed, timeout, error), `llm_restarter_unread_alerts_total`.
+(outcome: ok, failed, timeout, error), `llm_restarter_unread_alerts_total`,
+`llm_restarter_incidents_total{backend}`, `llm_restarter_capture_failures_total{reason}`.
+Before each restart the evidence is kept (restarter.capture, .incidents; GET /incidents).
 """
 
 from __future__ import annotations
@@ -68,10 +70,14 @@ from ..probe.check import check_with
 from ..probe.client import BackendClient
 from ..web import OPEN_PATHS, USER_KEY, BearerToken, add_reload, healthy, metrics_handler, secure
 from .action import Action, client_for, restart_and_recover
+from .capture import FAILURES
 from .collector import RestarterCollector
-from .confirm import confirm
+from .confirm import Kept, confirm
+from .incident_api import add_routes
+from .incidents import IncidentStore, keep_evidence
 from .runner import OutputFiles
 from .state import MemoryState, RestartState
+from .status import status_of
 
 log = logging.getLogger("llm_health.restarter")
 
@@ -119,6 +125,10 @@ class Restarter:
         env.pop(token_env, None)  # the token is never handed to a restart command
         self.child_env = env
         self.outputs = OutputFiles(config.output_dir, keep=config.history, max_bytes=config.max_output_file_bytes)
+        self.incidents = IncidentStore(config.incidents)
+        self.incident_counts: dict[str, int] = {t.name: 0 for t in config.targets if t.kind != "proxy"}
+        self.capture_failures = dict.fromkeys(FAILURES, 0)
+        self._token_text = token  # kept out of every incident record (capture.redact)
         self.refusals = dict.fromkeys(REFUSALS, 0)
         self.outcomes: dict[tuple[str, str], int] = {(t.name, o): 0 for t in config.targets if t.kind != "proxy" for o in OUTCOMES}
         self.recovery_seconds: dict[str, float] = {}
@@ -147,15 +157,19 @@ class Restarter:
         result = await check_with(client, kind=target.kind, interval=v.interval, rounds=v.rounds, hung_after=v.hung_after_seconds, sleep=sleep, clock=clock)
         return {"method": "full_check", **result}
 
-    async def _confirm(self, target: Target, evidence_text: str) -> dict[str, Any] | None:
-        """The quick confirmation against the alert's evidence; None when it cannot tell."""
+    async def _confirm(self, target: Target, evidence_text: str, action: Action | None = None) -> dict[str, Any] | None:
+        """The quick confirmation against the alert's evidence; None when it cannot tell.
+        The reads are kept on the action for its incident record."""
         try:
             evidence = parse_evidence(evidence_text)
         except BadEvidence as exc:
             log.warning("%s: %s; running the full check", target.name, exc)
             return None
+        kept = Kept(self.config.incidents.max_payload_bytes)
         async with aiohttp.ClientSession() as session:
-            result = await confirm(client_for(session, target, self.config), evidence, self.config.confirm_interval)
+            result = await confirm(client_for(session, target, self.config), evidence, self.config.confirm_interval, kept)
+        if action is not None:
+            action.reads = kept.reads
         if result["state"] is None:
             log.info("%s: evidence gave no answer (%s); running the full check", target.name, result["reason"])
             return None
@@ -173,7 +187,8 @@ class Restarter:
             if evidence is not None:
                 action.evidence = "handed over by LLMBackendHung"
         action.phase = "verifying"
-        result = await self._confirm(target, evidence) if evidence is not None else None
+        action.evidence_annotation = evidence
+        result = await self._confirm(target, evidence, action) if evidence is not None else None
         if result is None:
             result = await self.verifier(target)
         return result
@@ -252,7 +267,7 @@ class Restarter:
                 return
             env = {**self.child_env, "LLM_HEALTH_BACKEND": target.name, "LLM_HEALTH_BACKEND_URL": target.url}
             self.draining[target.name] = action.id  # from here until done: /-/ready says 503
-            await restart_and_recover(action, target, self.config, env, self.outputs)
+            await restart_and_recover(action, target, self.config, env, self.outputs, capture=lambda v: self._capture(action, target, v))
             if action.recovery_seconds is not None:
                 self.recovery_seconds[target.name] = action.recovery_seconds
         except asyncio.CancelledError:
@@ -282,6 +297,14 @@ class Restarter:
                 action.phase = "done"
                 if self.draining.get(target.name) == action.id:
                     del self.draining[target.name]
+
+    async def _capture(self, action: Action, target: Target, baseline: Any) -> None:
+        """The incident record (restarter.incidents.keep_evidence: within the capture budget, never raises), counted."""
+        index = await keep_evidence(self.incidents, action, target, baseline, (self._token_text,), self.config.verify.hung_after_seconds)
+        if index is not None:
+            self.incident_counts[target.name] = self.incident_counts.get(target.name, 0) + 1
+            for f in index["capture"]["failures"]:
+                self.capture_failures[f["reason"]] += 1
 
     # --- HTTP -----------------------------------------------------------------------------
     def authorised(self, request: web.Request) -> bool:
@@ -376,39 +399,7 @@ class Restarter:
         return web.json_response(out, status=202 if accepted else 200)
 
     async def status(self) -> dict[str, Any]:
-        backends = []
-        for t in self.config.targets:
-            entry: dict[str, Any] = {"backend": t.name, "url": t.url, "instance": t.instance, "kind": t.kind}
-            if t.kind != "proxy":
-                entry.update(restart=list(t.restart), restart_timeout=t.restart_timeout, ready=t.name not in self.draining)
-                if t.drain_command:
-                    entry.update(drain_command=list(t.drain_command), drain_timeout=t.drain_timeout)
-                try:
-                    view = await self.state.budget(t.name)
-                    entry.update(
-                        restarts_in_window=view.restarts_in_window,
-                        next_restart_allowed_in=round(view.wait, 3),
-                        budget=view.refusal or "ok",
-                        budget_exhausted=view.exhausted,
-                    )
-                except Exception as exc:  # the shared state is down: say so, show the rest
-                    entry.update(budget="unknown", budget_error=f"shared state unavailable: {type(exc).__name__}")
-                entry.update(
-                    in_progress=next((a.id for a in self.actions if a.backend == t.name and a.phase != "done"), None),
-                    last_recovery_seconds=self.recovery_seconds.get(t.name),
-                )
-            backends.append(entry)
-        b = self.config.budget
-        return {
-            "dry_run": self.dry_run,
-            "state": self.state.mode,
-            "output_dir": str(self.outputs.directory) if self.outputs.directory else None,
-            "budget": {"max_restarts": b.max_restarts, "window": b.window, "cooldown": b.cooldown, "backoff": b.backoff},
-            "backends": backends,
-            "actions": [a.status() for a in self.actions],
-            "refused": list(self.refused),
-            "refusals": dict(self.refusals),
-        }
+        return await status_of(self)
 
     async def handle_status(self, request: web.Request) -> web.Response:
         if not self.authorised(request):
@@ -434,8 +425,8 @@ class Restarter:
 
     async def handle_index(self, request: web.Request) -> web.Response:
         return web.Response(
-            text="llm-health restarter: POST /alerts (Alertmanager webhook v4, bearer token), GET /status (bearer token), /metrics, /-/healthy, "
-            "/-/ready?backend=NAME\n"
+            text="llm-health restarter: POST /alerts (Alertmanager webhook v4, bearer token), GET /status and /incidents (bearer token), /metrics, "
+            "/-/healthy, /-/ready?backend=NAME\n"
         )
 
     async def start(self) -> None:
@@ -470,16 +461,19 @@ class Restarter:
             if t.kind != "proxy":
                 for o in OUTCOMES:
                     self.outcomes.setdefault((t.name, o), 0)
+        if new.incidents != self.config.incidents:
+            self.incidents = IncidentStore(new.incidents)  # new records there; GET /incidents lists that directory
         self.config = new
         return f"{len(new.targets)} backends"
 
     def app(self, web_config: WebConfig | None = None) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
         # /alerts and /status check the bearer token themselves (and accept basic auth users).
-        secure(app, web_config or WebConfig(), protected=lambda r: r.path not in OPEN_PATHS and not (r.path in ("/alerts", "/status") and _bearer(r)))
+        secure(app, web_config or WebConfig(), protected=lambda r: r.path not in OPEN_PATHS and not (_self_checked(r.path) and _bearer(r)))
         app.router.add_get("/", self.handle_index)
         app.router.add_post("/alerts", self.handle_alerts)
         app.router.add_get("/status", self.handle_status)
+        add_routes(app, lambda: self.incidents, self.authorised, self._unauthorised)
         app.router.add_get("/metrics", metrics_handler(self.registry))
         app.router.add_get("/-/healthy", healthy)
         app.router.add_get("/-/ready", self.handle_ready)
@@ -494,6 +488,11 @@ class Restarter:
         app.on_startup.append(on_startup)
         app.on_cleanup.append(on_cleanup)
         return app
+
+
+def _self_checked(path: str) -> bool:
+    """The paths whose handlers check the bearer token themselves."""
+    return path in ("/alerts", "/status", "/incidents") or path.startswith("/incidents/")
 
 
 def _bearer(request: web.Request) -> bool:

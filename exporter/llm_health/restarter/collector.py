@@ -37,6 +37,10 @@ class Counts(Protocol):
     def drains(self) -> Mapping[tuple[str, str], int]: ...
     @property
     def unread_alerts(self) -> int: ...
+    @property
+    def incident_counts(self) -> Mapping[str, int]: ...
+    @property
+    def capture_failures(self) -> Mapping[str, int]: ...
 
 
 class RestarterCollector(SnapshotCollector):
@@ -85,4 +89,14 @@ class RestarterCollector(SnapshotCollector):
             "and any LLMBackendHung or VLLMEngineHung past the first 1,000 of them.",
         )
         unread.add_metric([], r.unread_alerts)
-        return [restarts, refusals, recovery, exhausted, drains, unread]
+        incidents = CounterMetricFamily("llm_restarter_incidents", "Incident records written before a restart (restarter.incidents).", labels=["backend"])
+        for backend, n in sorted(r.incident_counts.items()):
+            incidents.add_metric([backend], n)
+        failures = CounterMetricFamily(
+            "llm_restarter_capture_failures",
+            "What an incident's capture could not read, by reason (not_local, no_process, pid_lookup_failed, tool_missing, no_permission, traced, process_exited, timeout, budget_spent, failed).",
+            labels=["reason"],
+        )
+        for reason, n in r.capture_failures.items():
+            failures.add_metric([reason], n)
+        return [restarts, refusals, recovery, exhausted, drains, unread, incidents, failures]

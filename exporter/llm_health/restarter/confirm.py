@@ -21,12 +21,38 @@ from ..probe.client import BackendClient
 from ..probe.reading import read_fetched
 
 
-async def read_once(client: BackendClient, limits: Limits | None = None) -> ConfirmRead:
+class Kept:
+    """The reads, kept for the incident record: each payload (its first `max_bytes`), when
+    it was read and what it said."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.reads: list[dict[str, Any]] = []
+
+    def add(self, at: float, parts: tuple[str, ...] | None, size: int, read: ConfirmRead) -> None:
+        text, n = [], 0
+        for p in parts or ():
+            if n >= self.max_bytes:
+                break
+            text.append(p[: self.max_bytes - n])
+            n += len(text[-1])
+        self.reads.append({"at": at, "payload": "".join(text), "size": size, "reading": read.reading, "error": read.error})
+
+
+async def read_once(client: BackendClient, limits: Limits | None = None, kept: Kept | None = None) -> ConfirmRead:
+    at = time.time()
     fetched = await client.metrics()
-    if fetched.parts is None:
-        return ConfirmRead(None, fetched.error)
+    read = await _parse(fetched.parts, fetched.start_header, fetched.error, client, limits)
+    if kept is not None:
+        kept.add(at, fetched.parts, fetched.size, read)
+    return read
+
+
+async def _parse(parts: tuple[str, ...] | None, start_header: Any, error: str | None, client: BackendClient, limits: Limits | None) -> ConfirmRead:
+    if parts is None:
+        return ConfirmRead(None, error)
     try:
-        reading = await read_fetched(fetched.parts, fetched.start_header, limits or Limits())
+        reading = await read_fetched(parts, start_header, limits or Limits())
     except (OverLimits, ParseError, UnknownEngine) as exc:
         return ConfirmRead(None, f"/metrics unusable: {exc}")
     sleeping = paused = False
@@ -35,13 +61,13 @@ async def read_once(client: BackendClient, limits: Limits | None = None) -> Conf
     return ConfirmRead(reading, None, sleeping, paused)
 
 
-async def confirm(client: BackendClient, evidence: Evidence, interval: float) -> dict[str, Any]:
+async def confirm(client: BackendClient, evidence: Evidence, interval: float, kept: Kept | None = None) -> dict[str, Any]:
     """`state`: `hung` (confirmed), `not_hung` (something moved, or an idle engine answered
     its probe) or None (the reads cannot tell: the caller runs the full check).
     `reads`: how many reads were made; `probes_sent`."""
     started = time.monotonic()
     out: dict[str, Any] = {"method": "evidence", "digests": len(evidence.digests), "reads": 1, "probes_sent": 0}
-    first = await read_once(client)
+    first = await read_once(client, kept=kept)
     if first.reading is None:
         return {**out, "state": None, "reason": f"first read: {first.error}"}
     if not evidence.digests:
@@ -62,7 +88,7 @@ async def confirm(client: BackendClient, evidence: Evidence, interval: float) ->
     if why is not None:
         return {**out, "state": "not_hung", "reason": f"first read: {why}"}
     await asyncio.sleep(interval)
-    second = await read_once(client)
+    second = await read_once(client, kept=kept)
     out["reads"] = 2
     if second.reading is None:
         return {**out, "state": None, "reason": f"second read: {second.error}"}

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.loop import Loop
+from llm_health.core.incident import threads
+from tests.fixtures.loop import TOKEN, Loop, http_get
 from tests.harness import vllm as harness
 
 pytestmark = pytest.mark.realvllm
@@ -61,6 +62,15 @@ def test_the_whole_loop(vllm_server_factory, tmp_path):
         raw = {"VLLMEngineHung firing"} if loop.stack == "compose" else set()
         assert {"exporter says hung", "LLMBackendHung firing", "hung alerts resolved"} | raw <= set(loop.timeline), loop.timeline
         assert "started server pid" in action["command_result"]["output"]
+        # The incident record: the py-spy stack of the stopped EngineCore, read without resuming it.
+        index, shown = loop.incident(action)
+        core = [s for s in index["stacks"] if s["comm"].startswith("VLLM::EngineCor")]
+        assert core and core[0]["tool"] == "py-spy" and core[0]["outcome"] == "ok", index["stacks"]
+        assert next(p for p in index["processes"] if p["pid"] == core[0]["pid"])["state"] == "T"  # the stopped process, seen stopped
+        dump = http_get(loop.restarter_url + f"{action['incident_url']}/files/{core[0]['file']}", TOKEN)[1]
+        main = next(t for t in threads("py-spy", dump) if t.name.startswith("MainThread"))
+        assert any("vllm/v1/engine/core.py" in f for f in main.frames), main  # the thread that was stopped: EngineCore's busy loop
+        assert "VLLM::EngineCor" in shown and "thread " in shown
         new_start = harness.vllm_counters(srv.metrics_text())["process_start_time_seconds"]
         assert new_start and new_start != old_start
         assert all(r.status != 200 for r in load.wait(120))  # the stuck requests died with the old process
