@@ -277,13 +277,8 @@ def _pools(pools: Mapping[str, Mapping[str, Any]]) -> str:
             f'<td class="n">{_num(releases.get("del"))} / {_num(releases.get("expired"))}</td>'
             f"<td>{drifted or '<span class=muted>none</span>'}</td></tr>"
         )
-    note = f'<p class="muted">{len(pools) - MAX_POOL_ROWS} more pools in /status.</p>' if len(pools) > MAX_POOL_ROWS else ""
-    head = (
-        "<tr><th>pool</th><th>GPUs</th><th>leased</th><th>free</th><th>waiters</th><th>lease TTL (min)</th>"
-        "<th>oldest lease</th><th>released / expired</th><th>drift</th></tr>"
-    )
-    body = "".join(rows) or '<tr><td colspan="9" class="muted">no pools configured</td></tr>'
-    return f'<h2>GPU pools</h2><table id="pools">{head}{body}</table>{note}'
+    head = ("pool", "GPUs", "leased", "free", "waiters", "lease TTL (min)", "oldest lease", "released / expired", "drift")
+    return _table("GPU pools", "pools", head, rows, "no pools configured", len(pools) - MAX_POOL_ROWS, "pools")
 
 
 def _routes(routes: Mapping[str, Mapping[str, Any]]) -> str:
@@ -298,10 +293,22 @@ def _routes(routes: Mapping[str, Mapping[str, Any]]) -> str:
             f'<td class="n{" bad" if late else ""}">{_ms(slack)}</td><td class="n">{_num(q.get("past_deadline"))}</td>'
             f'<td class="n">{_num(q.get("retried_requests"))}</td><td class="n">{_num(ratio, 2)}</td></tr>'
         )
-    note = f'<p class="muted">{len(routes) - MAX_ROUTE_ROWS} more routes in /status.</p>' if len(routes) > MAX_ROUTE_ROWS else ""
     head = (
-        "<tr><th>route</th><th>queued</th><th>oldest (queue_age_ms)</th><th>smallest slack (deadline_slack_ms)</th>"
-        "<th>past deadline</th><th>retried</th><th>token duplication (max)</th></tr>"
+        "route",
+        "queued",
+        "oldest (queue_age_ms)",
+        "smallest slack (deadline_slack_ms)",
+        "past deadline",
+        "retried",
+        "token duplication (max)",
     )
-    body = "".join(rows) or '<tr><td colspan="7" class="muted">no routes</td></tr>'
-    return f'<h2>Admission routes</h2><table id="routes">{head}{body}</table>{note}'
+    return _table("Admission routes", "routes", head, rows, "no routes", len(routes) - MAX_ROUTE_ROWS, "routes")
+
+
+def _table(title: str, table_id: str, head: Sequence[str], rows: Sequence[str], empty: str, more: int, noun: str) -> str:
+    """A section's table: its fixed header (constant text), its rows (escaped by the
+    caller), a row saying `empty` when there are none, and how many more /status has."""
+    header = "<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"
+    body = "".join(rows) or f'<tr><td colspan="{len(head)}" class="muted">{empty}</td></tr>'
+    note = f'<p class="muted">{more} more {noun} in /status.</p>' if more > 0 else ""
+    return f'<h2>{title}</h2><table id="{table_id}">{header}{body}</table>{note}'

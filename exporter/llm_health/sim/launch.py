@@ -67,6 +67,17 @@ def wait_until(check: Callable[[], Any], timeout: float = 60, interval: float = 
     raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_error})" if last_error else ""))
 
 
+def stop_process(process: subprocess.Popen[Any]) -> None:
+    """SIGTERM, 10 s to exit, then SIGKILL (and 5 s more); nothing if it already exited."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+
 class ManagedProcess:
     """A server process with its output in `<workdir>/<name>.log`; ready when its
     `/-/ready` answers 200."""
@@ -101,13 +112,7 @@ class ManagedProcess:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=5)
+        stop_process(self.process)
         self._log.close()
 
 
@@ -260,13 +265,7 @@ class RedisServer:
         return self.process.pid
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        stop_process(self.process)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
