@@ -43,7 +43,7 @@ from .collectors import BackendsCollector, BuildInfoCollector
 from .lag import LoopLag
 from .probe_targets import ProbeTargets
 from .render import Exposition
-from .slots import Slot, first_round_delays, make_slot, next_delay, run_round
+from .slots import Slot, first_round_delays, make_slot, next_delay, next_planned, on_tick, run_round
 
 log = logging.getLogger("llm_health.exporter")
 
@@ -118,12 +118,14 @@ class Exporter:
 
     async def _loop(self, slot: Slot, first_delay: float = 0.0) -> None:
         timing = slot.backend.timing
-        if first_delay > 0:
-            await asyncio.sleep(first_delay)
+        loop = asyncio.get_running_loop()
+        planned = loop.time() + first_delay
         while True:
-            started = time.monotonic()
+            await asyncio.sleep(max(0.0, on_tick(planned, timing.interval) - loop.time()))
+            started = loop.time()
             await run_round(slot)
-            await asyncio.sleep(next_delay(slot.verdict, timing.interval, timing.hung_after_seconds, time.monotonic() - started))
+            wait = next_delay(slot.verdict, timing.interval, timing.hung_after_seconds, 0.0)
+            planned = next_planned(planned, started, wait, timing.interval, loop.time())
 
     async def _redis_loop(self) -> None:
         while True:

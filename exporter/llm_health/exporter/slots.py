@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,6 +116,35 @@ def first_round_delays(count: int, interval: float) -> list[float]:
     min(interval, count / FIRST_ROUNDS_PER_SECOND)."""
     spread = min(interval, count / FIRST_ROUNDS_PER_SECOND)
     return [spread * i / count for i in range(count)]
+
+
+# Rounds start on a grid of this many seconds of the event loop's clock (or the interval,
+# where it is shorter): rounds due within one tick start together, in one wake-up of the
+# process, instead of one wake-up each. On a VM a process that wakes a hundred times a
+# second to do 1 ms of work each time pays for a cold CPU every time: bench_scale measured
+# 2.75 ms of CPU per backend round with every round on its own and 1.14 ms with rounds on a
+# 0.25 s grid (1,000 backends, 10 s rounds; 1.34 ms on a 0.1 s grid, 1.14 ms on a 1 s
+# one). A round starts at most one tick late, and the intervals stay exact on average.
+ROUND_TICK = 0.25
+
+
+def on_tick(t: float, interval: float) -> float:
+    """The first grid point at or after `t` (loop time): a multiple of min(ROUND_TICK, interval)."""
+    tick = min(ROUND_TICK, interval)
+    if tick <= 0:
+        return t
+    return math.ceil(t / tick - 1e-9) * tick
+
+
+def next_planned(planned: float, started: float, wait: float, interval: float, now: float) -> float:
+    """When the next round is planned (loop time), after a round planned for `planned` that
+    started at `started` and asked for `wait` (next_delay with nothing elapsed): an interval
+    after the planned time, so the plan does not drift by the loop's lateness; sooner, for
+    a stalled engine, `wait` after the actual start, so the round that can prove the hang
+    is not early; never in the past: an exporter that fell behind starts the next round at
+    once, it does not replay the rounds it missed."""
+    due = planned + wait if wait >= interval else started + wait
+    return max(due, now)
 
 
 def next_delay(verdict: Verdict | None, interval: float, hung_after: float, elapsed: float) -> float:
