@@ -153,6 +153,10 @@ def _sorted_positions(labels: tuple[str, ...]) -> tuple[int, ...]:
 
 _ORDER = tuple((f.sample_name, _sorted_positions(f.labels)) for f in FAMILIES)
 _CACHE_MAX = 4096
+# floatToGoString's text of the small whole numbers many samples are (counts, one-hot 1),
+# made once; an int key finds its float (1 == 1.0, one hash). Any other value goes to it,
+# zero too (0.0 and -0.0 are one key and two texts).
+_WHOLE = {float(i): floatToGoString(i) for i in range(1, 1025)}
 
 
 def expand(family: int, labels: tuple[str, ...], value: Any) -> Iterator[tuple[tuple[str, ...], float]]:
@@ -190,14 +194,14 @@ class Renderer:
     def render(self, slot: SlotLike) -> tuple[bytes, ...]:
         """The slot's sample lines, one piece per family (b"" where it has none)."""
         parts: list[list[str]] = [[] for _ in FAMILIES]
-        cache, made, one_hot = self._cache, self._made, ONE_HOT
+        cache, made, one_hot, whole = self._cache, self._made, ONE_HOT, _WHOLE
         for family, labels, value in samples(slot):
             if family in one_hot:
                 key = (family, labels, value)
                 parts[family].append(cache.get(key) or made(key))
             else:
                 key = (family, labels, None)
-                parts[family].append((cache.get(key) or made(key)) + floatToGoString(value) + "\n")
+                parts[family].append((cache.get(key) or made(key)) + (whole.get(value) or floatToGoString(value)) + "\n")
         return tuple("".join(p).encode() if p else b"" for p in parts)
 
 

@@ -158,17 +158,20 @@ def next_delay(verdict: Verdict | None, interval: float, hung_after: float, elap
     return max(0.0, wait - elapsed)
 
 
-def new_session() -> aiohttp.ClientSession:
-    """A backend's own HTTP session: its own small connection pool, so no backend (or
-    /probe caller) can use up connections another one waits for. No cookie jar: nothing
-    the exporter reads sets or needs a cookie, and a jar is work on every request and
-    response (bench/bench_scale.py)."""
-    connector = aiohttp.TCPConnector(limit=4, limit_per_host=4, enable_cleanup_closed=True)
+def new_session(tls: bool) -> aiohttp.ClientSession:
+    """A backend's own HTTP session for its rare calls (`/v1/models`, the probe, `/health`,
+    the sleep flags; `/metrics` is read by probe.http): its own small connection pool, so
+    no backend (or /probe caller) can use up connections another one waits for. No cookie
+    jar: nothing the exporter reads sets or needs a cookie, and a jar is work on every
+    request and response. aiohttp's closed-transport sweep (a timer every 2 s, for the
+    Python TLS transports that can stay open after close) runs for an https backend only:
+    1,000 http backends would wake the loop 500 times a second for it (bench/bench_scale.py)."""
+    connector = aiohttp.TCPConnector(limit=4, limit_per_host=4, enable_cleanup_closed=tls)
     return aiohttp.ClientSession(connector=connector, auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar())
 
 
 def make_slot(b: Backend) -> Slot:
-    return Slot(b, make_monitor(new_session(), b))
+    return Slot(b, make_monitor(new_session(b.url.lower().startswith("https:")), b))
 
 
 def make_monitor(session: aiohttp.ClientSession, b: Backend) -> BackendMonitor:

@@ -1,6 +1,8 @@
 """HTTP calls to one backend: `/metrics`, `/v1/models`, the 1-token probe, sleep flags.
 
-Every call has a connect timeout and a total timeout of its own; every body is capped in
+`/metrics`, the read of every round, goes through the lean client of probe.http (a new
+connection per read, as against a real vLLM that closes idle ones after 5 s); the rare
+calls go through aiohttp. Both keep the same guarantees. Every call has a connect timeout and a total timeout of its own; every body is capped in
 size (`/metrics` at `max_bytes`, the small JSON answers at `SMALL_BODY`), after gzip is
 undone, so a small compressed bomb is caught too. No redirect is ever followed: a 3xx is
 an answer like any other error status, so no server can send llm-health's requests (a
@@ -8,9 +10,10 @@ probe's POST included) to a path or host of its choosing. Errors come back as va
 that say what happened (refused, timeout, HTTP status, not exposition), never as
 exceptions, and never carry the API key.
 
-The connect timeout covers the TCP connect alone (`sock_connect`), never a wait for a
-pooled connection: the exporter gives each backend a session of its own, so one backend's
-slow or trickling answers never hold a connection another backend waits for.
+The connect timeout covers the TCP connect alone (`sock_connect` in aiohttp, each
+address's connect in probe.http), never a wait for a pooled connection: the exporter gives
+each backend a session of its own for the rare calls, and `/metrics` uses no pool at all,
+so one backend's slow or trickling answers never hold a connection another backend waits for.
 
 llama.cpp's `llama-server` has no start-time series; it sends its start as the
 `Process-Start-Time-Unix` header of `/metrics` (CLOCK_MONOTONIC microseconds at start,
@@ -26,7 +29,6 @@ takes the queue's lock).
 from __future__ import annotations
 
 import asyncio
-import codecs
 import json
 import re
 import time
@@ -36,6 +38,7 @@ from typing import Any
 import aiohttp
 
 from ..urls import base_url
+from . import http
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 SMALL_BODY = 1024 * 1024  # /v1/models, the probe's answer, /is_sleeping: JSON of a few KB
@@ -61,21 +64,6 @@ async def _body(resp: aiohttp.ClientResponse, limit: int) -> bytes:
         if len(body) > limit:
             raise TooLarge(f"body larger than {limit} bytes")
     return bytes(body)
-
-
-async def _text(resp: aiohttp.ClientResponse, limit: int) -> tuple[tuple[str, ...], int]:
-    """The body as text pieces, decoded as they arrive (no single decode or copy of a
-    large body holds the event loop), and its size in bytes."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    parts: list[str] = []
-    size = 0
-    async for chunk in resp.content.iter_chunked(65536):
-        size += len(chunk)
-        if size > limit:
-            raise TooLarge(f"body larger than {limit} bytes")
-        parts.append(decoder.decode(chunk))
-    parts.append(decoder.decode(b"", final=True))
-    return tuple(p for p in parts if p), size
 
 
 async def _json(resp: aiohttp.ClientResponse) -> Any:
@@ -151,31 +139,33 @@ class BackendClient:
         self.models_timeout = models_timeout
         self.probe_timeout = probe_timeout
         self.max_bytes = max_bytes
+        headers = {**self._headers, "Accept": "text/plain;version=0.0.4", "Accept-Encoding": "gzip"}
+        self._metrics_target: http.Target | None = None
+        self._metrics_target_error = ""
+        try:
+            self._metrics_target = http.Target(self.url, "/metrics", headers)
+        except ValueError as exc:  # never the key itself: the message names the fault only
+            self._metrics_target_error = f"cannot read /metrics: {exc}"
 
     def _timeout(self, total: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total, sock_connect=min(self.connect_timeout, total))
 
     async def metrics(self) -> Fetched:
+        """One read of `/metrics`, on the lean client (probe.http): most of what a round costs."""
         start = time.monotonic()
+        if self._metrics_target is None:
+            return Fetched(error=self._metrics_target_error)
         try:
-            async with self.session.get(
-                self.url + "/metrics",
-                headers={**self._headers, "Accept": "text/plain;version=0.0.4", "Accept-Encoding": "gzip"},
-                timeout=self._timeout(self.metrics_timeout),
-                allow_redirects=False,
-            ) as resp:
-                if resp.status != 200:
-                    return Fetched(error=f"HTTP {resp.status}", unavailable=resp.status == 503, seconds=time.monotonic() - start)
-                try:
-                    parts, size = await _text(resp, self.max_bytes)
-                except TooLarge:
-                    return Fetched(error=f"payload larger than {self.max_bytes} bytes", seconds=time.monotonic() - start)
-                ctype = resp.headers.get("Content-Type", "")
-                start_header = _start_header(resp.headers.get(LLAMACPP_START_HEADER))
-        except Exception as exc:
-            msg, timed_out, refused = _describe(exc, self.metrics_timeout)
-            return Fetched(error=msg, timed_out=timed_out, refused=refused, seconds=time.monotonic() - start)
+            resp = await http.get(self._metrics_target, connect_timeout=self.connect_timeout, timeout=self.metrics_timeout, max_bytes=self.max_bytes)
+        except http.HttpError as exc:
+            error = f"payload larger than {self.max_bytes} bytes" if exc.too_large else str(exc)
+            return Fetched(error=error, timed_out=exc.timed_out, refused=exc.refused, seconds=time.monotonic() - start)
         seconds = time.monotonic() - start
+        if resp.status != 200:
+            return Fetched(error=f"HTTP {resp.status}", unavailable=resp.status == 503, seconds=seconds)
+        parts, size = resp.parts, resp.size
+        ctype = resp.headers.get("content-type", "")
+        start_header = _start_header(resp.headers.get(LLAMACPP_START_HEADER.lower()))
         head = (parts[0] if parts else "")[:4096].lstrip()[:64].lower()
         if "html" in ctype or head.startswith("<"):
             return Fetched(error=f"HTML page, not Prometheus text (Content-Type {ctype or 'missing'})", seconds=seconds, size=size)

@@ -12,7 +12,7 @@ from llm_health.core import webhook
 from llm_health.core.engines import Limits
 from llm_health.gate import headers
 from llm_health.gate.headers import BadRequest, read_tenant
-from llm_health.probe import client, reading
+from llm_health.probe import client, http, reading
 from llm_health.restarter import app as restarter
 from tests.fixtures.paths import ROOT
 
@@ -68,6 +68,13 @@ def test_probe_limits_are_the_code_defaults():
     assert rows["`probe.allowed_targets` (regular expressions, full match on the normalised target URL)"] == "any http(s) URL"
     assert ProbeConfig.allowed_targets == ()
     assert rows["`probe.enabled`"] == "on" and ProbeConfig.enabled is True
+
+
+def test_the_metrics_head_caps_are_the_code_constants():
+    m = sentence(
+        r"capped too, at ([\d,]+ (?:KiB|MiB)) and ([\d,]+) header lines \(fixed\): past either the read fails with \"response head larger than ([\d,]+) bytes\" or \"more than ([\d,]+) response headers\""
+    )
+    assert [number(g) for g in m.groups()] == [http.MAX_HEAD, http.MAX_HEADERS, http.MAX_HEAD, http.MAX_HEADERS]
 
 
 def test_payload_pieces_are_the_code_size():
