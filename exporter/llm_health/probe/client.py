@@ -2,9 +2,10 @@
 
 `/metrics`, the read of every round, goes through the lean client of probe.http (a new
 connection per read, as against a real vLLM that closes idle ones after 5 s); the rare
-calls go through aiohttp. Both keep the same guarantees. Every call has a connect timeout and a total timeout of its own; every body is capped in
-size (`/metrics` at `max_bytes`, the small JSON answers at `SMALL_BODY`), after gzip is
-undone, so a small compressed bomb is caught too. No redirect is ever followed: a 3xx is
+calls go through aiohttp. Both keep the same guarantees. Every call has a connect timeout
+and a total timeout of its own; every body is capped in size (`/metrics` at `max_bytes`,
+the small JSON answers at `SMALL_BODY`), after gzip is undone, so a small compressed bomb
+is caught too. No redirect is ever followed: a 3xx is
 an answer like any other error status, so no server can send llm-health's requests (a
 probe's POST included) to a path or host of its choosing. Errors come back as values
 that say what happened (refused, timeout, HTTP status, not exposition), never as

@@ -225,9 +225,7 @@ class _Reader(asyncio.Protocol):
             self.mode, self.left = "length", int(length)
             if self.left > self.max_bytes and self.gunzip is None:
                 raise HttpError(f"body larger than {self.max_bytes} bytes", too_large=True)
-            self._body(rest)
-            if self.left == 0 and not self.done.done():
-                self._finish()
+            self._body(rest)  # finishes the read when the length is already there
             return
         self.mode = "close"
         self._body(rest)
