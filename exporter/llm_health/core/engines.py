@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from .exposition import Budget, Names, Samples, TooManySamples, compile_names, parse
 
@@ -51,7 +52,7 @@ class Profile:
     sleep_awake: str | None = None  # gauge with sleep_state="awake": 0 means sleeping
     has_sleep_endpoints: bool = False
 
-    @property
+    @cached_property
     def wanted(self) -> frozenset[str]:
         names = {START_TIME, *self.running, *self.waiting, *self.counters, *self.gauges}
         for name in (self.steps, self.generation_tokens, self.sleep_awake):
@@ -254,11 +255,14 @@ def _unit(labels: dict[str, str], unit_labels: tuple[str, ...]) -> tuple[str, st
 
 
 def _sum_by_unit(samples: Iterable[tuple[dict[str, str], float]], unit_labels: tuple[str, ...]) -> dict[tuple[str, str], float]:
-    """Per unit, the sum of the samples; NaN for a unit with any value that is no evidence."""
+    """Per unit, the sum of the samples; NaN for a unit with any value that is no evidence
+    (`_evidence`, inlined: this runs for every wanted sample of every round)."""
     out: dict[tuple[str, str], float] = {}
+    first, second = (*unit_labels, "", "")[:2]  # "" is no label name: labels.get gives ""
+    inf, nan = math.inf, math.nan
     for labels, value in samples:
-        key = _unit(labels, unit_labels)
-        out[key] = out.get(key, 0.0) + _evidence(value)
+        key = (labels.get(first, ""), labels.get(second, ""))
+        out[key] = out.get(key, 0.0) + (value if 0 <= value < inf else nan)
     return out
 
 

@@ -304,7 +304,9 @@ def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "vllm
         evs.append(ev)
         engines[key] = emem
     state = worst(ev.state for ev in evs)
-    mem = replace(prev, start_time=reading.start_time, profile=reading.profile, engines=engines)
+
+    def memory(state: State, failed_probes: int) -> Memory:
+        return replace(prev, start_time=reading.start_time, profile=reading.profile, engines=engines, last_state=state, failed_probes=failed_probes)
 
     if state is State.IDLE:
         # Only an engine with nothing in flight is ever sent a request.
@@ -312,17 +314,15 @@ def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "vllm
         if prev.failed_probes:
             state = State.HUNG if prev.failed_probes >= s.hung_probe_failures else State.UNRESPONSIVE
             reason = f"idle but the last {prev.failed_probes} probe(s) failed"
-            return Verdict(state, reason, replace(mem, last_state=state), tuple(evs), probe_wanted=due)
-        return Verdict(State.IDLE, "nothing running or waiting", replace(mem, last_state=State.IDLE), tuple(evs), probe_wanted=due)
+            return Verdict(state, reason, memory(state, prev.failed_probes), tuple(evs), probe_wanted=due)
+        return Verdict(State.IDLE, "nothing running or waiting", memory(State.IDLE, 0), tuple(evs), probe_wanted=due)
 
-    if prev.failed_probes:
-        # Work showed up and the engine moved: the failed probes are forgotten.
-        mem = replace(mem, failed_probes=0)
+    # Work showed up and the engine moved: any failed probes are forgotten.
     chosen = next(ev for ev in evs if ev.state == state)
     reason = chosen.reason
     if len(evs) > 1:
         reason = f"engine {chosen.engine or '-'} model {chosen.model_name or '-'}: {reason}"
-    return Verdict(state, reason, replace(mem, last_state=state), tuple(evs))
+    return Verdict(state, reason, memory(state, 0), tuple(evs))
 
 
 def after_probe(v: Verdict, ok: bool, now: float, s: Settings, detail: str = "") -> Verdict:

@@ -15,42 +15,55 @@ from dataclasses import replace
 
 from ..core import engines
 from ..core.engines import Limits, Reading
-from ..core.exposition import Budget, Samples, TooManySamples, parse
+from ..core.exposition import Budget, ParseError, Samples, TooManySamples, parse
 
 # Characters parsed between two turns of the event loop: about a millisecond of work on a
 # regular payload, a few on a payload made of lines the parser reads the slow way.
 PIECE = 16 * 1024
 
 
-def pieces(parts: Sequence[str], size: int = PIECE) -> Iterator[tuple[str, int]]:
+def _cut(parts: Sequence[str], size: int) -> Iterator[str]:
     """The text of `parts` (a body as it arrived) in pieces of about `size` characters
-    cut at line ends, each with the number of its first line; never one big copy."""
-    carry, line = "", 1
+    cut at line ends; never one big copy."""
+    carry = ""
     for part in parts:
         for start in range(0, len(part), size):
             text = carry + part[start : start + size]
             cut = text.rfind("\n") + 1
             if cut:
-                piece, carry = text[:cut], text[cut:]
-                yield piece, line
-                line += piece.count("\n")
+                yield text[:cut]
+                carry = text[cut:]
             else:
                 carry = text  # no line end yet: a long line grows until it has one
     if carry:
-        yield carry, line
+        yield carry
+
+
+def pieces(parts: Sequence[str], size: int = PIECE) -> Iterator[tuple[str, int]]:
+    """`_cut`'s pieces, each with the number of its first line."""
+    line = 1
+    for piece in _cut(parts, size):
+        yield piece, line
+        line += piece.count("\n")
 
 
 async def read_payload(parts: Sequence[str], limits: Limits, size: int = PIECE) -> Reading:
-    """The payload's Reading; ParseError, UnknownEngine or OverLimits as `engines.read`."""
+    """The payload's Reading; ParseError, UnknownEngine or OverLimits as `engines.read`.
+    Lines are counted only for a ParseError's message (the piece is parsed again, with
+    its first line's number)."""
     samples: Samples = {}
     budget = Budget(limits.max_samples)
-    for n, (piece, first_line) in enumerate(pieces(parts, size)):
+    for n, piece in enumerate(_cut(parts, size)):
         if n:
             await asyncio.sleep(0)
         try:
-            parse(piece, engines.PAYLOAD_NAMES, first_line=first_line, budget=budget, into=samples)
+            parse(piece, engines.PAYLOAD_NAMES, budget=budget, into=samples)
         except TooManySamples as exc:
             raise engines.OverLimits(f"{exc}, more than max_samples") from None
+        except ParseError:
+            first_line = next(line for k, (_, line) in enumerate(pieces(parts, size)) if k == n)
+            parse(piece, engines.PAYLOAD_NAMES, first_line=first_line)
+            raise
     return engines.reduce(samples, limits)
 
 
