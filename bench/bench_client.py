@@ -7,7 +7,11 @@ compares, side by side in one run against the same simulated busy vLLM backends 
 payloads, served by another process), the CPU time of this process per read:
 
 - the exporter's read, `BackendClient.metrics()` on probe.http, a new connection per read
-  (what a round's read costs, every check included: timeouts, caps, encodings);
+  (what a round's read costs against a real vLLM, every check included: timeouts, caps,
+  encodings);
+- the exporter's read on the connection it kept (what a round's read costs against a
+  server that keeps connections longer than the interval: nginx, TGI, Triton, a vLLM with
+  VLLM_HTTP_TIMEOUT_KEEP_ALIVE raised);
 - aiohttp, the connection reused (what a read cost before, against a server that keeps it);
 - aiohttp, a new connection per read (what a read cost before, against a real vLLM);
 - a minimal HTTP/1.1 GET on an asyncio protocol, a new connection per read (a floor:
@@ -41,6 +45,7 @@ from llm_health.sim import servers as sim
 
 GOAL_PARSE_FRACTION = 40.0
 PRODUCT = "llm-health's read (probe.http), new connection"
+PRODUCT_KEPT = "llm-health's read (probe.http), connection kept"
 
 
 def cpu() -> float:
@@ -101,15 +106,23 @@ async def run(urls: list[str], reads: int, passes: int) -> dict[str, list[float]
         return await raw_get(ports[k])
 
     readers = [BackendClient(sessions[k], urls[k]) for k in range(len(urls))]
+    keepers = [BackendClient(sessions[k], urls[k], keepalive=True) for k in range(len(urls))]
 
-    async def product(k: int) -> int:
-        fetched = await readers[k].metrics()
+    async def read_with(client: BackendClient) -> int:
+        fetched = await client.metrics()
         if fetched.error:
             raise AssertionError(f"llm-health's read: {fetched.error}")
         return fetched.size
 
+    async def product(k: int) -> int:
+        return await read_with(readers[k])
+
+    async def product_kept(k: int) -> int:
+        return await read_with(keepers[k])
+
     clients: dict[str, Callable[[int], Awaitable[int]]] = {
         PRODUCT: product,
+        PRODUCT_KEPT: product_kept,
         "aiohttp, connection reused": reused,
         "aiohttp, new connection per read": fresh,
         "minimal asyncio GET, new connection per read": raw,
@@ -126,6 +139,8 @@ async def run(urls: list[str], reads: int, passes: int) -> dict[str, list[float]
                         raise AssertionError(f"{name}: a short body")
                 out[name].append((cpu() - c0) / reads * 1000)
     finally:
+        for c in keepers:
+            c.close()
         for s in sessions:
             await s.close()
     return out

@@ -49,10 +49,11 @@ class Slot:
         self.rendered = self.renderer.render(self)
 
     async def close(self) -> None:
-        """Stop the slot's task and close its session."""
+        """Stop the slot's task, close its session and the connections it kept."""
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
+        self.monitor.client.close()
         await self.monitor.client.session.close()
 
     @property
@@ -159,8 +160,8 @@ def next_delay(verdict: Verdict | None, interval: float, hung_after: float, elap
 
 
 def new_session(tls: bool) -> aiohttp.ClientSession:
-    """A backend's own HTTP session for its rare calls (`/v1/models`, the probe, `/health`,
-    the sleep flags; `/metrics` is read by probe.http): its own small connection pool, so
+    """A backend's own HTTP session for its rare calls (`/v1/models`, the probe, `/health`;
+    `/metrics` and the sleep flags are read by probe.http): its own small connection pool, so
     no backend (or /probe caller) can use up connections another one waits for. No cookie
     jar: nothing the exporter reads sets or needs a cookie, and a jar is work on every
     request and response. aiohttp's closed-transport sweep (a timer every 2 s, for the
@@ -185,6 +186,7 @@ def make_monitor(session: aiohttp.ClientSession, b: Backend) -> BackendMonitor:
         models_timeout=t.models_timeout,
         probe_timeout=t.probe_timeout,
         max_bytes=t.max_metrics_bytes,
+        keepalive=True,
     )
     return BackendMonitor(client, kind=b.kind, settings=t.settings(), limits=t.limits())
 

@@ -1,6 +1,7 @@
 """HTTP calls to one backend: `/metrics`, `/v1/models`, the 1-token probe, sleep flags.
 
-`/metrics`, the read of every round, goes through the lean client of probe.http (a new
+`/metrics`, the read of every round, and the sleep flags (asked every round of an engine
+that stands still with work in flight) go through the lean client of probe.http (a new
 connection per read, as against a real vLLM that closes idle ones after 5 s); the rare
 calls go through aiohttp. Both keep the same guarantees. Every call has a connect timeout
 and a total timeout of its own; every body is capped in size (`/metrics` at `max_bytes`,
@@ -43,6 +44,7 @@ from . import http
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 SMALL_BODY = 1024 * 1024  # /v1/models, the probe's answer, /is_sleeping: JSON of a few KB
+FLAG_TIMEOUT = 2.0  # seconds for `/is_sleeping` or `/is_paused`, connect included
 LLAMACPP_START_HEADER = "Process-Start-Time-Unix"
 _START_HEADER_VALUE = re.compile(r"[1-9][0-9]{0,18}")
 
@@ -131,8 +133,12 @@ class BackendClient:
         models_timeout: float = 10.0,
         probe_timeout: float = 5.0,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        keepalive: bool = False,
     ):
+        """`keepalive`: keep the connection a server leaves open for the next `/metrics`
+        read (probe.http); for a client that reads every round, not for a one-off."""
         self.session = session
+        self.keepalive = keepalive
         self.url = base_url(url)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.connect_timeout = connect_timeout
@@ -141,12 +147,19 @@ class BackendClient:
         self.probe_timeout = probe_timeout
         self.max_bytes = max_bytes
         headers = {**self._headers, "Accept": "text/plain;version=0.0.4", "Accept-Encoding": "gzip"}
+        self._flag_targets: dict[str, http.Target] = {}  # the sleep flags' paths, two at most
         self._metrics_target: http.Target | None = None
         self._metrics_target_error = ""
         try:
-            self._metrics_target = http.Target(self.url, "/metrics", headers)
+            self._metrics_target = http.Target(self.url, "/metrics", headers, keepalive=keepalive)
         except ValueError as exc:  # never the key itself: the message names the fault only
             self._metrics_target_error = f"cannot read /metrics: {exc}"
+
+    def close(self) -> None:
+        """Close the connections kept for the next reads (the aiohttp session is the caller's)."""
+        for target in (self._metrics_target, *self._flag_targets.values()):
+            if target is not None:
+                target.close()
 
     def _timeout(self, total: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total, sock_connect=min(self.connect_timeout, total))
@@ -166,7 +179,11 @@ class BackendClient:
             return Fetched(error=f"HTTP {resp.status}", unavailable=resp.status == 503, seconds=seconds)
         parts, size = resp.parts, resp.size
         ctype = resp.headers.get("content-type", "")
-        start_header = _start_header(resp.headers.get(LLAMACPP_START_HEADER.lower()))
+        llama_start = resp.headers.get(LLAMACPP_START_HEADER.lower())
+        if llama_start is not None:
+            # llama-server holds one of its HTTP threads for a connection kept open: let go at once.
+            self._metrics_target.close()
+        start_header = _start_header(llama_start)
         head = (parts[0] if parts else "")[:4096].lstrip()[:64].lower()
         if "html" in ctype or head.startswith("<"):
             return Fetched(error=f"HTML page, not Prometheus text (Content-Type {ctype or 'missing'})", seconds=seconds, size=size)
@@ -225,13 +242,24 @@ class BackendClient:
             return ProbeResult(False, time.monotonic() - start, detail, timed_out)
 
     async def flag(self, path: str) -> bool:
-        """vLLM's `/is_sleeping` and `/is_paused`: True only on a clear yes."""
+        """vLLM's `/is_sleeping` and `/is_paused`: True only on a clear yes. Asked on the
+        lean client (probe.http) too: a hung engine is asked both every round."""
+        target = self._flag_targets.get(path)
+        if target is None:
+            try:
+                target = http.Target(self.url, path, {**self._headers, "Accept": "application/json", "Accept-Encoding": "gzip"}, keepalive=self.keepalive)
+            except ValueError:
+                return False
+            self._flag_targets[path] = target
         try:
-            async with self.session.get(self.url + path, headers=self._headers, timeout=self._timeout(2.0), allow_redirects=False) as resp:
-                if resp.status != 200:
-                    return False
-                data = await _json(resp)
-        except Exception:
+            resp = await http.get(target, connect_timeout=min(self.connect_timeout, FLAG_TIMEOUT), timeout=FLAG_TIMEOUT, max_bytes=SMALL_BODY)
+        except http.HttpError:
+            return False
+        if resp.status != 200:
+            return False
+        try:
+            data = json.loads("".join(resp.parts))
+        except ValueError:
             return False
         if isinstance(data, dict):
             return any(data.get(k) is True for k in ("is_sleeping", "is_paused", "paused", "sleeping"))

@@ -1,12 +1,11 @@
-"""A lean HTTP/1.1 GET for the one read every round makes: a backend's `/metrics`.
+"""A lean HTTP/1.1 GET for the reads every round makes: a backend's `/metrics`, and the
+sleep flags (`/is_sleeping`, `/is_paused`) of an engine that stands still.
 
-A round is mostly this read (bench/bench_client.py, bench/bench_scale.py). A real vLLM
-closes a connection idle for 5 s, so at 10 s rounds every read opens a new connection,
-and aiohttp's client spends about three times what the read needs on setting one up
-(connector, happy eyeballs, URL objects, a request and a response object). This module is
-the read alone, on an asyncio protocol: one connection per read (`Connection: close`), the
-request written once, the answer parsed as it arrives. It keeps every guarantee of the
-aiohttp read it replaces:
+A round is mostly this read (bench/bench_client.py, bench/bench_scale.py), and aiohttp's
+client spends about three times what the read needs on it (connector, happy eyeballs, URL
+objects, a request and a response object). This module is the read alone, on an asyncio
+protocol: the request written once, the answer parsed as it arrives. It keeps every
+guarantee of the aiohttp read it replaces:
 
 - a connect timeout on each TCP (and TLS) connect and a total timeout on the whole read;
 - the body capped after gzip is undone (`max_bytes`), so a small compressed bomb is
@@ -19,8 +18,24 @@ aiohttp read it replaces:
 - errors are values that say what happened, never exceptions, and never carry the
   request's headers (the API key).
 
-The other calls (`/v1/models`, the probe, `/health`, the sleep flags) are rare and stay
-on aiohttp (probe.client).
+Connections: a `Target` made with `keepalive=True` (the exporter's rounds) keeps the one
+connection a server left open for its next read (`KEEP_IDLE` seconds at most; at most half
+the process's RLIMIT_NOFILE kept in all); other reads say `Connection: close`. A real vLLM
+closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so at 10 s rounds each of
+its reads opens one anyway; nginx (75 s), TGI, Triton or a vLLM with that variable raised
+keep it, and a read on it costs less (bench/bench_client.py). Where the kept connection
+is found closed `MISSES` reads in a row, the next `PLAIN_READS` say `Connection: close`
+(a connection held for nothing costs more than none). Kept only after a whole
+HTTP/1.1 answer framed by length or chunks, with no `Connection: close` and no byte past
+its end; dropped when it talks while idle or the server closes it. A kept connection that
+ends before the answer's first byte (closed as the request went out) is read once more on
+a new one, within the same total timeout; a read that timed out or got a byte is not.
+
+The other calls (`/v1/models`, the probe, `/health`) are rare and stay on aiohttp
+(probe.client).
+
+Longer than 500 lines because the read, its framing, its caps and the connection it may
+keep are one protocol, tested as one (tests/integration/hostile/test_metrics_client.py).
 """
 
 from __future__ import annotations
@@ -29,9 +44,11 @@ import asyncio
 import codecs
 import ipaddress
 import math
+import resource
 import socket
 import ssl
 import time
+import weakref
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +60,9 @@ MAX_HEAD = 64 * 1024  # status line and headers, in bytes
 MAX_HEADERS = 128  # header lines
 MAX_CHUNK_LINE = 1024  # a chunk's size line, extensions included
 DNS_TTL = 10.0  # seconds a resolved name is kept (aiohttp's default)
+KEEP_IDLE = 60.0  # seconds a connection the server left open waits for the next read (NATs and load balancers keep idle flows minutes)
+MISSES = 2  # reads in a row that found the kept connection closed, before asking without keep-alive
+PLAIN_READS = 30  # reads then made with Connection: close (5 min at 10 s rounds), before trying again
 _ACCEPTED_ENCODINGS = ("gzip", "x-gzip", "identity", "")
 
 _default_tls: ssl.SSLContext | None = None
@@ -74,10 +94,11 @@ class Response:
 
 
 class Target:
-    """Where a URL's reads go: scheme, host, port, the request's first lines. Made once per
-    backend; raises ValueError for a URL it cannot read."""
+    """Where a URL's reads go: scheme, host, port, the request's first lines, and (with
+    `keepalive`) the one connection kept for the next read. Made once per backend; raises
+    ValueError for a URL it cannot read. `close()` drops the kept connection."""
 
-    def __init__(self, url: str, path: str, headers: dict[str, str]):
+    def __init__(self, url: str, path: str, headers: dict[str, str], *, keepalive: bool = False):
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in ("http", "https") or not parts.hostname:
@@ -90,14 +111,19 @@ class Target:
         target = (parts.path.rstrip("/") + path) or "/"
         lines = [f"GET {target} HTTP/1.1", f"Host: {authority}", f"User-Agent: llm-health/{__version__}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
-        lines.append("Connection: close")
         for line in lines:  # no line break or control character may split a line in two
             if any(ord(c) < 32 or ord(c) == 127 for c in line):
                 raise ValueError("a control character in the URL or in a header value")
         try:
-            self.request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+            self.kept_request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+            self.request = ("\r\n".join([*lines, "Connection: close"]) + "\r\n\r\n").encode("latin-1")
         except UnicodeEncodeError:
             raise ValueError("a character outside Latin-1 in the URL or in a header value") from None
+        self.keepalive = keepalive
+        self._idle: _Conn | None = None
+        self._kept_one = False  # the last read kept its connection
+        self._misses = 0  # reads in a row that found the connection kept for them gone
+        self._plain = 0  # reads left that say Connection: close, after MISSES such reads
         self._addresses: list[tuple[Any, ...]] = []
         self._resolved_at = -DNS_TTL
         try:  # an IP address is its own answer, for ever
@@ -106,6 +132,56 @@ class Target:
             self._addresses, self._resolved_at = [(family, (self.host, self.port))], math.inf
         except ValueError:
             pass
+
+    def take(self) -> tuple[_Conn | None, bool]:
+        """(the kept connection if it is still open, whether this read may keep its own).
+        A server that closed the kept connection before `MISSES` reads in a row came (one
+        that closes idle ones sooner than the rounds come, as vLLM does at 10 s rounds) is
+        asked with `Connection: close` for the next `PLAIN_READS` reads: a connection held
+        for nothing costs more than none."""
+        if not self.keepalive:
+            return None, False
+        conn, kept_one = self._idle, self._kept_one
+        self._kept_one = False
+        if conn is not None:
+            conn.unpark()
+            if not self._plain and conn.open and not conn.transport.is_closing():
+                return conn, True
+            conn.close()
+            kept_one = not self._plain
+        if kept_one:
+            return None, self.missed()
+        if self._plain:
+            self._plain -= 1
+            return None, False
+        return None, True
+
+    def missed(self) -> bool:
+        """The connection kept for this read was gone when it came; whether this read may
+        keep its own."""
+        self._misses += 1
+        if self._misses >= MISSES:
+            self._misses, self._plain = 0, PLAIN_READS
+        if self._plain:
+            self._plain -= 1
+            return False
+        return True
+
+    def park(self, conn: _Conn, loop: asyncio.AbstractEventLoop) -> None:
+        """Keep `conn` for the next read (`KEEP_IDLE` seconds at most), or close it where a
+        connection is kept already or too many are."""
+        if self._idle is not None or len(_kept) >= _max_kept():
+            conn.close()
+            return
+        self._idle, self._kept_one = conn, True
+        conn.kept_by = self
+        conn.expiry = loop.call_later(KEEP_IDLE, conn.close)
+        _kept.add(conn)
+
+    def close(self) -> None:
+        conn = self._idle
+        if conn is not None:
+            conn.close()
 
     async def addresses(self, loop: asyncio.AbstractEventLoop) -> list[tuple[Any, ...]]:
         """(family, sockaddr) to try, in the resolver's order; an IP address is not resolved."""
@@ -119,13 +195,82 @@ class Target:
         return found
 
 
-class _Reader(asyncio.Protocol):
-    """Parses one response as its bytes arrive; `done` gets the Response or an HttpError."""
+_kept: weakref.WeakSet[_Conn] = weakref.WeakSet()  # connections parked in a Target
+_kept_max = 0
 
-    def __init__(self, done: asyncio.Future[Response], max_bytes: int):
+
+def _max_kept() -> int:
+    """Half the process's file descriptors (its soft RLIMIT_NOFILE, read once)."""
+    global _kept_max
+    if not _kept_max:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        _kept_max = max(1, (soft if soft != resource.RLIM_INFINITY else 1 << 20) // 2)
+    return _kept_max
+
+
+class _Conn(asyncio.Protocol):
+    """One connection: hands what arrives to the answer being read (`reader`), and closes
+    when anything arrives with no answer being read."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None  # uvloop's transports are no asyncio.Transport subclasses
+        self.reader: _Reader | None = None
+        self.open = True
+        self.kept_by: Target | None = None
+        self.expiry: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.reader is not None:
+            self.reader.data_received(data)
+        else:  # bytes nobody asked for: the connection cannot be trusted with the next answer
+            self.abort()
+
+    def eof_received(self) -> bool | None:
+        if self.reader is not None:
+            self.reader.connection_lost(None)
+        self.close()
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.open = False
+        self.unpark()
+        if self.reader is not None:
+            self.reader.connection_lost(exc)
+
+    def unpark(self) -> None:
+        if self.kept_by is not None:
+            if self.kept_by._idle is self:
+                self.kept_by._idle = None
+            self.kept_by = None
+        if self.expiry is not None:
+            self.expiry.cancel()
+            self.expiry = None
+        _kept.discard(self)
+
+    def close(self) -> None:
+        self.open = False
+        self.unpark()
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.open = False
+        self.unpark()
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class _Reader:
+    """Parses one response as its bytes arrive on `conn`; `done` gets the Response or an
+    HttpError. `reusable` once it ended: the connection may carry the next request."""
+
+    def __init__(self, done: asyncio.Future[Response], max_bytes: int, conn: _Conn):
         self.done = done
         self.max_bytes = max_bytes
-        self.transport: Any = None  # uvloop's transports are no asyncio.Transport subclasses
+        self.conn = conn
         self.buf = bytearray()
         self.status = 0
         self.headers: dict[str, str] = {}
@@ -136,15 +281,16 @@ class _Reader(asyncio.Protocol):
         self.text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.parts: list[str] = []
         self.size = 0
-
-    # -- asyncio.Protocol
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
+        self.received = False  # any byte of the answer arrived
+        self.persistent = False  # HTTP/1.1 without Connection: close
+        self.extra = False  # bytes past the answer's end arrived with it
+        self.reusable = False
 
     def data_received(self, data: bytes) -> None:
         if self.done.done():
+            self.extra = True
             return
+        self.received = True
         try:
             if not self.mode:
                 if self.buf:
@@ -159,10 +305,6 @@ class _Reader(asyncio.Protocol):
                 self._body(data)
         except HttpError as exc:
             self._fail(exc)
-
-    def eof_received(self) -> bool | None:
-        self.connection_lost(None)
-        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.done.done():
@@ -202,6 +344,7 @@ class _Reader(asyncio.Protocol):
                 raise HttpError(f"malformed response header line: {line[:80]!r}")
             self.headers[name.lower()] = value.strip()
         self.status = int(code)
+        self.persistent = version == "HTTP/1.1" and "close" not in self.headers.get("connection", "").lower()
         if self.status != 200:  # the body is not read: the status is the answer
             self._finish()
             return
@@ -269,10 +412,12 @@ class _Reader(asyncio.Protocol):
                     return
                 del buf[: end + 2]
                 if end == 0:
+                    self.extra = bool(buf)
                     self._finish()
 
     def _body(self, data: bytes | memoryview) -> None:
         if self.mode == "length":
+            self.extra = len(data) > self.left
             data = data[: self.left]
             self.left -= len(data)
         if data:
@@ -302,17 +447,17 @@ class _Reader(asyncio.Protocol):
         tail = self.text.decode(b"", final=True)
         parts = tuple(p for p in (*self.parts, tail) if p)
         self.done.set_result(Response(self.status, self.headers, parts, self.size))
-        self._close()
+        # Reusable: the whole answer read, framed by its length or its chunks, and nothing after it.
+        self.reusable = self.persistent and self.status == 200 and self.mode in ("length", "chunked") and not self.extra
+        self.conn.reader = None
+        if not self.reusable:
+            self.conn.close()
 
     def _fail(self, exc: HttpError) -> None:
         if not self.done.done():
             self.done.set_exception(exc)
-        if self.transport is not None:
-            self.transport.abort()
-
-    def _close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        self.conn.reader = None
+        self.conn.abort()
 
 
 def _expire(done: asyncio.Future[Response], timeout: float) -> None:
@@ -320,53 +465,90 @@ def _expire(done: asyncio.Future[Response], timeout: float) -> None:
         done.set_exception(HttpError(f"timeout after {timeout:g}s", timed_out=True))
 
 
+class _Stale(Exception):
+    """A kept connection closed by the server before any byte of the answer."""
+
+
 async def get(target: Target, *, connect_timeout: float, timeout: float, max_bytes: int) -> Response:
-    """One GET of `target`. Raises HttpError, and only it.
+    """One GET of `target`, on its kept connection or a new one. Raises HttpError, and only it.
 
     The total timeout is one timer on the answer's future; the resolve and each connect run
-    in one timeout context, moved to each connect's own deadline (two timers per read)."""
+    in one timeout context, moved to each connect's own deadline."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    done: asyncio.Future[Response] = loop.create_future()
-    timer = loop.call_at(deadline, _expire, done, timeout)
-    transport: Any = None
+    conn, keep = target.take()
+    if conn is not None:
+        try:
+            resp = await _exchange(loop, target, conn, deadline, timeout, max_bytes, reused=True, keep=True)
+            target._misses = 0
+            return resp
+        except _Stale:  # closed by the server as the request went out: once more, on a new connection
+            keep = target.missed()
+    conn = await _connect(loop, target, deadline, connect_timeout, timeout)
+    return await _exchange(loop, target, conn, deadline, timeout, max_bytes, reused=False, keep=keep)
+
+
+async def _connect(loop: asyncio.AbstractEventLoop, target: Target, deadline: float, connect_timeout: float, timeout: float) -> _Conn:
     connecting = False
     try:
-        try:
-            async with asyncio.timeout_at(deadline) as scope:
+        async with asyncio.timeout_at(deadline) as scope:
+            try:
+                addresses = await target.addresses(loop)
+            except OSError as exc:
+                raise HttpError(f"connection refused or unreachable (cannot resolve {target.host[:100]}: {exc.strerror or exc})", refused=True) from None
+            error: OSError | None = None
+            for family, sockaddr in addresses:
+                connecting = loop.time() + connect_timeout < deadline
+                scope.reschedule(min(deadline, loop.time() + connect_timeout))
                 try:
-                    addresses = await target.addresses(loop)
+                    _, conn = await loop.create_connection(
+                        _Conn,
+                        sockaddr[0],
+                        sockaddr[1],
+                        family=family,
+                        ssl=_tls() if target.tls else None,
+                        server_hostname=target.host if target.tls else None,
+                    )
+                    return conn
+                except ssl.SSLError as exc:
+                    raise HttpError(f"TLS: {str(exc)[:200]}") from None
                 except OSError as exc:
-                    raise HttpError(f"connection refused or unreachable (cannot resolve {target.host[:100]}: {exc.strerror or exc})", refused=True) from None
-                error: OSError | None = None
-                for family, sockaddr in addresses:
-                    connecting = loop.time() + connect_timeout < deadline
-                    scope.reschedule(min(deadline, loop.time() + connect_timeout))
-                    try:
-                        transport, _ = await loop.create_connection(
-                            lambda: _Reader(done, max_bytes),
-                            sockaddr[0],
-                            sockaddr[1],
-                            family=family,
-                            ssl=_tls() if target.tls else None,
-                            server_hostname=target.host if target.tls else None,
-                        )
-                        break
-                    except ssl.SSLError as exc:
-                        raise HttpError(f"TLS: {str(exc)[:200]}") from None
-                    except OSError as exc:
-                        error = exc
-                else:
-                    why = (error.strerror or type(error).__name__) if error else "no address"
-                    raise HttpError(f"connection refused or unreachable ({why})", refused=True)
-        except TimeoutError:
-            if connecting:
-                raise HttpError(f"connect timeout after {connect_timeout:g}s", timed_out=True) from None
-            raise HttpError(f"timeout after {timeout:g}s", timed_out=True) from None
-        transport.write(target.request)
-        return await done
+                    error = exc
+            why = (error.strerror or type(error).__name__) if error else "no address"
+            raise HttpError(f"connection refused or unreachable ({why})", refused=True)
+    except TimeoutError:
+        if connecting:
+            raise HttpError(f"connect timeout after {connect_timeout:g}s", timed_out=True) from None
+        raise HttpError(f"timeout after {timeout:g}s", timed_out=True) from None
+
+
+async def _exchange(
+    loop: asyncio.AbstractEventLoop, target: Target, conn: _Conn, deadline: float, timeout: float, max_bytes: int, *, reused: bool, keep: bool
+) -> Response:
+    """The request written on `conn` and its answer read; `conn` kept after a reusable
+    answer. Raises _Stale for a kept connection that ended before the answer's first byte."""
+    done: asyncio.Future[Response] = loop.create_future()
+    reader = conn.reader = _Reader(done, max_bytes, conn)
+    timer = loop.call_at(deadline, _expire, done, timeout)
+    try:
+        if conn.open:
+            conn.transport.write(target.kept_request if keep else target.request)
+        else:  # closed while it was being connected
+            reader.connection_lost(None)
+        try:
+            resp = await done
+        except HttpError as exc:
+            if reused and not reader.received and not exc.timed_out:
+                raise _Stale from None
+            raise
     finally:  # a failed, timed-out or cancelled read leaves no connection, timer or pending result behind
         timer.cancel()
         done.cancel()
-        if transport is not None and not transport.is_closing():
-            transport.abort()
+        if conn.reader is reader:
+            conn.reader = None
+            conn.abort()
+    if reader.reusable and keep and conn.open:
+        target.park(conn, loop)
+    elif conn.open:
+        conn.close()
+    return resp

@@ -77,6 +77,13 @@ def test_the_metrics_head_caps_are_the_code_constants():
     assert [number(g) for g in m.groups()] == [http.MAX_HEAD, http.MAX_HEADERS, http.MAX_HEAD, http.MAX_HEADERS]
 
 
+def test_the_kept_connection_numbers_are_the_code_constants():
+    m = sentence(r"for the next round, (\d+) s at most; at most half the exporter's open-file limit")
+    assert float(m.group(1)) == http.KEEP_IDLE
+    m = sentence(r"before (two) rounds in a row came .* is read with `Connection: close` for the next (\d+) rounds")
+    assert ({"two": 2}[m.group(1)], int(m.group(2))) == (http.MISSES, http.PLAIN_READS)
+
+
 def test_payload_pieces_are_the_code_size():
     assert number(sentence(r"A payload is parsed in pieces of ([\d,]+ (?:KiB|MiB)) cut at line ends").group(1)) == reading.PIECE
 

@@ -2,8 +2,9 @@
 bytes a test chooses, on real loopback sockets: every way a body can arrive (length,
 chunked, to the close, gzip), every way it can go wrong (cut short, too large after gzip,
 a head without end, a status line from another protocol, an encoding it cannot read, a
-trickle), the request it writes, and what it leaves behind. The product's errors are
-values that name the fault and never carry the API key.
+trickle), the request it writes, what it leaves behind, and the sleep flags asked on it.
+The product's errors are values that name the fault and never carry the API key. The
+connection it may keep for the next read: test_kept_connections.py.
 """
 
 from __future__ import annotations
@@ -295,3 +296,32 @@ async def test_the_api_key_is_in_no_error(canned):
             assert f"Authorization: Bearer {key}".encode() in server.requests[0]
         fetched = await BackendClient(session, "http://127.0.0.1:1", api_key=key + "\r\nX: 1").metrics()
         assert fetched.error == "cannot read /metrics: a control character in the URL or in a header value"
+
+
+# -- the sleep flags, asked on the same client
+
+
+async def test_a_sleep_flag_is_true_only_on_a_clear_yes(canned):
+    """`/is_sleeping` and `/is_paused` go through probe.http too: a JSON yes (plain or
+    gzip) is yes; a no, a redirect, broken JSON, a cut body, a refused port and a body past
+    1 MiB are all no, and the request carries the key and asks for JSON."""
+    yes = b'{"is_sleeping": true}'
+    packed = gzip.compress(b'{"is_paused": true}')
+    cases = {
+        "yes": (sends(head(f"Content-Length: {len(yes)}", "Content-Type: application/json"), yes, close=False), True),
+        "gzip yes": (sends(head(f"Content-Length: {len(packed)}", "Content-Encoding: gzip"), packed, close=False), True),
+        "bare true": (sends(head("Content-Length: 4"), b"true", close=False), True),
+        "no": (sends(head("Content-Length: 22"), b'{"is_sleeping": false}', close=False), False),
+        "redirect": (sends(head("Location: /is_sleeping2", "Content-Length: 0", status="302 Found")), False),
+        "broken": (sends(head("Content-Length: 5"), b'{"is_', close=False), False),
+        "cut": (sends(head("Content-Length: 50"), yes), False),
+        "too large": (sends(head(f"Content-Length: {(1 << 20) + 1}"), yes), False),
+    }
+    async with aiohttp.ClientSession() as session:
+        for name, (answer, want) in cases.items():
+            server = await canned(answer)
+            assert await BackendClient(session, server.url, api_key="k").flag("/is_sleeping") is want, name
+            request = server.requests[0]
+            assert request.startswith(b"GET /is_sleeping HTTP/1.1\r\n") and b"Authorization: Bearer k\r\n" in request, name
+            assert b"Accept: application/json\r\n" in request, name
+        assert await BackendClient(session, "http://127.0.0.1:1").flag("/is_paused") is False
