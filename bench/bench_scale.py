@@ -227,6 +227,7 @@ def loop_factory() -> Any:
 # Where a round's time goes, by the file a function lives in (first match wins).
 PARTS = (
     ("the HTTP client (aiohttp, yarl, multidict)", ("/aiohttp/", "/yarl/", "/multidict/", "/propcache/")),
+    ("the lean read (probe.http, the connect and system calls in it)", ("llm_health/probe/http",)),
     ("parsing (core.exposition, probe.reading)", ("llm_health/core/exposition", "llm_health/probe/reading")),
     ("reducing and deciding (core.engines, core.health, core.evidence)", ("llm_health/core/",)),
     ("rendering the series (exporter.render)", ("llm_health/exporter/render",)),

@@ -22,7 +22,7 @@ Connections: a `Target` made with `keepalive=True` (the exporter's rounds) keeps
 connection a server left open for its next read (`KEEP_IDLE` seconds at most; at most half
 the process's RLIMIT_NOFILE kept in all); other reads say `Connection: close`. A real vLLM
 closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so at 10 s rounds each of
-its reads opens one anyway; nginx (75 s), TGI, Triton or a vLLM with that variable raised
+its reads opens one anyway; nginx (75 s by default), or a vLLM with that variable raised,
 keep it, and a read on it costs less (bench/bench_client.py). Where the kept connection
 is found closed `MISSES` reads in a row, the next `PLAIN_READS` say `Connection: close`
 (a connection held for nothing costs more than none). Kept only after a whole
