@@ -1,9 +1,10 @@
 """HTTP calls to one backend: `/metrics`, `/v1/models`, the 1-token probe, sleep flags.
 
 `/metrics`, the read of every round, and the sleep flags (asked every round of an engine
-that stands still with work in flight) go through the lean client of probe.http (a new
-connection per read, as against a real vLLM that closes idle ones after 5 s); the rare
-calls go through aiohttp. Both keep the same guarantees. Every call has a connect timeout
+that stands still with work in flight) go through the lean client of probe.http (with
+`keepalive`, as the exporter's rounds ask, on the connection the server left open after
+the last round's read, where it did; otherwise a new one); the rare calls go through
+aiohttp. Both keep the same guarantees. Every call has a connect timeout
 and a total timeout of its own; every body is capped in size (`/metrics` at `max_bytes`,
 the small JSON answers at `SMALL_BODY`), after gzip is undone, so a small compressed bomb
 is caught too. No redirect is ever followed: a 3xx is
@@ -14,8 +15,9 @@ exceptions, and never carry the API key.
 
 The connect timeout covers the TCP connect alone (`sock_connect` in aiohttp, each
 address's connect in probe.http), never a wait for a pooled connection: the exporter gives
-each backend a session of its own for the rare calls, and `/metrics` uses no pool at all,
-so one backend's slow or trickling answers never hold a connection another backend waits for.
+each backend a session of its own for the rare calls, and `/metrics` uses no pool at all
+(a backend's kept connection is its own), so one backend's slow or trickling answers never
+hold a connection another backend waits for.
 
 llama.cpp's `llama-server` has no start-time series; it sends its start as the
 `Process-Start-Time-Unix` header of `/metrics` (CLOCK_MONOTONIC microseconds at start,
