@@ -244,11 +244,6 @@ def detect(samples: Samples) -> Profile:
     raise UnknownEngine("no known engine series (vllm:, sglang:, tgi_, llamacpp:, nv_inference_) in /metrics")
 
 
-def _evidence(value: float) -> float:
-    """The value, or NaN when it cannot be a count, a counter or a usage."""
-    return value if value >= 0 and math.isfinite(value) else math.nan
-
-
 def _unit(labels: dict[str, str], unit_labels: tuple[str, ...]) -> tuple[str, str]:
     values = [labels.get(name, "") for name in unit_labels] + ["", ""]
     return (values[0], values[1])
@@ -256,7 +251,7 @@ def _unit(labels: dict[str, str], unit_labels: tuple[str, ...]) -> tuple[str, st
 
 def _sum_by_unit(samples: Iterable[tuple[dict[str, str], float]], unit_labels: tuple[str, ...]) -> dict[tuple[str, str], float]:
     """Per unit, the sum of the samples; NaN for a unit with any value that is no evidence
-    (`_evidence`, inlined: this runs for every wanted sample of every round)."""
+    (not a finite number at or above zero: it cannot be a count, a counter or a usage)."""
     out: dict[tuple[str, str], float] = {}
     first, second = (*unit_labels, "", "")[:2]  # "" is no label name: labels.get gives ""
     inf, nan = math.inf, math.nan

@@ -143,12 +143,11 @@ class Target:
             return None, False
         conn, kept_one = self._idle, self._kept_one
         self._kept_one = False
-        if conn is not None:
+        if conn is not None:  # never kept while reads say Connection: close
             conn.unpark()
-            if not self._plain and conn.open and not conn.transport.is_closing():
+            if conn.open and not conn.transport.is_closing():
                 return conn, True
             conn.close()
-            kept_one = not self._plain
         if kept_one:
             return None, self.missed()
         if self._plain:
@@ -480,7 +479,7 @@ async def get(target: Target, *, connect_timeout: float, timeout: float, max_byt
     if conn is not None:
         try:
             resp = await _exchange(loop, target, conn, deadline, timeout, max_bytes, reused=True, keep=True)
-            target._misses = 0
+            target._misses = 0  # the kept connection carried the read: no miss in a row
             return resp
         except _Stale:  # closed by the server as the request went out: once more, on a new connection
             keep = target.missed()
