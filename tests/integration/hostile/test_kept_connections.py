@@ -19,7 +19,7 @@ import pytest
 
 from llm_health.probe import http
 from llm_health.probe.client import BackendClient
-from tests.integration.hostile.test_metrics_client import BODY, SLOW, chunked, head
+from tests.integration.hostile.test_metrics_client import BODY, SLOW, chunked, head, listening
 
 
 @dataclass
@@ -62,19 +62,14 @@ class Keeper:
 
 @pytest.fixture
 async def keeper() -> AsyncIterator[Callable[..., Awaitable[Keeper]]]:
-    servers: list[asyncio.Server] = []
+    async with listening() as listen:
 
-    async def start(answer: Callable[[int], bytes | None], close_after: set[int] | None = None) -> Keeper:
-        server = Keeper(answer, close_after or set())
-        srv = await asyncio.start_server(server.handle, "127.0.0.1", 0)
-        server.port = srv.sockets[0].getsockname()[1]
-        servers.append(srv)
-        return server
+        async def start(answer: Callable[[int], bytes | None], close_after: set[int] | None = None) -> Keeper:
+            server = Keeper(answer, close_after or set())
+            server.port = await listen(server.handle)
+            return server
 
-    yield start
-    for srv in servers:
-        srv.close()
-        await srv.wait_closed()
+        yield start
 
 
 OK = head(f"Content-Length: {len(BODY)}") + BODY

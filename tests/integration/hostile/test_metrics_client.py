@@ -10,6 +10,7 @@ connection it may keep for the next read: test_kept_connections.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import socket
 import ssl
@@ -53,21 +54,38 @@ class Canned:
         return f"http://127.0.0.1:{self.port}"
 
 
-@pytest.fixture
-async def canned() -> AsyncIterator[Callable[..., Awaitable[Canned]]]:
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def listening() -> AsyncIterator[Callable[..., Awaitable[int]]]:
+    """`listen(handle, tls=None)` serves `handle` on a free port of 127.0.0.1 and returns
+    the port; every server started is closed when the block ends."""
     servers: list[asyncio.Server] = []
 
-    async def start(answer: Callable[[asyncio.StreamWriter], Awaitable[None]], tls: ssl.SSLContext | None = None) -> Canned:
-        server = Canned(answer)
-        srv = await asyncio.start_server(server.handle, "127.0.0.1", 0, ssl=tls)
-        server.port = srv.sockets[0].getsockname()[1]
+    async def listen(handle: Handler, tls: ssl.SSLContext | None = None) -> int:
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=tls)
         servers.append(srv)
-        return server
+        return srv.sockets[0].getsockname()[1]
 
-    yield start
-    for srv in servers:
-        srv.close()
-        await srv.wait_closed()
+    try:
+        yield listen
+    finally:
+        for srv in servers:
+            srv.close()
+            await srv.wait_closed()
+
+
+@pytest.fixture
+async def canned() -> AsyncIterator[Callable[..., Awaitable[Canned]]]:
+    async with listening() as listen:
+
+        async def start(answer: Callable[[asyncio.StreamWriter], Awaitable[None]], tls: ssl.SSLContext | None = None) -> Canned:
+            server = Canned(answer)
+            server.port = await listen(server.handle, tls)
+            return server
+
+        yield start
 
 
 def sends(*pieces: bytes, close: bool = True, pause: float = 0.0) -> Callable[[asyncio.StreamWriter], Awaitable[None]]:
