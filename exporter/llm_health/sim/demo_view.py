@@ -190,7 +190,9 @@ def proofs(parts: Parts, servers: dict[str, SimServer], hung_at_start: set[str])
         out.append(Proof(f"fresh requests admitted: {rf.fresh_admitted} of {rf.fresh_sent} ({ages})", rf.fresh_admitted == rf.fresh_sent > 0))
     if parts.pool is not None:
         pf = parts.pool.figures
-        out.append(Proof(f"double lease holders: {pf.double_holders}", pf.double_holders == 0))
+        gave_up = f" (leases given up by a late heartbeat: {pf.lost})" if pf.lost else ""
+        first = f": {'; '.join(pf.doubles)}" if pf.doubles else ""
+        out.append(Proof(f"double lease holders: {pf.double_holders}{gave_up}{first}", pf.double_holders == 0))
         taken = f"taken by {pf.expired_taken_by} {pf.expired_taken_after_s:.1f} s after the crash" if pf.expired_taken_after_s is not None else "not yet taken"
         woken = pf.claims["del"] + pf.claims["expired"]
         out.append(

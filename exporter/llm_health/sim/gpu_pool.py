@@ -6,8 +6,13 @@ Every figure is counted here as it happens: claims and how each was won (`claim`
 try; `del` or `expired`: a waiter woken by that keyspace event; `fallback`: the slow
 re-check), renewals, releases, the crashed lease's expiry. A double holder is a claim
 won while another job's lease on the same GPU could still be valid by that job's own
-clock (a live holder until it released; the crashed one until its TTL from its claim):
-two jobs that could both be writing to one GPU.
+clock: two jobs that could both be writing to one GPU. A live holder counts until it
+stops working (before it sends its release) or until its lease could have expired by
+its heartbeat's reckoning (the last confirmed renewal's send time plus the TTL),
+whichever comes first; the crashed one until its TTL from its claim. A job whose
+heartbeat gave the lease up (a renewal that came too late, as on a stalled machine)
+stopped at that moment, and Redis lets another job have the GPU only later, so that is
+counted apart (`lost`), not as a double holder.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import asyncio
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from ..store.leases import LeaseClient
 from ..store.records import Lease, Pool
@@ -28,6 +35,8 @@ class PoolFigures:
     renewals: int = 0
     releases: int = 0
     double_holders: int = 0
+    lost: int = 0  # leases given up by their own heartbeat before they could expire
+    doubles: list[str] = field(default_factory=list)  # the first few double holders, kept for the verdict
     crashed: str = ""  # "job-crash on g2" once it crashed
     crash_ttl_ms: int = 0
     expired_taken_by: str = ""  # the job that claimed the crashed job's GPU, and how
@@ -55,7 +64,8 @@ class GpuPool:
         self.crash_after, self.crash_ttl_ms = crash_after, crash_ttl_ms
         self.client = LeaseClient.from_url(redis_url, fallback_interval_s=1.0)
         self.figures = PoolFigures(crash_ttl_ms=crash_ttl_ms)
-        self._valid_until: dict[str, dict[str, float]] = {g: {} for g in pool.gpus}  # gpu -> {job: monotonic}
+        # gpu -> {job: when its lease could expire by its own clock (monotonic), asked at each claim}
+        self._valid_until: dict[str, dict[str, Callable[[], float]]] = {g: {} for g in pool.gpus}
         self._crash_at: float | None = None
         self._crashed_gpu = ""
         self._tasks: list[asyncio.Task[None]] = []
@@ -75,13 +85,17 @@ class GpuPool:
     def _event(self, what: str) -> None:
         self.figures.log = [*self.figures.log[-5:], what]
 
-    def _won(self, job: str, lease: Lease, valid_for: float) -> None:
+    def _won(self, job: str, lease: Lease, valid_until: Callable[[], float]) -> None:
         now = time.monotonic()
         others = self._valid_until[lease.gpu]
-        if any(until > now for other, until in others.items() if other != job):
+        clash = [other for other, until in others.items() if other != job and until() > now]
+        if clash:
             self.figures.double_holders += 1
-            self._event(f"DOUBLE HOLDER: {job} claimed {lease.gpu} while another lease on it was valid")
-        others[job] = now + valid_for
+            what = f"{job} claimed {lease.gpu} (via {lease.via}) while the lease of {', '.join(clash)} on it was valid"
+            if len(self.figures.doubles) < 3:
+                self.figures.doubles.append(what)
+            self._event(f"DOUBLE HOLDER: {what}")
+        others[job] = valid_until
         self.figures.claims[lease.via] += 1
         self.figures.holders[lease.gpu] = job
         if lease.gpu == self._crashed_gpu and self._crash_at is not None and not self.figures.expired_taken_by:
@@ -106,19 +120,20 @@ class GpuPool:
                 self.figures.waiting.discard(job)
             if lease is None:
                 continue
-            self._won(job, lease, float("inf"))  # valid until it lets go
             hb = self.client.heartbeat(lease)
+            self._won(job, lease, partial(getattr, hb, "valid_until"))  # until it lets go, or its lease could expire
             try:
                 await asyncio.wait_for(hb.lost.wait(), self._rng.uniform(*self.work_s))
+                self.figures.lost += 1
                 self._event(f"{job} lost its lease on {lease.gpu}: {hb.reason}")
             except TimeoutError:
                 pass  # the work is done
             finally:
                 await hb.stop()
                 self.figures.renewals += hb.renewals
+            self._let_go(job, lease.gpu)  # it has stopped working on the GPU: then it releases
             if not hb.lost.is_set() and await self.client.release(lease):
                 self.figures.releases += 1
-            self._let_go(job, lease.gpu)
             await asyncio.sleep(self._rng.uniform(0.2, 1.0))
 
     async def _crashing_job(self, job: str) -> None:
@@ -127,7 +142,8 @@ class GpuPool:
         lease = None
         while lease is None:
             lease = await self.client.wait_for_gpu(self.pool, job, timeout=60, ttl_ms=self.crash_ttl_ms, job_id=job)
-        self._won(job, lease, lease.sent_at + lease.ttl_ms / 1000 - time.monotonic())  # by its own clock: a TTL from its claim
+        expires = lease.sent_at + lease.ttl_ms / 1000  # by its own clock: a TTL from its claim
+        self._won(job, lease, lambda: expires)
         await asyncio.sleep(1.0)
         self._crash_at, self._crashed_gpu = time.monotonic(), lease.gpu
         self.figures.crashed = f"{job} on {lease.gpu}"
