@@ -190,7 +190,9 @@ def proofs(parts: Parts, servers: dict[str, SimServer], hung_at_start: set[str])
         out.append(Proof(f"fresh requests admitted: {rf.fresh_admitted} of {rf.fresh_sent} ({ages})", rf.fresh_admitted == rf.fresh_sent > 0))
     if parts.pool is not None:
         pf = parts.pool.figures
-        gave_up = f" (leases given up by a late heartbeat: {pf.lost})" if pf.lost else ""
+        # Said only when it explains something: a lease given up, or a stall of a second or more.
+        stall = f"longest event-loop stall {pf.longest_stall_s * 1000:.0f} ms"
+        gave_up = f" (leases given up by a late heartbeat: {pf.lost}; {stall})" if pf.lost else f" ({stall})" if pf.longest_stall_s >= 1.0 else ""
         first = f": {'; '.join(pf.doubles)}" if pf.doubles else ""
         out.append(Proof(f"double lease holders: {pf.double_holders}{gave_up}{first}", pf.double_holders == 0))
         taken = f"taken by {pf.expired_taken_by} {pf.expired_taken_after_s:.1f} s after the crash" if pf.expired_taken_after_s is not None else "not yet taken"
