@@ -14,6 +14,7 @@ import time
 
 from llm_health.sim.demo_view import Parts, proofs
 from llm_health.sim.gpu_pool import GpuPool
+from llm_health.sim.stalls import StallWatch
 from llm_health.store.records import Lease, Pool
 
 
@@ -44,6 +45,8 @@ async def test_a_claim_counts_double_only_while_the_other_lease_could_be_valid(r
 
 async def test_a_stalled_holder_loses_its_lease_and_is_no_double_holder(redis_url: str):
     pool = GpuPool(redis_url, Pool("p", ["g0"]), jobs=2, ttl_ms=1000, work_s=(30.0, 30.0), crash_after=3600.0)
+    stalls = StallWatch()
+    stalls.start()
     await pool.start()
     try:
         loop = asyncio.get_running_loop()
@@ -62,10 +65,11 @@ async def test_a_stalled_holder_loses_its_lease_and_is_no_double_holder(redis_ur
         assert pool.figures.lost >= 1, pool.figures.log
         assert any(f"{first} lost its lease on g0" in e for e in pool.figures.log), pool.figures.log
         assert pool.figures.double_holders == 0, pool.figures.log
-        assert pool.figures.longest_stall_s >= 1.0  # the stall watcher saw the 2 s block
-        parts = Parts(exporter=None, exporter_url="", pool=pool, route=None, alerts=None, skipped={})
+        assert stalls.longest_s >= 1.0 and stalls.noted  # the watch saw the 2 s block
+        parts = Parts(exporter=None, exporter_url="", pool=pool, route=None, alerts=None, skipped={}, stalls=stalls)
         line = next(p for p in proofs(parts, {}, set()) if p.line.startswith("double lease holders"))
         assert line.ok and line.line.startswith("double lease holders: 0 (leases given up by a late heartbeat: "), line.line
         assert "longest event-loop stall " in line.line, line.line
     finally:
         await pool.stop()
+        await stalls.stop()

@@ -33,6 +33,7 @@ from ..store.records import Pool
 from . import alerting, launch
 from . import servers as sim
 from .demo_view import Parts, frame, parse_series, proofs, summary
+from .stalls import StallWatch
 
 POOL, GPUS, ROUTE = "demo", ("g0", "g1", "g2", "g3"), "chat"
 
@@ -141,6 +142,9 @@ async def run_demo(
     skipped: dict[str, str] = {}
     started_pids: dict[str, int] = {}
     try:
+        stalls = StallWatch()  # from the start: a stall while the parts start can make a lease or request late
+        stalls.start()
+        stack.push_async_callback(stalls.stop)
         fleet = DemoFleet()
         stack.push_async_callback(fleet.stop)
         await fleet.start()
@@ -196,7 +200,7 @@ async def run_demo(
             await alerts.start()
             started_pids.update(alerts.pids())
 
-        parts = Parts(exporter, exporter_url, pool, route, alerts, skipped, time.time(), time.monotonic())
+        parts = Parts(exporter, exporter_url, pool, route, alerts, skipped, time.time(), time.monotonic(), stalls)
         print(f"llm-health demo: exporter on {exporter_url}/ (its status page), /metrics and /status; {len(exporter.slots)} simulated backends", flush=True)
         if route is not None:
             print(f"llm-health gate on {route.gate_url} (route {ROUTE}), Redis at {redis_url}", flush=True)

@@ -41,6 +41,10 @@ class RouteFigures:
     fresh_sent: int = 0
     fresh_admitted: int = 0  # first attempts the gate let through to the worker
     fresh_refused: int = 0
+    # For each refused first attempt, the span in which a stall could have made it late
+    # (from a deadline before it was sent, the queue ahead of it aging, to its refusal;
+    # monotonic), for the verdict to ask sim.stalls.
+    refused_windows: list[tuple[float, float]] = field(default_factory=list)
     retries_sent: int = 0
     late_retries_refused: int = 0
     late_retries_admitted: int = 0  # retries sent after their deadline that reached the worker
@@ -138,18 +142,21 @@ class RetryTraffic:
             deadline_ms = int(time.time() * 1000 + DEADLINE_MS)  # Unix ms, as the header says
             assert self._session is not None
             tl = Timeline()
+            sent = time.monotonic()
             statuses, rejection = await retry_proxy(self._session, self.gate_url, rid, deadline_ms, 4, tl)
-            self._count(statuses, rejection is not None, rejection.code if rejection else "")
+            self._count(statuses, rejection is not None, rejection.code if rejection else "", (sent - DEADLINE_MS / 1000, time.monotonic()))
             if rejection is not None and rejection.deadline_slack_ms is not None:
                 self.figures.refused_slack_ms = rejection.deadline_slack_ms
             self.figures.last = [*self.figures.last[-3:], f"{rid}: " + " -> ".join(str(s) for s in statuses) + (f" ({rejection.code})" if rejection else "")]
             await asyncio.sleep(0.3)
 
-    def _count(self, statuses: list[int], refused_last: bool, code: str) -> None:
+    def _count(self, statuses: list[int], refused_last: bool, code: str, window: tuple[float, float]) -> None:
         f = self.figures
         f.fresh_sent += 1
         first_refused = refused_last and len(statuses) == 1
         f.fresh_refused += first_refused
+        if first_refused and len(f.refused_windows) < 1000:
+            f.refused_windows.append(window)
         f.fresh_admitted += not first_refused
         retries = len(statuses) - 1
         f.retries_sent += retries

@@ -37,7 +37,6 @@ class PoolFigures:
     double_holders: int = 0
     lost: int = 0  # leases given up by their own heartbeat before they could expire
     doubles: list[str] = field(default_factory=list)  # the first few double holders, kept for the verdict
-    longest_stall_s: float = 0.0  # the longest this process' event loop was late to wake a 50 ms sleep
     crashed: str = ""  # "job-crash on g2" once it crashed
     crash_ttl_ms: int = 0
     expired_taken_by: str = ""  # the job that claimed the crashed job's GPU, and how
@@ -76,16 +75,6 @@ class GpuPool:
         await self.client.check_notifications()  # raises, naming the CONFIG SET, if events are off
         self._tasks = [asyncio.create_task(self._job(f"job-{i + 1}")) for i in range(self.jobs)]
         self._tasks.append(asyncio.create_task(self._crashing_job("job-crash")))
-        self._tasks.append(asyncio.create_task(self._watch_stalls()))
-
-    async def _watch_stalls(self) -> None:
-        """How late the event loop runs (a machine under load, a long pause): a heartbeat
-        late by more than its lease's TTL loses the lease, and this says whether that was
-        why."""
-        while True:
-            before = time.monotonic()
-            await asyncio.sleep(0.05)
-            self.figures.longest_stall_s = max(self.figures.longest_stall_s, time.monotonic() - before - 0.05)
 
     async def stop(self) -> None:
         for t in self._tasks:

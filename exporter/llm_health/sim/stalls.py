@@ -1,0 +1,46 @@
+"""How late the demo's event loop runs: a machine under load or a long pause delays
+every task of the process at once. A lease heartbeat late by more than its TTL loses the
+lease, and a request queued through a stall can reach the gate older than its slack and
+be refused, rightly. The demo's verdict asks this watch whether a stall explains such a
+count, so a correct product does not fail on a stalled machine, and says so."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+
+TICK_S = 0.05  # the sleep whose lateness is measured
+NOTED_S = 1.0  # stalls at least this long are kept, with when they happened
+
+
+class StallWatch:
+    def __init__(self, noted_s: float = NOTED_S) -> None:
+        self.noted_s = noted_s
+        self.longest_s = 0.0
+        self.noted: deque[tuple[float, float]] = deque(maxlen=256)  # (start, end), monotonic
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="demo-stall-watch")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            late = now - before - TICK_S
+            self.longest_s = max(self.longest_s, late)
+            if late >= self.noted_s:
+                self.noted.append((now - late, now))
+
+    def stalled_between(self, start: float, end: float) -> bool:
+        """True if a noted stall overlapped [start, end] (monotonic seconds)."""
+        return any(s <= end and e >= start for s, e in self.noted)

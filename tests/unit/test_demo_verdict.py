@@ -1,0 +1,48 @@
+"""The demo's verdict on its admission route: a first attempt refused counts against
+`fresh requests admitted` unless a stall of the demo's own event loop (sim.stalls) came in
+the span that could have made it late; and the proof never holds with nothing admitted."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from llm_health.sim.demo_view import Parts, proofs
+from llm_health.sim.stalls import StallWatch
+
+
+def _fresh_line(refused_windows: list[tuple[float, float]], stalls: list[tuple[float, float]], admitted: int = 2):
+    watch = StallWatch()
+    watch.noted.extend(stalls)
+    figures = SimpleNamespace(
+        fresh_sent=admitted + len(refused_windows),
+        fresh_admitted=admitted,
+        refused_windows=refused_windows,
+        ages_ms=[3.0, 250.0],
+        late_retries_refused=1,
+        late_retries_admitted=0,
+    )
+    parts = Parts(exporter=None, exporter_url="", pool=None, route=SimpleNamespace(figures=figures), alerts=None, skipped={}, stalls=watch)
+    return next(p for p in proofs(parts, {}, set()) if p.line.startswith("fresh requests admitted"))
+
+
+def test_every_first_attempt_admitted_holds():
+    p = _fresh_line([], [])
+    assert p.ok and p.line == "fresh requests admitted: 2 of 2 (queue_age_ms 3-250 at admission)"
+
+
+def test_a_refusal_with_no_stall_fails():
+    assert not _fresh_line([(10.0, 12.0)], []).ok
+
+
+def test_a_refusal_after_a_stall_in_its_span_is_excused_and_said():
+    p = _fresh_line([(10.0, 12.0)], [(11.0, 11.6)])
+    assert p.ok and p.line == "fresh requests admitted: 2 of 3 (queue_age_ms 3-250 at admission; refused after an event-loop stall: 1)"
+
+
+def test_a_stall_outside_the_span_excuses_nothing():
+    assert not _fresh_line([(10.0, 12.0)], [(12.5, 13.6), (7.0, 9.9)]).ok
+    assert not _fresh_line([(10.0, 12.0), (20.0, 22.0)], [(11.0, 11.6)]).ok  # one excused, one not
+
+
+def test_nothing_admitted_never_holds_even_when_every_refusal_is_excused():
+    assert not _fresh_line([(10.0, 12.0)], [(11.0, 11.6)], admitted=0).ok
