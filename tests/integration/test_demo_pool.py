@@ -14,7 +14,7 @@ import time
 
 from llm_health.sim.demo_view import Parts, proofs
 from llm_health.sim.gpu_pool import GpuPool
-from llm_health.sim.stalls import StallWatch
+from llm_health.sim.stalls import StallWatch, starved_s
 from llm_health.store.records import Lease, Pool
 
 
@@ -73,3 +73,24 @@ async def test_a_stalled_holder_loses_its_lease_and_is_no_double_holder(redis_ur
     finally:
         await pool.stop()
         await stalls.stop()
+
+
+async def test_the_stall_watch_notes_a_starved_loop():
+    watch = StallWatch()
+    watch.start()
+    try:
+        await asyncio.sleep(0.2)
+        time.sleep(1.5)  # starved: the thread holds no CPU, as when the machine does not schedule it
+        await asyncio.sleep(0.2)
+        assert len(watch.noted) >= 1 and watch.longest_s >= 1.0
+        start, end = watch.noted[-1]
+        assert end - start >= 1.0 and watch.stalled_between(start + 0.1, start + 0.2) and not watch.stalled_between(end + 0.1, end + 5)
+    finally:
+        await watch.stop()
+
+
+def test_only_time_off_the_cpu_counts_as_starvation():
+    assert starved_s(1.5, 0.0) == 1.5  # asleep or unscheduled the whole stall
+    assert starved_s(1.5, 1.5) == 0.0  # the loop's own code ran the whole stall: a product defect, not excused
+    assert starved_s(3.0, 1.5) == 1.5  # own code on a loaded machine: only the unscheduled part
+    assert starved_s(0.01, 0.05) == 0.0
