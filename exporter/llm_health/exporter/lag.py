@@ -20,14 +20,18 @@ from prometheus_client.metrics_core import Metric
 from ..collector import SnapshotCollector
 
 
-class LoopLag(SnapshotCollector):
-    def __init__(self, tick: float = 0.25, window: float = 10.0):
-        self.tick, self.window = tick, window
-        self._late: deque[tuple[float, float]] = deque()  # (woke at, seconds late), monotonic
+class LoopWatch:
+    """A task that asks to wake every `tick` seconds and hands `note` how much later than
+    asked it woke and how much CPU the loop's thread used meanwhile (time off the CPU is
+    the machine's doing; time on it, this process' own). `LoopLag` here and the demo's
+    stall watch (sim.stalls) are the two notes."""
+
+    def __init__(self, tick: float):
+        self.tick = tick
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="event-loop-lag")
+        self._task = asyncio.create_task(self._run(), name=f"{type(self).__name__}-ticks")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -37,12 +41,22 @@ class LoopLag(SnapshotCollector):
 
     async def _run(self) -> None:
         while True:
-            asked = time.monotonic() + self.tick
+            asked, cpu = time.monotonic() + self.tick, time.thread_time()
             await asyncio.sleep(self.tick)
             now = time.monotonic()
-            self.note(now, max(0.0, now - asked))
+            self.note(now, max(0.0, now - asked), time.thread_time() - cpu)
 
-    def note(self, now: float, late: float) -> None:
+    def note(self, now: float, late: float, cpu_s: float = 0.0) -> None:
+        raise NotImplementedError
+
+
+class LoopLag(LoopWatch, SnapshotCollector):
+    def __init__(self, tick: float = 0.25, window: float = 10.0):
+        super().__init__(tick)
+        self.window = window
+        self._late: deque[tuple[float, float]] = deque()  # (woke at, seconds late), monotonic
+
+    def note(self, now: float, late: float, cpu_s: float = 0.0) -> None:
         self._late.append((now, late))
         while self._late and self._late[0][0] < now - self.window:
             self._late.popleft()

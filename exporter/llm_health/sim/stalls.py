@@ -11,10 +11,9 @@ product defect the verdict must not excuse; it counts in `longest_s` only."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import time
 from collections import deque
+
+from ..exporter.lag import LoopWatch
 
 TICK_S = 0.05  # the sleep whose lateness is measured
 NOTED_S = 1.0  # stalls with at least this much starvation are kept, with when they happened
@@ -26,31 +25,17 @@ def starved_s(late_s: float, cpu_s: float) -> float:
     return max(0.0, late_s - cpu_s)
 
 
-class StallWatch:
+class StallWatch(LoopWatch):
     def __init__(self, noted_s: float = NOTED_S) -> None:
+        super().__init__(TICK_S)
         self.noted_s = noted_s
         self.longest_s = 0.0
         self.noted: deque[tuple[float, float]] = deque(maxlen=256)  # (start, end), monotonic
-        self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="demo-stall-watch")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
-        while True:
-            before, cpu = time.monotonic(), time.thread_time()
-            await asyncio.sleep(TICK_S)
-            now = time.monotonic()
-            late = now - before - TICK_S
-            self.longest_s = max(self.longest_s, late)
-            if starved_s(late, time.thread_time() - cpu) >= self.noted_s:
-                self.noted.append((now - late, now))
+    def note(self, now: float, late: float, cpu_s: float = 0.0) -> None:
+        self.longest_s = max(self.longest_s, late)
+        if starved_s(late, cpu_s) >= self.noted_s:
+            self.noted.append((now - late, now))
 
     def stalled_between(self, start: float, end: float) -> bool:
         """True if a noted stall overlapped [start, end] (monotonic seconds)."""
