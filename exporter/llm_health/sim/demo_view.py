@@ -203,8 +203,10 @@ def proofs(parts: Parts, servers: dict[str, SimServer], hung_at_start: set[str])
         pf = parts.pool.figures
         # Said only when it explains something: a lease given up, or a stall of a second or more.
         longest = parts.stalls.longest_s if parts.stalls is not None else 0.0
-        stall = f"longest event-loop stall {longest * 1000:.0f} ms"
-        gave_up = f" (leases given up by a late heartbeat: {pf.lost}; {stall})" if pf.lost else f" ({stall})" if longest >= NOTED_S else ""
+        notes = [f"leases given up by a late heartbeat: {pf.lost}"] if pf.lost else []
+        if pf.lost or longest >= NOTED_S:
+            notes.append(f"longest event-loop stall {longest * 1000:.0f} ms")
+        gave_up = f" ({'; '.join(notes)})" if notes else ""
         first = f": {'; '.join(pf.doubles)}" if pf.doubles else ""
         out.append(Proof(f"double lease holders: {pf.double_holders}{gave_up}{first}", pf.double_holders == 0))
         taken = f"taken by {pf.expired_taken_by} {pf.expired_taken_after_s:.1f} s after the crash" if pf.expired_taken_after_s is not None else "not yet taken"
