@@ -182,10 +182,18 @@ class Target:
         if conn is not None:
             conn.close()
 
-    async def addresses(self, loop: asyncio.AbstractEventLoop) -> list[tuple[Any, ...]]:
-        """(family, sockaddr) to try, in the resolver's order; an IP address is not resolved."""
+    def known(self) -> list[tuple[Any, ...]] | None:
+        """The addresses, where no resolve is due (an IP address, or a name resolved less
+        than `DNS_TTL` seconds ago); else None."""
         if self._addresses and (self._resolved_at == math.inf or time.monotonic() - self._resolved_at < DNS_TTL):
             return self._addresses
+        return None
+
+    async def addresses(self, loop: asyncio.AbstractEventLoop) -> list[tuple[Any, ...]]:
+        """(family, sockaddr) to try, in the resolver's order; an IP address is not resolved."""
+        known = self.known()
+        if known is not None:
+            return known
         infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
         found = [(family, sockaddr) for family, _, _, _, sockaddr in infos]
         if not found:
@@ -471,8 +479,8 @@ class _Stale(Exception):
 async def get(target: Target, *, connect_timeout: float, timeout: float, max_bytes: int) -> Response:
     """One GET of `target`, on its kept connection or a new one. Raises HttpError, and only it.
 
-    The total timeout is one timer on the answer's future; the resolve and each connect run
-    in one timeout context, moved to each connect's own deadline."""
+    The total timeout is one timer on the answer's future; the resolve (where one is due)
+    and each address's connect run in a timeout context of their own (`_connect`)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     conn, keep = target.take()
@@ -488,37 +496,45 @@ async def get(target: Target, *, connect_timeout: float, timeout: float, max_byt
 
 
 async def _connect(loop: asyncio.AbstractEventLoop, target: Target, deadline: float, connect_timeout: float, timeout: float) -> _Conn:
-    connecting = False
+    """A new connection to the first of the target's addresses that takes one. Each
+    address's connect has `connect_timeout` of its own (within the total): a name whose
+    first address drops the SYN (an IPv6 route that goes nowhere) still reaches the next.
+    A refusal anywhere is the answer `refused`; only addresses that all timed out make a
+    connect timeout."""
+    addresses = target.known()
     try:
-        async with asyncio.timeout_at(deadline) as scope:
-            try:
+        if addresses is None:
+            async with asyncio.timeout_at(deadline):
                 addresses = await target.addresses(loop)
-            except OSError as exc:
-                raise HttpError(f"connection refused or unreachable (cannot resolve {target.host[:100]}: {exc.strerror or exc})", refused=True) from None
-            error: OSError | None = None
-            for family, sockaddr in addresses:
-                connecting = loop.time() + connect_timeout < deadline
-                scope.reschedule(min(deadline, loop.time() + connect_timeout))
-                try:
-                    _, conn = await loop.create_connection(
-                        _Conn,
-                        sockaddr[0],
-                        sockaddr[1],
-                        family=family,
-                        ssl=_tls() if target.tls else None,
-                        server_hostname=target.host if target.tls else None,
-                    )
-                    return conn
-                except ssl.SSLError as exc:
-                    raise HttpError(f"TLS: {str(exc)[:200]}") from None
-                except OSError as exc:
-                    error = exc
-            why = (error.strerror or type(error).__name__) if error else "no address"
-            raise HttpError(f"connection refused or unreachable ({why})", refused=True)
     except TimeoutError:
-        if connecting:
-            raise HttpError(f"connect timeout after {connect_timeout:g}s", timed_out=True) from None
         raise HttpError(f"timeout after {timeout:g}s", timed_out=True) from None
+    except OSError as exc:
+        raise HttpError(f"connection refused or unreachable (cannot resolve {target.host[:100]}: {exc.strerror or exc})", refused=True) from None
+    error: OSError | None = None
+    for family, sockaddr in addresses:
+        ends = min(deadline, loop.time() + connect_timeout)
+        try:
+            async with asyncio.timeout_at(ends):
+                _, conn = await loop.create_connection(
+                    _Conn,
+                    sockaddr[0],
+                    sockaddr[1],
+                    family=family,
+                    ssl=_tls() if target.tls else None,
+                    server_hostname=target.host if target.tls else None,
+                )
+            return conn
+        except TimeoutError:
+            if ends >= deadline:  # the total ran out: it is the one named
+                raise HttpError(f"timeout after {timeout:g}s", timed_out=True) from None
+        except ssl.SSLError as exc:
+            raise HttpError(f"TLS: {str(exc)[:200]}") from None
+        except OSError as exc:
+            error = exc
+    if error is None and addresses:  # every address timed out
+        raise HttpError(f"connect timeout after {connect_timeout:g}s", timed_out=True)
+    why = (error.strerror or type(error).__name__) if error else "no address"
+    raise HttpError(f"connection refused or unreachable ({why})", refused=True)
 
 
 async def _exchange(

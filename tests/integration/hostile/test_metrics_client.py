@@ -14,7 +14,7 @@ import contextlib
 import gzip
 import socket
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -254,10 +254,12 @@ async def test_a_closed_port_is_refused(canned):
     assert server.requests == []
 
 
-async def test_a_connect_that_hangs_is_a_connect_timeout_within_the_total():
-    # a listener whose accept queue is full: Linux drops the next SYN, so a connect hangs
+@contextlib.contextmanager
+def black_hole(host: str = "127.0.0.1", port: int = 0) -> Iterator[int]:
+    """A listener whose accept queue is full: Linux drops the next SYN, so a connect to
+    its port hangs. Yields the port."""
     with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
+        listener.bind((host, port))
         listener.listen(0)
         port = listener.getsockname()[1]
         fillers = []
@@ -265,18 +267,64 @@ async def test_a_connect_that_hangs_is_a_connect_timeout_within_the_total():
             for _ in range(4):
                 filler = socket.socket()
                 filler.setblocking(False)
-                filler.connect_ex(("127.0.0.1", port))
+                filler.connect_ex((host, port))
                 fillers.append(filler)
-            target = http.Target(f"http://127.0.0.1:{port}", "/metrics", {})
-            with pytest.raises(http.HttpError) as caught:
-                await http.get(target, connect_timeout=0.3, timeout=SLOW, max_bytes=1000)
-            assert (str(caught.value), caught.value.timed_out) == ("connect timeout after 0.3s", True)
-            with pytest.raises(http.HttpError) as caught:  # the total ends first: it is the one named
-                await http.get(target, connect_timeout=SLOW, timeout=0.3, max_bytes=1000)
-            assert (str(caught.value), caught.value.timed_out) == ("timeout after 0.3s", True)
+            yield port
         finally:
             for filler in fillers:
                 filler.close()
+
+
+async def test_a_connect_that_hangs_is_a_connect_timeout_within_the_total():
+    with black_hole() as port:
+        target = http.Target(f"http://127.0.0.1:{port}", "/metrics", {})
+        with pytest.raises(http.HttpError) as caught:
+            await http.get(target, connect_timeout=0.3, timeout=SLOW, max_bytes=1000)
+        assert (str(caught.value), caught.value.timed_out) == ("connect timeout after 0.3s", True)
+        with pytest.raises(http.HttpError) as caught:  # the total ends first: it is the one named
+            await http.get(target, connect_timeout=SLOW, timeout=0.3, max_bytes=1000)
+        assert (str(caught.value), caught.value.timed_out) == ("timeout after 0.3s", True)
+
+
+async def test_a_name_whose_first_address_drops_the_syn_is_read_on_the_next(canned, monkeypatch):
+    # A dual-stack name with a broken route for its first address: each address's connect
+    # has its own timeout, and the next address is tried within the total.
+    server = await canned(sends(head(f"Content-Length: {len(BODY)}"), BODY))
+    loop = asyncio.get_running_loop()
+    asked = []
+
+    async def getaddrinfo(host, port, **kwargs):
+        asked.append(host)
+        inet = (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "")
+        return [(*inet, ("127.0.0.2", port)), (*inet, ("127.0.0.1", port))]
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    with black_hole("127.0.0.2", server.port):
+        target = http.Target(f"http://dual.invalid:{server.port}", "/metrics", {})
+        resp = await http.get(target, connect_timeout=0.3, timeout=SLOW, max_bytes=1000)
+        assert (resp.status, "".join(resp.parts)) == (200, BODY.decode())
+        assert asked == ["dual.invalid"] and len(server.requests) == 1
+        # Both addresses silent: a connect timeout, named as such, within the total.
+        with black_hole("127.0.0.1") as silent, black_hole("127.0.0.2", silent):
+            target = http.Target(f"http://dual.invalid:{silent}", "/metrics", {})
+            with pytest.raises(http.HttpError) as caught:
+                await http.get(target, connect_timeout=0.3, timeout=SLOW, max_bytes=1000)
+            assert (str(caught.value), caught.value.timed_out, caught.value.refused) == ("connect timeout after 0.3s", True, False)
+            # The total ends during the second address's connect: the total is named.
+            target = http.Target(f"http://dual.invalid:{silent}", "/metrics", {})
+            with pytest.raises(http.HttpError) as caught:
+                await http.get(target, connect_timeout=0.3, timeout=0.45, max_bytes=1000)
+            assert (str(caught.value), caught.value.timed_out) == ("timeout after 0.45s", True)
+
+
+async def test_a_refusal_after_a_silent_address_is_refused():
+    with black_hole("127.0.0.2") as port:
+        target = http.Target(f"http://127.0.0.2:{port}", "/metrics", {})
+        target._addresses = [(socket.AF_INET, ("127.0.0.2", port)), (socket.AF_INET, ("127.0.0.1", port))]  # nothing listens on the second
+        with pytest.raises(http.HttpError) as caught:
+            await http.get(target, connect_timeout=0.3, timeout=SLOW, max_bytes=1000)
+        assert caught.value.refused and not caught.value.timed_out
+        assert str(caught.value).startswith("connection refused or unreachable (")
 
 
 async def test_tls_is_verified(canned, tmp_path):
