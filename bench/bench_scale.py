@@ -24,6 +24,10 @@ from the cost of a backend round, which does not depend on the interval).
     python -m bench.bench_scale [--backends 1000] [--interval 10] [--rounds 3] [--per-process 2500] [--scrapes 3]
                                 [--server-keepalive 5] [--profile N]
 
+An idle backend gets a 1-token probe once per `probe_interval`, a cost per second rather
+than per round: the run scales it with `--interval` (6 rounds, as the default 60 s gives
+at 10 s rounds), so runs at longer intervals charge each round what a 10 s round pays.
+
 A real vLLM closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, uvicorn's
 default), so at 10 s rounds every round opens a new one; the simulated fleet does the same
 unless `--server-keepalive` says otherwise (75, aiohttp's default, shows a reused one).
@@ -147,7 +151,11 @@ def timed(fn: Any, times: int) -> tuple[float, bytes]:
 
 
 async def run(urls: list[str], interval: float, rounds: int, scrapes: int, profile: int) -> dict:
-    timing = Timing(interval=interval, hung_after_seconds=2 * interval, probe_interval=60, metrics_timeout=interval, probe_timeout=2.0)
+    # An idle backend gets a 1-token probe once per probe_interval, a cost per second, not
+    # per round: scaled with the interval, so that it is probed every 6th round at any
+    # interval, as the default probe_interval (60 s) does at 10 s rounds.
+    probe_interval = Timing().probe_interval * interval / 10.0
+    timing = Timing(interval=interval, hung_after_seconds=2 * interval, probe_interval=probe_interval, metrics_timeout=interval, probe_timeout=2.0)
     exporter = Exporter(Config(timing=timing, backends=tuple(Backend(f"b{i}", u, "vllm", timing) for i, u in enumerate(urls))))
     base_rss = rss_mib()[0]
     await exporter.start()
@@ -156,6 +164,7 @@ async def run(urls: list[str], interval: float, rounds: int, scrapes: int, profi
     profiler = cProfile.Profile() if profile else None
     c0, t0, sys0 = cpu(), time.monotonic(), system_cpu()
     rounds0 = sum(s.monitor.rounds for s in exporter.slots.values())
+    probes0 = sum(s.monitor.probes_sent for s in exporter.slots.values())
     if profiler:
         profiler.enable()
     await asyncio.sleep(interval * rounds)
@@ -163,6 +172,7 @@ async def run(urls: list[str], interval: float, rounds: int, scrapes: int, profi
         profiler.disable()
     c1, t1, sys1 = cpu(), time.monotonic(), system_cpu()
     rounds1 = sum(s.monitor.rounds for s in exporter.slots.values())
+    probes1 = sum(s.monitor.probes_sent for s in exporter.slots.values())
     # a scrape of the exporter itself, both ways, as Prometheus would take it every round
     new_ms, new_body = timed(lambda: exporter.exposition.render(generate_latest), scrapes)
     old_ms, old_body = timed(lambda: generate_latest(exporter.registry), scrapes)
@@ -192,6 +202,8 @@ async def run(urls: list[str], interval: float, rounds: int, scrapes: int, profi
         "interval_s": interval,
         "wall_s": wall,
         "backend_rounds": backend_rounds,
+        "probes": probes1 - probes0,
+        "probe_interval_s": probe_interval,
         "expected_rounds": len(urls) * wall / interval,
         "cpu_s": c1 - c0,
         "system_ms_per_round": (sys1 - sys0) / max(1, backend_rounds) * 1000,
@@ -278,7 +290,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backends", type=int, default=1000)
     ap.add_argument("--interval", type=float, default=10.0)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=6, help="rounds measured (6: one probe_interval, so each idle backend is probed about once in the window)")
     ap.add_argument("--per-process", type=int, default=2500, help="listeners per fleet process")
     ap.add_argument("--scrapes", type=int, default=3, help="scrapes timed per path (the median is reported)")
     ap.add_argument(
@@ -341,6 +353,10 @@ def main() -> None:
         f"{r['per_round_ms']:.3f} ms per backend round -> {100 * r['share_at_10s']:.1f}% of one core at 10 s rounds"
     )
     print(f"  of which system (kernel) time {r['system_ms_per_round']:.3f} ms a round; first rounds at most {slots.FIRST_ROUNDS_PER_SECOND:g} a second")
+    print(
+        f"  probes: {r['probes']} 1-token probes sent to idle backends ({r['probes'] / max(1, r['backend_rounds']):.3f} a backend round; "
+        f"probe_interval {r['probe_interval_s']:g} s, the default 60 s scaled to the interval: every 6th round of an idle backend, as at 10 s rounds)"
+    )
     parse_ratio = payload_ms / r["per_round_ms"]
     print(
         f"a backend round costs 1/{parse_ratio:.1f} of prometheus_client's parse of its payload ({r['per_round_ms'] / calibration:.3f} of the calibration parse)"
