@@ -21,7 +21,7 @@ A fleet process on a 2-core machine serves a few hundred reads a second: past ~1
 backends run it with a longer `--interval` (the share of a core at 10 s rounds is computed
 from the cost of a backend round, which does not depend on the interval).
 
-    python -m bench.bench_scale [--backends 1000] [--interval 10] [--rounds 3] [--per-process 2500] [--scrapes 3]
+    python -m bench.bench_scale [--backends 1000] [--interval 10] [--rounds 6] [--per-process 2500] [--scrapes 3]
                                 [--server-keepalive 5] [--profile N]
 
 An idle backend gets a 1-token probe once per `probe_interval`, a cost per second rather
