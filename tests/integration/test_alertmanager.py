@@ -151,7 +151,14 @@ def test_the_three_inhibitions_the_issue_asks_for():
     assert not matches(busy["target_matchers"], {"alertname": "LLMBackendHung"})
     # a GPU that reports a fault keeps the restarter off the backend; its own page is not muted
     assert ("LLMBackendGPUFault", "LLMBackendHung") in pairs
-    assert not {p for p in pairs if p[1] in ("LLMBackendHungGPUFault", "VLLMEngineHung")}
+    # and the raw layer's hang on that GPU, which the restarter would otherwise act on
+    # itself once the LLMBackendHung it holds the raw alert for never comes
+    assert ("VLLMGPUFault", "VLLMEngineHung") in pairs
+    assert {p for p in pairs if p[1] in ("LLMBackendHung", "VLLMEngineHung")} == {
+        ("LLMBackendGPUFault", "LLMBackendHung"),
+        ("VLLMGPUFault", "VLLMEngineHung"),
+    }
+    assert not {p for p in pairs if p[1] in ("LLMBackendHungGPUFault", "VLLMEngineHungGPUFault")}
     # the whole host down mutes per-backend alerts
     assert ("VLLMHostDown", "VLLMEngineDown") in pairs
     # (an exporter that sees every backend down is left out of LLMBackendDown in the rules:
@@ -257,3 +264,40 @@ def test_live_gpu_fault_keeps_the_restarter_off(alertmanager_factory, sink, tmp_
     assert {(a["labels"]["alertname"], a["labels"]["backend"]) for a in sink.alerts("/restarter")} == {("LLMBackendHung", "gpu4")}
     paged = {(a["labels"]["alertname"], a["labels"]["backend"]) for a in sink.alerts("/pager")}
     assert ("LLMBackendHungGPUFault", "gpu3") in paged and ("LLMBackendHung", "gpu3") not in paged
+
+
+def test_live_gpu_fault_keeps_the_restarter_off_the_raw_layer(alertmanager_factory, sink, tmp_path):
+    """VLLMGPUFault (info) mutes VLLMEngineHung of its vLLM target only (equal job, instance):
+    the restarter gets the other target's raw hang, the pager VLLMEngineHungGPUFault
+    (docs/runbook.md, VLLMGPUFault)."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    am = alertmanager_factory(rewrite_alertmanager_config(EXAMPLE.read_text(), sink.url, token))
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    faulted = {"job": "vllm", "instance": "10.2.1.5:8000", "host": "10.2.1.5", "model_name": "m", "engine": "0"}
+    healthy = {"job": "vllm", "instance": "10.2.1.6:8000", "host": "10.2.1.6", "model_name": "m", "engine": "0"}
+    pod = {"namespace": "default", "pod": "cuda-75454ffb9f-8ljq7"}
+    am.post_alerts(
+        [
+            {"labels": {"alertname": "VLLMGPUFault", "severity": "info", "job": "vllm", "instance": "10.2.1.5:8000", **pod}, "startsAt": now},
+            {"labels": {"alertname": "VLLMEngineHung", "severity": "critical", **faulted}, "startsAt": now},
+            {"labels": {"alertname": "VLLMEngineHung", "severity": "critical", **healthy}, "startsAt": now},
+            {"labels": {"alertname": "VLLMEngineHungGPUFault", "severity": "critical", **faulted}, "startsAt": now},
+        ]
+    )
+
+    def inhibited_state():
+        state = {(a["labels"]["alertname"], a["labels"]["instance"]): bool(a["status"]["inhibitedBy"]) for a in am.alerts(inhibited=True)}
+        return state if len(state) == 4 and state[("VLLMEngineHung", "10.2.1.5:8000")] else None
+
+    state = wait_until(inhibited_state, timeout=30, what="inhibition in Alertmanager")
+    assert not state[("VLLMEngineHung", "10.2.1.6:8000")] and not state[("VLLMEngineHungGPUFault", "10.2.1.5:8000")]
+    wait_until(lambda: sink.alerts("/restarter") and sink.alerts("/pager"), timeout=30, what="deliveries to the sink")
+    wait_until(
+        lambda: ("VLLMEngineHungGPUFault", "10.2.1.5:8000") in {(a["labels"]["alertname"], a["labels"]["instance"]) for a in sink.alerts("/pager")},
+        timeout=30,
+        what="the GPU-fault page",
+    )
+    assert {(a["labels"]["alertname"], a["labels"]["instance"]) for a in sink.alerts("/restarter")} == {("VLLMEngineHung", "10.2.1.6:8000")}
+    paged = {(a["labels"]["alertname"], a["labels"]["instance"]) for a in sink.alerts("/pager")}
+    assert ("VLLMEngineHung", "10.2.1.5:8000") not in paged and ("VLLMEngineHung", "10.2.1.6:8000") in paged

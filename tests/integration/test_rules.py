@@ -384,6 +384,11 @@ def test_every_series_read_by_a_rule_exists():
         for name in metric_names(rule["expr"]):
             if name in recorded or name == "up":
                 continue
+            if name == "ALERTS":  # written by Prometheus (vmalert: to -remoteWrite.url) for each alert rule
+                read = set(re.findall(r'ALERTS\{alertname="([^"]+)"', rule["expr"]))
+                if not read or not read <= {a["alert"] for a in alerts()}:
+                    problems.append(f"{who}: ALERTS must name a shipped alert by alertname (reads {sorted(read) or 'any'})")
+                continue
             if name.startswith("DCGM_"):
                 if name not in dcgm:
                     problems.append(f"{who}: {name} is in no real dcgm-exporter payload ({DCGM_PAYLOADS.relative_to(ROOT)})")
