@@ -18,7 +18,12 @@ vmalert, and the evidence clauses count scrapes in MetricsQL as in Prometheus.
   for and at faster ones, and the `*ScrapeTooSlow` warning's condition holds at every
   evaluation at slower ones (as in Prometheus: tests/integration/test_rule_intervals.py).
 
-Needs Debian's victoria-metrics (victoria-metrics, vmalert); seconds.
+* VLLMEngineHungGPUFault, which reads the `ALERTS` vmalert writes to its -remoteWrite.url
+  back through -datasource.url, fires in vmalert for the faulted pod only (the series of
+  rules/tests/dcgm-vllm.test.yml, kept fresh for two minutes).
+
+Needs Debian's victoria-metrics (victoria-metrics, vmalert); seconds, and two minutes for
+VLLMEngineHungGPUFault.
 """
 
 from __future__ import annotations
@@ -211,6 +216,86 @@ def test_llm_backend_hung_fires_in_vmalert_with_its_evidence(variant: str, tmp_p
 
         wait_until(notified, timeout=60, what="vmalert's notification of LLMBackendHung")
     finally:
+        if vmalert is not None:
+            vmalert.stop()
+        sink.stop()
+        vm.stop()
+
+
+def _raw_fault_case() -> list[tuple[str, str]]:
+    """rules/tests/dcgm-vllm.test.yml's first case (two frozen vLLM pods, one on a GPU with
+    XID 79, and a target outside Kubernetes): its series and their constant values."""
+    doc = yaml.safe_load((RULES / "tests" / "dcgm-vllm.test.yml").read_text())
+    series = []
+    for s in doc["tests"][0]["input_series"]:
+        value, times = s["values"].split("x")
+        assert times.isdigit(), s  # every series of the case is a constant
+        series.append((s["series"], value))
+    return series
+
+
+def test_vllm_engine_hung_gpu_fault_fires_in_vmalert_from_its_own_alerts(tmp_path: Path):
+    """VLLMEngineHungGPUFault reads `ALERTS`, which vmalert writes to its -remoteWrite.url
+    and reads back through -datasource.url (docs/victoriametrics.md). rules/fast's
+    vllm.rules.yml and dcgm.rules.yml in one vmalert, on the series of the promtool case
+    (imported ten minutes back, then "scraped" every 5 s while the test runs): VLLMGPUFault
+    fires for the faulted pod's target, VLLMEngineHung for both frozen pods, and
+    VLLMEngineHungGPUFault for the faulted pod's engine only, with the hung engine's labels
+    (so that Alertmanager routes it to the pager: rules/alertmanager.example.yml), and is
+    notified."""
+    require(install_problem("victoria-metrics", "vmalert"))
+    import threading
+
+    series = _raw_fault_case()
+    faulted, healthy = "10.2.1.5:8000", "10.2.1.6:8000"
+    vm = start_victoria_metrics(tmp_path)
+    sink = start_sink()
+    vmalert = None
+    stop = threading.Event()
+
+    def scrape(at: float) -> str:
+        return "\n".join(f"{name} {value} {int(at * 1000)}" for name, value in series)
+
+    def scraping() -> None:
+        while not stop.wait(5 - time.time() % 5):
+            vm.import_prometheus(scrape(time.time()))
+
+    now = time.time()
+    vm.import_prometheus("\n".join(scrape(now - age) for age in range(600, 0, -5)))
+    scraper = threading.Thread(target=scraping, daemon=True)
+    scraper.start()
+    try:
+        rule_files = [ROOT / "rules" / "fast" / "vllm.rules.yml", ROOT / "rules" / "fast" / "dcgm.rules.yml"]
+        vmalert = start_vmalert(tmp_path, rule_files, vm.url, notifiers=[sink.url], evaluation_interval="5s")
+
+        def firing(name: str) -> list[dict]:
+            return [a for a in vmalert.alerts() if a["labels"]["alertname"] == name and a["state"] == "firing"]
+
+        try:
+            paged = wait_until(lambda: firing("VLLMEngineHungGPUFault"), timeout=240, interval=2, what="VLLMEngineHungGPUFault firing in vmalert")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; vmalert's log:\n{vmalert.log()}") from None
+        hung = firing("VLLMEngineHung")
+        assert sorted(a["labels"]["instance"] for a in hung) == [faulted, healthy], hung
+        assert [a["labels"]["instance"] for a in firing("VLLMGPUFault")] == [faulted]
+        assert len(paged) == 1, paged
+        labels = paged[0]["labels"]
+        assert (labels["job"], labels["instance"], labels["model_name"], labels["engine"], labels["severity"]) == ("vllm", faulted, "m", "0", "critical"), (
+            labels
+        )
+        assert "GPU 0" in paged[0]["annotations"]["gpus"] and "79" in paged[0]["annotations"]["gpus"], paged[0]["annotations"]
+
+        def notified() -> bool:
+            calls = [c["body"] for c in list(sink.received) if c["path"] == "/api/v2/alerts" and isinstance(c["body"], list)]
+            return any(a["labels"]["alertname"] == "VLLMEngineHungGPUFault" for body in calls for a in body)
+
+        wait_until(notified, timeout=60, what="vmalert's notification of VLLMEngineHungGPUFault")
+        # Later evaluations: still exactly the faulted pod's engine.
+        time.sleep(10)
+        assert [a["labels"]["instance"] for a in firing("VLLMEngineHungGPUFault")] == [faulted]
+    finally:
+        stop.set()
+        scraper.join(timeout=10)
         if vmalert is not None:
             vmalert.stop()
         sink.stop()
