@@ -47,6 +47,7 @@ import cProfile
 import gc
 import gzip
 import io
+import json
 import math
 import multiprocessing as mp
 import os
@@ -63,7 +64,7 @@ from bench._goal import goal_line
 from bench._machine import machine_line, parse_calibration_ms, prometheus_parse_ms
 from llm_health.config.exporter import Backend, Config, Timing
 from llm_health.exporter import slots
-from llm_health.exporter.app import Exporter
+from llm_health.exporter.app import Exporter, _clean, _dumps
 from llm_health.sim import servers as sim
 from llm_health.web import gzip_body
 
@@ -178,6 +179,12 @@ async def run(urls: list[str], interval: float, rounds: int, scrapes: int, profi
     old_ms, old_body = timed(lambda: generate_latest(exporter.registry), scrapes)
     gzip_ms, zipped = timed(lambda: gzip_body(new_body), scrapes)
     default_gzip_ms, default_zipped = timed(lambda: gzip.compress(new_body), 1)  # what prometheus_client's handlers do
+    # /status, built whole: as it is encoded now, and as it was before (every value walked
+    # by _clean, then the pure-Python encoder that `indent` selects)
+    status_ms, status_body = timed(lambda: _dumps(exporter.status_body()), scrapes)
+    old_status_ms, old_status_body = timed(lambda: json.dumps(_clean(exporter.status_body()), indent=1).encode(), scrapes)
+    if json.loads(status_body) != json.loads(old_status_body):
+        raise SystemExit("the two /status encodings differ")
     states: dict[str, int] = {}
     reasons: dict[str, str] = {}  # one reason of each state the fleet was not made to be in
     for s in exporter.slots.values():
@@ -221,6 +228,10 @@ async def run(urls: list[str], interval: float, rounds: int, scrapes: int, profi
         "gzip_bytes": len(zipped),
         "default_gzip_ms": default_gzip_ms,
         "default_gzip_bytes": len(default_zipped),
+        "status_ms": status_ms,
+        "old_status_ms": old_status_ms,
+        "status_bytes": len(status_body),
+        "old_status_bytes": len(old_status_body),
         "series": series,
         "states": states,
         "reasons": reasons,
@@ -372,6 +383,10 @@ def main() -> None:
         f"gzip of the scrape: level 1 (what /metrics sends) {r['gzip_ms']:.0f} ms -> {r['gzip_bytes'] / 1024:.0f} KiB "
         f"({r['new_bytes'] / r['gzip_bytes']:.0f}x smaller); gzip.compress's default level 9 {r['default_gzip_ms']:.0f} ms -> "
         f"{r['default_gzip_bytes'] / 1024:.0f} KiB"
+    )
+    print(
+        f"/status built whole (median of {args.scrapes}): {r['status_ms']:.0f} ms, {r['status_bytes'] / 1024:.0f} KiB compact; "
+        f"as before (every value cleaned, indented) {r['old_status_ms']:.0f} ms, {r['old_status_bytes'] / 1024:.0f} KiB; ratio {r['old_status_ms'] / r['status_ms']:.1f}x"
     )
     print(f"series: {r['series']} ({r['series'] / n:.1f} per backend), {r['new_bytes'] / n:.0f} bytes per backend")
     print(f"states: {r['states']}")

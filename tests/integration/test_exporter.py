@@ -92,6 +92,36 @@ async def test_fleet_states_and_series(sim_server, ticker, serve):
     await exporter.stop()
 
 
+async def test_status_filters_by_backend_and_state(sim_server, ticker, serve):
+    idle = await sim_server("idle", scenario="idle")
+    hung = await sim_server("hung", scenario="hung")
+    ticker.append(hung)
+    _exporter, client = await serve([("idle", idle.url, "vllm"), ("hung", hung.url, "vllm"), ("dead", sim.dead_url(), "vllm")])
+    await wait_for(client, "hung", "hung")
+    await wait_for(client, "dead", "down")
+
+    async def names(query: str) -> list[str]:
+        resp = await client.get("/status" + query)
+        assert resp.status == 200 and resp.content_type == "application/json", await resp.text()
+        body = await resp.json()
+        assert body["shard"]["configured"] == 3 and "probe" in body  # the rest of the document is kept
+        return [b["backend"] for b in body["backends"]]
+
+    assert await names("") == ["idle", "hung", "dead"]
+    assert await names("?backend=hung") == ["hung"]
+    assert await names("?backend=dead&backend=idle&backend=dead") == ["dead", "idle"]  # in the order asked, once each
+    assert await names("?state=hung") == ["hung"]
+    assert await names("?state=down") == ["dead"]
+    assert await names("?state=busy") == []
+    assert await names("?backend=idle&state=hung") == []
+    resp = await client.get("/status?backend=nope")
+    assert resp.status == 404 and "no backend 'nope'" in await resp.text()
+    resp = await client.get("/status?state=wedged")
+    assert resp.status == 400
+    text = await resp.text()
+    assert "got 'wedged'" in text and "hung" in text and "idle" in text
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
 async def test_promtool_check_metrics(sim_server, ticker, serve):
     busy = await sim_server("busy", scenario="saturated")
