@@ -96,7 +96,7 @@ async def test_status_filters_by_backend_and_state(sim_server, ticker, serve):
     idle = await sim_server("idle", scenario="idle")
     hung = await sim_server("hung", scenario="hung")
     ticker.append(hung)
-    _exporter, client = await serve([("idle", idle.url, "vllm"), ("hung", hung.url, "vllm"), ("dead", sim.dead_url(), "vllm")])
+    exporter, client = await serve([("idle", idle.url, "vllm"), ("hung", hung.url, "vllm"), ("dead", sim.dead_url(), "vllm")])
     await wait_for(client, "hung", "hung")
     await wait_for(client, "dead", "down")
 
@@ -114,6 +114,10 @@ async def test_status_filters_by_backend_and_state(sim_server, ticker, serve):
     assert await names("?state=down") == ["dead"]
     assert await names("?state=busy") == []
     assert await names("?backend=idle&state=hung") == []
+    # the whole document and each state's go through the bounded reuse (three backends
+    # build in well under STATUS_REUSE_MIN_S, so each was built afresh); ?backend= never
+    assert set(exporter._status_reuse) == {None, "hung", "down", "busy"}
+    assert exporter._status_reuse["hung"].builds == 1
     resp = await client.get("/status?backend=nope")
     assert resp.status == 404 and "no backend 'nope'" in await resp.text()
     resp = await client.get("/status?state=wedged")
