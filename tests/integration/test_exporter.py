@@ -124,6 +124,10 @@ async def test_status_filters_by_backend_and_state(sim_server, ticker, serve):
     assert resp.status == 400
     text = await resp.text()
     assert "got 'wedged'" in text and "hung" in text and "idle" in text
+    # what one ?backend= answer can cost is bounded by the request line (docs/limits.md)
+    resp = await client.get("/status?" + "&".join(["backend=idle"] * 700))  # 8,400 bytes
+    assert resp.status == 400
+    assert await names("?" + "&".join(["backend=idle"] * 600)) == ["idle"]  # 7,200 bytes
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
