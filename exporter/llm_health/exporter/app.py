@@ -132,7 +132,7 @@ class Exporter:
     async def _redis_loop(self) -> None:
         while True:
             started = time.monotonic()
-            states = {name: (s.verdict.state if s.verdict else State.UNKNOWN) for name, s in self.slots.items()}
+            states = {name: s.state for name, s in self.slots.items()}
             try:
                 await self.redis_view.refresh(states)
             except Exception:
@@ -201,15 +201,13 @@ class Exporter:
             unknown = [n for n in names if n not in self.slots]
             if unknown:
                 return web.Response(status=404, text=f"no backend {unknown[0][:100]!r} in this exporter's configuration\n")
-            return _json_response(_dumps(self.status_body(self._in_state([self.slots[n] for n in dict.fromkeys(names)], state))))
+            return web.json_response(body=_dumps(self.status_body(self._in_state([self.slots[n] for n in dict.fromkeys(names)], state))))
         reuse = self._status_reuse.setdefault(state, Reuse())
-        if state is None:
-            return _json_response(reuse.get(lambda: _dumps(self.status_body())))
-        return _json_response(reuse.get(lambda: _dumps(self.status_body(self._in_state(list(self.slots.values()), state)))))
+        return web.json_response(body=reuse.get(lambda: _dumps(self.status_body(self._in_state(list(self.slots.values()), state)))))
 
     @staticmethod
     def _in_state(slots: list[Slot], state: str | None) -> list[Slot]:
-        return slots if state is None else [s for s in slots if (s.verdict.state if s.verdict else State.UNKNOWN) == state]
+        return slots if state is None else [s for s in slots if s.state == state]
 
     async def handle_probe(self, request: web.Request) -> web.Response:
         """Blackbox style: Prometheus' service discovery says what to read. Refused with
@@ -250,8 +248,7 @@ class Exporter:
         slot = self.slots.get(name)
         if slot is None:
             return web.Response(status=404, text=f"no backend {name[:100]!r} in this exporter's configuration\n")
-        v = slot.verdict
-        state = v.state if v else State.UNKNOWN
+        v, state = slot.verdict, slot.state
         if state is State.HUNG:
             assert v is not None
             return web.Response(status=503, text=f"{name}: hung: {v.reason}\n")
@@ -278,7 +275,7 @@ class Exporter:
     async def handle_index(self, request: web.Request) -> web.Response:
         """The status page (exporter.page): the worst MAX_BACKEND_ROWS backends' entries of
         /status (only theirs are built), every state's count, the Redis view's section."""
-        states = [(s.verdict.state if s.verdict else State.UNKNOWN, s) for s in self.slots.values()]
+        states = [(s.state, s) for s in self.slots.values()]
         shown = page.worst_first(states, page.MAX_BACKEND_ROWS)
         data = page.PageData(
             backends=[s.status() for s in shown],
@@ -341,10 +338,6 @@ def _dumps(obj: Any) -> bytes:
     except ValueError:
         text = json.dumps(_clean(obj), separators=(",", ":"))
     return text.encode()
-
-
-def _json_response(body: bytes) -> web.Response:
-    return web.Response(body=body, content_type="application/json")
 
 
 # /status at 10,000 backends takes about 0.3 s to build (bench_scale): callers asking for

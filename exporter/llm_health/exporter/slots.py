@@ -57,6 +57,11 @@ class Slot:
         await self.monitor.client.session.close()
 
     @property
+    def state(self) -> State:
+        """What its last round found; `unknown` before its first."""
+        return self.verdict.state if self.verdict else State.UNKNOWN
+
+    @property
     def engine_units(self) -> int:
         """Engine units the slot keeps state for (the /probe budget counts these)."""
         memory = self.monitor.memory
@@ -68,7 +73,7 @@ class Slot:
             "backend": self.backend.name,
             "url": redact_url(m.client.url),
             "kind": self.backend.kind,
-            "state": v.state if v else State.UNKNOWN,
+            "state": self.state,
             "reason": v.reason if v else "no round yet",
             "ready": self.readiness.ready,
             "readiness": self.readiness.reason,
@@ -202,7 +207,7 @@ async def run_round(slot: Slot) -> None:
         slot.errors["exception"] = slot.errors.get("exception", 0) + 1
     slot.last_round_at = time.time()
     v = slot.verdict
-    slot.readiness = next_readiness(slot.readiness, v.state if v else State.UNKNOWN, v.reason if v else "")
+    slot.readiness = next_readiness(slot.readiness, slot.state, v.reason if v else "")
     try:
         slot.render()
     except Exception:  # the previous round's text is kept; the same error would fail a scrape
