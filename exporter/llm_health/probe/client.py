@@ -85,6 +85,7 @@ class Fetched:
     timed_out: bool = False
     refused: bool = False
     unavailable: bool = False  # HTTP 503: the server says it cannot serve yet (llama.cpp loading its model)
+    closed: bool = False  # the connection ended before any byte of the answer
     seconds: float = 0.0
     size: int = 0
     start_header: float | None = None  # llama.cpp's Process-Start-Time-Unix, in seconds
@@ -175,7 +176,7 @@ class BackendClient:
             resp = await http.get(self._metrics_target, connect_timeout=self.connect_timeout, timeout=self.metrics_timeout, max_bytes=self.max_bytes)
         except http.HttpError as exc:
             error = f"payload larger than {self.max_bytes} bytes" if exc.too_large else str(exc)
-            return Fetched(error=error, timed_out=exc.timed_out, refused=exc.refused, seconds=time.monotonic() - start)
+            return Fetched(error=error, timed_out=exc.timed_out, refused=exc.refused, closed=exc.closed, seconds=time.monotonic() - start)
         seconds = time.monotonic() - start
         if resp.status != 200:
             return Fetched(error=f"HTTP {resp.status}", unavailable=resp.status == 503, seconds=seconds)

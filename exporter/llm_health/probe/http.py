@@ -78,11 +78,12 @@ def _tls() -> ssl.SSLContext:
 
 
 class HttpError(Exception):
-    """A failed read: `str()` says what happened."""
+    """A failed read: `str()` says what happened. `closed`: the connection ended before
+    any byte of the answer (a server stopping or restarting, or one that answers nothing)."""
 
-    def __init__(self, message: str, *, timed_out: bool = False, refused: bool = False, too_large: bool = False):
+    def __init__(self, message: str, *, timed_out: bool = False, refused: bool = False, too_large: bool = False, closed: bool = False):
         super().__init__(message)
-        self.timed_out, self.refused, self.too_large = timed_out, refused, too_large
+        self.timed_out, self.refused, self.too_large, self.closed = timed_out, refused, too_large, closed
 
 
 @dataclass(frozen=True)
@@ -317,7 +318,7 @@ class _Reader:
         if self.done.done():
             return
         if not self.mode:
-            self._fail(HttpError("server closed the connection"))
+            self._fail(HttpError("server closed the connection", closed=not self.received))
         elif self.mode == "close":
             self._finish()
         else:

@@ -86,11 +86,6 @@ class BackendMonitor:
                 error = f"/metrics unusable: {exc}"
         obs = Observation(now=now, reading=reading, metrics_error=error, metrics_timed_out=fetched.timed_out, metrics_refused=fetched.refused)
         if reading is None:
-            # A refused connection is the backend down (or restarting), and a 503 its own word
-            # that it cannot serve yet (llama-server answers /metrics and /health so while it
-            # loads its model after a restart): neither is a failed round.
-            if stats.error is None and not fetched.refused and not fetched.unavailable:
-                stats.error = "timeout" if fetched.timed_out else "metrics"
             if fetched.timed_out and self.memory is not None and self.memory.profile == "llamacpp":
                 # llama.cpp serves /metrics from its inference loop's queue; /health is
                 # answered beside it (/v1/models would wait on the same loop). The profile
@@ -99,6 +94,14 @@ class BackendMonitor:
             else:
                 ok, model, merr = await self.client.models()
             self.model = model or self.model
+            # A refused connection is the backend down (or restarting); so is one closed
+            # before a byte of the answer when the follow-up answered nothing either (a
+            # server killed with the read in flight, as a restart does); and a 503 is its
+            # own word that it cannot serve yet (llama-server answers /metrics and /health
+            # so while it loads its model after a restart): none is a failed round.
+            gone = fetched.refused or (fetched.closed and not ok)
+            if stats.error is None and not gone and not fetched.unavailable:
+                stats.error = "timeout" if fetched.timed_out else "metrics"
             obs = Observation(
                 now=now, metrics_error=error, metrics_timed_out=fetched.timed_out, metrics_refused=fetched.refused, models_ok=ok, models_error=merr
             )

@@ -6,7 +6,8 @@ each on a real exporter process reading hostile servers on loopback:
 * `max_samples`: wanted samples, and lines starting with `{`, at 10,000 and at 10,001;
 * `llm_exporter_round_errors_total{reason}` for each reason the doc and the runbook list
   (`metrics`, `timeout`, `models`, `limits`, `exception`), and none for a refused
-  connection;
+  connection or for a server gone with the read in flight (killed while stopped, as a
+  restart of a hung one does);
 * no redirect followed, for `/metrics`, `/v1/models` and `/is_sleeping` (the probe's POST
   is tested in test_backends.py);
 * the garbage collector's view frozen once the server has started;
@@ -20,9 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -32,10 +36,11 @@ from llm_health.config.exporter import Backend, Config, Timing
 from llm_health.core import engines
 from llm_health.core.exposition import Budget, TooManySamples, parse
 from llm_health.exporter.app import Exporter
+from llm_health.exporter.slots import make_slot, run_round
 from llm_health.sim import servers as sim
 from tests.fixtures.exporter_status import get, settled
 from tests.fixtures.hostile import models_ok, vllm_payload
-from tests.harness.processes import free_port
+from tests.harness.processes import free_port, proc_state
 
 MIB = 1024 * 1024  # the doc's "1 MiB (fixed)"
 MAX_SAMPLES = 10_000  # the doc's default max_samples
@@ -162,11 +167,36 @@ async def test_max_samples_at_and_one_past_the_bound(tmp_path, hostile, llm_heal
         assert errors[(f"{kind}-past", "limits")] >= 1
 
 
+async def closing_server(models: bool) -> asyncio.Server:
+    """A raw TCP server that reads each request's head and closes the connection without a
+    byte of answer; with `models`, it answers `GET /v1/models` as a vLLM would."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if models and head.startswith(b"GET /v1/models "):
+                body = b'{"object": "list", "data": [{"id": "m"}]}'
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def url_of(server: asyncio.Server) -> str:
+    return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
 async def test_round_errors_are_counted_by_reason(tmp_path, hostile, llm_health):
     """One backend per reason: an HTML page (`metrics`), a `/metrics` that never answers
     within its 0.5 s `metrics_timeout` (`timeout`), a proxy whose `/v1/models` answers 503
-    (`models`), a payload past its `max_engines` (`limits`); and a refused connection, which
-    is the backend `down` and no round error."""
+    (`models`), a payload past its `max_engines` (`limits`), a server that closes `/metrics`
+    without a byte of answer while its `/v1/models` answers (`metrics`); and no round error,
+    the backend `down`, for a refused connection and for a server that closes every
+    connection unanswered (one killed with the read in flight, as a restart does)."""
     html = await engine_server(hostile, "")
     html.text("GET", "/metrics", "<html><body><h1>502 Bad Gateway</h1></body></html>", content_type="text/html")
     slow = await engine_server(hostile, "")
@@ -179,22 +209,90 @@ async def test_round_errors_are_counted_by_reason(tmp_path, hostile, llm_health)
     proxy = await hostile()
     proxy.text("GET", "/v1/models", '{"error": "upstream down"}', status=503, content_type="application/json")
     wide = await engine_server(hostile, vllm_payload(engines=2, running=1))
+    closes_metrics, closes_all = await closing_server(models=True), await closing_server(models=False)
     backends = {
         "html": (html.url, ""),
         "slow": (slow.url, ", metrics_timeout: 0.5s"),
         "proxy": (proxy.url, ", kind: proxy"),
         "wide": (wide.url, ", max_engines: 1"),
         "refused": (sim.dead_url(), ""),
+        "closes-metrics": (url_of(closes_metrics), ""),
+        "closes-all": (url_of(closes_all), ""),
     }
-    exporter = llm_health("serve", "--config.file", config(tmp_path, backends)).wait_ready()
-    status = await settled(exporter, {"html": "no_metrics", "slow": "unknown", "proxy": "down", "wide": "no_metrics", "refused": "down"}, rounds=3)
+    try:
+        exporter = llm_health("serve", "--config.file", config(tmp_path, backends)).wait_ready()
+        want = {
+            "html": "no_metrics",
+            "slow": "unknown",
+            "proxy": "down",
+            "wide": "no_metrics",
+            "refused": "down",
+            "closes-metrics": "no_metrics",
+            "closes-all": "down",
+        }
+        status = await settled(exporter, want, rounds=3)
+        errors = counters(await get(exporter.url + "/metrics"), "llm_exporter_round_errors_total")
+    finally:
+        closes_metrics.close()
+        closes_all.close()
     assert "HTML page" in status["html"]["reason"] and "timeout after 0.5s" in status["slow"]["reason"]
     assert "HTTP 503" in status["proxy"]["reason"] and "over limits" in status["wide"]["reason"]
-    errors = counters(await get(exporter.url + "/metrics"), "llm_exporter_round_errors_total")
-    for name, reason in {"html": "metrics", "slow": "timeout", "proxy": "models", "wide": "limits"}.items():
+    assert "server closed the connection" in status["closes-metrics"]["reason"] and "server closed the connection" in status["closes-all"]["reason"]
+    for name, reason in {"html": "metrics", "slow": "timeout", "proxy": "models", "wide": "limits", "closes-metrics": "metrics"}.items():
         mine = {r: v for (b, r), v in errors.items() if b == name}
         assert set(mine) == {reason} and mine[reason] >= 2, (name, mine)
-    assert not [key for key in errors if key[0] == "refused"], errors
+    assert not [key for key in errors if key[0] in ("refused", "closes-all")], errors
+
+
+ESTABLISHED, LISTEN = "01", "0A"  # /proc/net/tcp's states
+
+
+def _sockets(port: int, state: str) -> int:
+    """The kernel's sockets on 127.0.0.1:`port` in `state` (/proc/net/tcp): with ESTABLISHED,
+    connections to it, taken or still waiting in the listener's accept queue."""
+    rows = [row.split() for row in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return sum(1 for row in rows if row[1] == f"0100007F:{port:04X}" and row[3] == state)
+
+
+async def test_a_server_killed_with_the_read_in_flight_is_down_and_no_round_error(tmp_path):
+    """What a restart of a stopped server does to the round that is reading it (the
+    restarter's capture stops the process, then the restart kills it): a real server
+    process, SIGSTOPped, the round's connection taken by the kernel and its request sent,
+    then SIGKILL. The read ends before a byte of the answer, /v1/models is refused: the
+    backend is `down` for that round, as with a refused connection, and no round error."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    slot = make_slot(Backend("gpu0", f"http://127.0.0.1:{port}", "vllm", Timing(metrics_timeout=DEADLINE, models_timeout=10.0)))
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while not _sockets(port, LISTEN):
+            assert time.monotonic() < deadline and server.poll() is None, "http.server did not start"
+            await asyncio.sleep(0.05)
+        os.kill(server.pid, signal.SIGSTOP)
+        while proc_state(server.pid) != "T":  # stopped before the round connects: it cannot accept it
+            assert time.monotonic() < deadline, "http.server did not stop"
+            await asyncio.sleep(0.01)
+        before = _sockets(port, ESTABLISHED)
+        round_ = asyncio.ensure_future(run_round(slot))
+        while _sockets(port, ESTABLISHED) == before:  # the round's connection is in the stopped server's queue
+            assert time.monotonic() < deadline and not round_.done(), "the round never connected"
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # its request sent: nothing answers it
+        assert not round_.done()
+        server.kill()
+        server.wait(timeout=DEADLINE)
+        await asyncio.wait_for(round_, DEADLINE)
+        assert slot.monitor.stats.metrics is not None and slot.monitor.stats.metrics.closed
+        assert slot.verdict is not None and slot.verdict.state == "down", slot.verdict
+        assert "/metrics: server closed the connection" in slot.verdict.reason and "/v1/models: " in slot.verdict.reason
+        assert slot.errors == {}
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        await slot.close()
 
 
 async def test_a_round_that_raises_is_counted_as_exception_and_the_rounds_go_on(sim_server, aiohttp_client):
