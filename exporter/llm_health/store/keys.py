@@ -103,6 +103,13 @@ class QueueKeys:
         """enqueued, deadline, retried, live, dup: the order the scripts expect."""
         return [self.route(route, w) for w in ("enqueued", "deadline", "retried", "live", "dup")]
 
+    def engine_age(self, backend: str) -> str:
+        """The age of the oldest request waiting inside one backend's engine, in ms (a
+        decimal integer), written by the exporter every round with an expiry of a few
+        rounds and deleted while unknown: absent means unknown, never 0. The doors read it
+        in their one round trip for the routes that name the backend (`backends:`)."""
+        return f"{self.prefix}engine:{backend}:queue_age_ms"
+
     def tenant(self, tenant: str, minute: int) -> str:
         """Token units a tenant spent in one wall-clock minute."""
         return f"{self.prefix}tenant:{tenant}:{minute}"
