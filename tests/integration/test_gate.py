@@ -240,8 +240,8 @@ async def test_client_disconnect_cancels_upstream(stack):
 
 async def test_redis_down_fails_open_or_closed(stack, own_redis_server):
     routes = {
-        "open": {"upstream": "UPSTREAM", "default_deadline_ms": 5000, "redis_down": "open"},
-        "closed": {"upstream": "UPSTREAM", "default_deadline_ms": 5000, "redis_down": "closed"},
+        "open": {"upstream": "UPSTREAM", "default_deadline_ms": 60000, "redis_down": "open"},
+        "closed": {"upstream": "UPSTREAM", "default_deadline_ms": 60000, "redis_down": "closed"},
     }
     url, _up, _gate = await stack(redis=own_redis_server.url, routes=routes)
     assert (await post(url, {"X-Route": "open"}))[0] == 200
@@ -279,8 +279,13 @@ async def test_operator_controls(stack, redis_url):
         assert (await s.post(url + "/-/routes/chat/reject_all")).status == 401
         assert (await s.post(url + "/-/routes/chat/reject_all", headers={"Authorization": "Bearer wrong"})).status == 401
         assert (await s.post(url + "/-/routes/chat/reject_all", headers=auth)).status == 200
-        status, body, headers = await post(url, {"X-Request-Id": "z"})
-        assert status == 503 and json.loads(body)["error"]["code"] == "reject_route_closed" and "Retry-After" in headers
+        status, body, headers = await post(url, {"X-Request-Id": "z", "X-Request-Timeout-Ms": "90000"})
+        assert status == 503 and json.loads(body)["error"]["code"] == "reject_route_closed" and headers["Retry-After"] == "30"
+        assert headers["x-should-retry"] == "true"
+        # 30 s left (the route's default): coming back in 30 s would be late, so not retryable
+        status, body, headers = await post(url, {"X-Request-Id": "z1"})
+        assert (status, json.loads(body)["error"]["code"], json.loads(body)["error"]["retryable"]) == (422, "reject_route_closed", False)
+        assert "Retry-After" not in headers and headers["x-should-retry"] == "false"
         # reopen refused until queue age stayed under the deadline for two sampling intervals
         gate.cfg.routes["chat"].guard.good = 0
         r = await s.post(url + "/-/routes/chat/open", headers=auth)
@@ -325,8 +330,11 @@ async def test_tenant_budget(stack, redis_url):
     await recorded(redis_url, gate.cfg.queue_prefix, "t1", tenant="small")
     assert (await post(url, {**h, "X-Request-Id": "t2"}))[0] == 200  # 28 left: admitted
     await recorded(redis_url, gate.cfg.queue_prefix, "t2", tenant="small")
-    status, body, headers = await post(url, {**h, "X-Request-Id": "t3"})
-    assert status == 429 and json.loads(body)["error"]["code"] == "reject_tenant_budget" and "Retry-After" in headers
+    status, body, headers = await post(url, {**h, "X-Request-Id": "t3", "X-Request-Timeout-Ms": "90000"})
+    assert status == 429 and json.loads(body)["error"]["code"] == "reject_tenant_budget" and headers["Retry-After"] == "60"
+    # 5 s left: the budget's next window (60 s) is past the deadline, so not retryable
+    status, body, headers = await post(url, {**h, "X-Request-Id": "t4"})
+    assert (status, json.loads(body)["error"]["code"]) == (422, "reject_tenant_budget") and "Retry-After" not in headers
 
 
 def test_token_units_from_usage():

@@ -7,7 +7,7 @@ import pytest
 from llm_health.config.errors import ConfigError
 from llm_health.config.fields import Section
 from llm_health.config.gate import read_policy
-from llm_health.core.admission import Policy, ReopenGuard, Request, decide
+from llm_health.core.admission import Policy, ReopenGuard, Request, decide, retry_after_header, unknown_age
 
 REFERENCE = Policy(reject_if_queue_age_ms_gte=3000, reject_if_retry_count_gte=1, ignore_worker_util_when_slack_ms_lte=0)
 
@@ -30,7 +30,9 @@ REFERENCE = Policy(reject_if_queue_age_ms_gte=3000, reject_if_retry_count_gte=1,
         (Request(queue_age_ms=100, deadline_slack_ms=2000, retry_count=1, last_upstream_status=503), "admit_once", 200),
         # a first attempt already late is rejected by age, not admitted
         (Request(queue_age_ms=0, deadline_slack_ms=0), "reject_age_beats_slack", 422),
-        (Request(queue_age_ms=0, deadline_slack_ms=5000, tenant_budget_left=0), "reject_tenant_budget", 429),
+        (Request(queue_age_ms=0, deadline_slack_ms=90000, tenant_budget_left=0), "reject_tenant_budget", 429),
+        # ... but its Retry-After (60 s) would bring a request with 5 s left back late: not retryable
+        (Request(queue_age_ms=0, deadline_slack_ms=5000, tenant_budget_left=0), "reject_tenant_budget", 422),
         (Request(queue_age_ms=0, deadline_slack_ms=5000, tenant_budget_left=10), "admit_once", 200),
     ],
 )
@@ -48,8 +50,44 @@ def test_age_beats_slack_is_retryable_only_with_time_left():
 
 
 def test_route_closed_first():
-    d = decide(Request(queue_age_ms=0, deadline_slack_ms=9000), Policy(mode="reject_all"))
-    assert (d.decision, d.status, d.retryable) == ("reject_route_closed", 503, True)
+    d = decide(Request(queue_age_ms=0, deadline_slack_ms=90000), Policy(mode="reject_all"))
+    assert (d.decision, d.status, d.retryable, d.retry_after_s) == ("reject_route_closed", 503, True, 30.0)
+
+
+@pytest.mark.parametrize(
+    "req,policy,decision",
+    [
+        # the retry drill's request with 3 s left: Retry-After 30 / 60 would land 27 / 57 s late
+        (Request(queue_age_ms=0, deadline_slack_ms=3000), Policy(mode="reject_all"), "reject_route_closed"),
+        (Request(queue_age_ms=0, deadline_slack_ms=3000, tenant_budget_left=0), REFERENCE, "reject_tenant_budget"),
+        # exactly at the deadline is too late too
+        (Request(queue_age_ms=0, deadline_slack_ms=30000), Policy(mode="reject_all"), "reject_route_closed"),
+        # age beats slack with 1.2 s left, 0.5 s of age: the smallest Retry-After (1 s) is still in time...
+        # ... but with 0.9 s left it is not
+        (Request(queue_age_ms=3500, deadline_slack_ms=900), Policy(reject_if_queue_age_ms_gte=3000), "reject_age_beats_slack"),
+    ],
+)
+def test_a_retry_after_never_sends_the_client_past_its_deadline(req, policy, decision):
+    d = decide(req, policy)
+    assert (d.decision, d.status, d.retryable, d.retry_after_s) == (decision, policy.late_status, False, None)
+    assert "after the deadline" in d.reason or d.decision == "reject_age_beats_slack"
+
+
+def test_a_retry_after_in_time_is_kept_whole_seconds_rounded_up():
+    d = decide(Request(queue_age_ms=3500, deadline_slack_ms=6001), Policy(reject_if_queue_age_ms_gte=3000))
+    assert (d.status, d.retryable) == (503, True)
+    assert retry_after_header(d.retry_after_s) * 1000 < 6001
+
+
+def test_a_late_retry_on_a_closed_route_is_told_it_is_late():
+    d = decide(Request(queue_age_ms=0, deadline_slack_ms=-27000, retry_count=1), Policy(mode="reject_all"))
+    assert (d.decision, d.status, d.retryable) == ("reject_retry_late", 422, False)
+
+
+def test_unknown_engine_age_fails_closed_within_the_deadline_rule():
+    assert (unknown_age(60000, REFERENCE).status, unknown_age(60000, REFERENCE).retryable) == (503, True)
+    late = unknown_age(3000, REFERENCE)
+    assert (late.decision, late.status, late.retryable) == ("reject_queue_age_unknown", 422, False)
 
 
 def parse_policy(section: dict, path: str = "admission", base: Policy | None = None) -> Policy:

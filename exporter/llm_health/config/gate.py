@@ -8,7 +8,7 @@ gate:
   max_body_bytes: 67108864                              # 64 MiB (the default): larger bodies are a 413
   admin_token_file: /etc/llm-health/gate-admin.token    # or admin_token_env
   routes:
-    chat: {upstream: http://10.0.0.5:8000, models: [llama], default_deadline_ms: 30000, redis_down: open}
+    chat: {upstream: http://10.0.0.5:8000, models: [llama], default_deadline_ms: 30000, redis_down: open, backends: [gpu-a, gpu-b]}
     # allow: ["POST /v1/chat/completions", "GET /v1/models"]   # default: the inference API
   tenants:
     acme: {token_units_per_minute: 200000}
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from ..core.admission import MODES, REDIS_DOWN_MODES, Policy, ReopenGuard
 from ..core.forwarding import DEFAULT_RULES, AllowError, Rule, parse_allow
 from ..store.keys import DEFAULT_QUEUE_PREFIX
-from .fields import Section
+from .fields import NAME, Section
 from .redis import redis_url
 
 ROUTE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -42,6 +42,9 @@ class Route:
     models: tuple[str, ...] = ()
     guard: ReopenGuard = field(default_factory=ReopenGuard)
     allow: tuple[Rule, ...] = DEFAULT_RULES  # the endpoints forwarded (core.forwarding)
+    # The exporter's names of the backends the route sends to: their engine queue ages
+    # (published by `llm-health serve` to Redis) count in the route's queue age.
+    backends: tuple[str, ...] = ()
 
 
 @dataclass
@@ -69,6 +72,8 @@ def read_policy(s: Section, base: Policy) -> Policy:
         default_deadline_ms=s.number("default_deadline_ms", base.default_deadline_ms, above=0, maximum=MAX_DEADLINE_MS),
         late_status=s.integer("late_status", base.late_status, minimum=400, maximum=599),
         redis_down=s.choice("redis_down", REDIS_DOWN_MODES, base.redis_down),
+        engine_age_unknown=s.choice("engine_age_unknown", REDIS_DOWN_MODES, base.engine_age_unknown) if "engine_age_unknown" in s else base.engine_age_unknown,
+        retry_match_window_ms=s.number("retry_match_window_ms", base.retry_match_window_ms, minimum=0, maximum=MAX_DEADLINE_MS),
     )
 
 
@@ -94,7 +99,13 @@ def parse_gate_config(data: object, where: str = "<config>") -> GateConfig:
                 allow = parse_allow(r.strings("allow"))
             except AllowError as exc:
                 raise r.error("allow", str(exc)) from None
-        routes[name] = Route(name, upstream, read_policy(r, base), models, allow=allow)
+        backends = r.strings("backends", (), nonempty=False)
+        for i, b in enumerate(backends):
+            if not NAME.match(b):
+                raise r.error(f"backends[{i}]", f"not a backend name of the exporter (letters, digits and _ . : -, at most 128), got {b[:64]!r}")
+        if len(set(backends)) != len(backends):
+            raise r.error("backends", "lists a backend twice")
+        routes[name] = Route(name, upstream, read_policy(r, base), models, allow=allow, backends=backends)
         r.done()
     tenants: dict[str, float] = {}
     for tenant, t in gate.entries("tenants"):

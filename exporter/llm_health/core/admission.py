@@ -10,10 +10,11 @@ reason. The gate (`llm_health.gate`) gathers the inputs and acts on the decision
 
 Decisions, in order:
 
-1. `reject_route_closed`: an operator set the route to `reject_all` (the rollback step).
-2. `reject_retry_late`: a retry (`retry_count >= reject_if_retry_count_gte`) whose slack is
+1. `reject_retry_late`: a retry (`retry_count >= reject_if_retry_count_gte`) whose slack is
    `<= ignore_worker_util_when_slack_ms_lte`: it is already late; another copy only
-   multiplies the work.
+   multiplies the work. First, so that a late retry on a closed route is told it is late
+   (not to come back in 30 s).
+2. `reject_route_closed`: an operator set the route to `reject_all` (the rollback step).
 3. `reject_age_beats_slack`: the queue's age is at least the request's slack (it cannot be
    served in time) or at least `reject_if_queue_age_ms_gte`.
 4. `reject_tenant_budget`: the tenant has spent its token-unit budget for the window.
@@ -23,18 +24,28 @@ Worker utilisation never admits what age rejects: spare capacity cannot create t
 last upstream status (429: the worker protecting itself; 503: the route unsafe for more
 copies) is recorded beside the retry count and lifts nothing.
 
-Two more decisions belong to the gate, not to this function, when Redis cannot be reached
-(the queue age is then unknown): `admit_unrecorded` (the route fails open; the request's
-own deadline and retry count are still judged) and `reject_redis_down` (it fails closed).
+A refusal that asks the client to come back (`Retry-After`) never sends it past its own
+deadline: when the wait it names is at least the request's slack, the refusal becomes
+non-retryable (`late_status`, no `Retry-After`; `bounded`). The OpenAI SDK waits exactly a
+`Retry-After` of up to 120 s and retries every 5xx and 429, so a 503 with `Retry-After: 30`
+to a request with 3 s left would bring it back 27 s late.
+
+More decisions belong to the gate, not to this function, when a figure the policy needs
+cannot be read: `admit_unrecorded` (Redis unreachable, the route fails open; the request's
+own deadline and retry count are still judged), `reject_redis_down` (it fails closed) and
+`reject_queue_age_unknown` (no backend of the route has a known engine queue age and the
+route fails closed; `unknown_age`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 ADMIT = "admit_once"
 ADMIT_UNRECORDED = "admit_unrecorded"
 REJECT_REDIS_DOWN = "reject_redis_down"
+REJECT_AGE_UNKNOWN = "reject_queue_age_unknown"
 DECISIONS = (
     ADMIT,
     "reject_retry_late",
@@ -43,6 +54,7 @@ DECISIONS = (
     "reject_tenant_budget",
     ADMIT_UNRECORDED,
     REJECT_REDIS_DOWN,
+    REJECT_AGE_UNKNOWN,
 )
 MODES = ("open", "reject_all")
 REDIS_DOWN_MODES = ("open", "closed")
@@ -60,6 +72,17 @@ class Policy:
     default_deadline_ms: float | None = None  # None: a request without a deadline gets 400
     late_status: int = 422  # not retried by common clients (the OpenAI SDK retries 408, 409, 429, 5xx)
     redis_down: str = "open"  # fail open or closed when Redis cannot be reached
+    # No backend of the route has a known engine queue age: open (decide on the route's
+    # own Redis queue) or closed (503 reject_queue_age_unknown); None: as redis_down.
+    engine_age_unknown: str | None = None
+    # How long after its deadline a request's first copy can still be recognised by its
+    # retries when the client sends no id (the retry fingerprint's life): the OpenAI SDK
+    # honours a Retry-After of up to 120 s.
+    retry_match_window_ms: float = 120_000.0
+
+    @property
+    def unknown_age_mode(self) -> str:
+        return self.engine_age_unknown or self.redis_down
 
 
 @dataclass(frozen=True)
@@ -85,11 +108,41 @@ class Decision:
         return self.decision in (ADMIT, ADMIT_UNRECORDED)
 
 
+def bounded(decision: Decision, slack_ms: float, policy: Policy) -> Decision:
+    """A refusal whose `Retry-After` (whole seconds, as sent) would bring the client back at
+    or after its deadline becomes non-retryable: `late_status`, no `Retry-After`."""
+    if decision.admitted or decision.retry_after_s is None:
+        return decision
+    wait_s = retry_after_header(decision.retry_after_s)
+    if wait_s * 1000 < slack_ms:
+        return decision
+    return replace(
+        decision,
+        reason=f"{decision.reason}; a retry in {wait_s} s would come after the deadline (slack {slack_ms:.0f} ms): not retryable",
+        status=policy.late_status,
+        retry_after_s=None,
+        retryable=False,
+    )
+
+
+def retry_after_header(seconds: float) -> int:
+    """The `Retry-After` value sent for a wait: whole seconds, rounded up, at least 1."""
+    return max(1, math.ceil(seconds))
+
+
+def unknown_age(slack_ms: float, policy: Policy) -> Decision:
+    """The route fails closed while no backend's engine queue age is known."""
+    d = Decision(REJECT_AGE_UNKNOWN, "engine queue age unknown for every backend of the route; route fails closed", 503, retry_after_s=5.0, retryable=True)
+    return bounded(d, slack_ms, policy)
+
+
 def decide(req: Request, policy: Policy) -> Decision:
+    return bounded(_decide(req, policy), req.deadline_slack_ms, policy)
+
+
+def _decide(req: Request, policy: Policy) -> Decision:
     util = f"; worker util {req.worker_util:.2f} ignored: age first" if req.worker_util is not None else ""
     upstream = f"; last upstream {req.last_upstream_status}" if req.last_upstream_status else ""
-    if policy.mode == "reject_all":
-        return Decision("reject_route_closed", "route set to reject_all by an operator", 503, retry_after_s=30.0, retryable=True)
     slack, age = req.deadline_slack_ms, req.queue_age_ms
     if req.retry_count >= policy.reject_if_retry_count_gte and slack <= policy.ignore_worker_util_when_slack_ms_lte:
         return Decision(
@@ -97,6 +150,8 @@ def decide(req: Request, policy: Policy) -> Decision:
             f"retry {req.retry_count} with deadline slack {slack:.0f} ms <= {policy.ignore_worker_util_when_slack_ms_lte:g} ms{upstream}{util}",
             policy.late_status,
         )
+    if policy.mode == "reject_all":
+        return Decision("reject_route_closed", "route set to reject_all by an operator", 503, retry_after_s=30.0, retryable=True)
     if age >= slack or age >= policy.reject_if_queue_age_ms_gte:
         why = (
             f"queue age {age:.0f} ms >= deadline slack {slack:.0f} ms"

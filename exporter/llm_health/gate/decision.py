@@ -37,7 +37,7 @@ from ..core import admission, forwarding
 from ..store.deployment import connect, wrap
 from ..store.queue import ROUTE_STATS_COMMANDS, AdmissionQueue, QueueRecord, RouteStats, add_route_stats_commands, now_ms, parse_route_stats
 from ..tasks import cancel_and_wait
-from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant
+from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant, retry_fingerprint
 
 log = logging.getLogger("llm_health.gate")
 
@@ -52,10 +52,24 @@ REDIS_DOWN: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeou
 QUEUE_AGE_HEADER = "x-queue-age-ms"
 SLACK_HEADER = "x-deadline-slack-ms"
 DECISION_HEADER = "X-LLM-Health-Decision"
+SHOULD_RETRY_HEADER = "x-should-retry"  # the OpenAI SDKs obey it before their status rules
 
 # Finishing an attempt while Redis does not answer: sent again after these pauses (about
 # 7 s in all, past a Sentinel failover's few seconds), then given up and counted.
 FINISH_RETRY_S = (0.1, 0.3, 1.0, 2.0, 4.0)
+
+
+def engine_queue_age(values: list[Any]) -> int | None:
+    """The engine queue age of a route from its backends' published figures (ms): the
+    youngest known one, since a least-loaded balancer sends a new request to the shortest
+    queue; None when none is known (absent or expired, never 0). A value that is not a
+    non-negative integer is unknown."""
+    known = []
+    for v in values:
+        text = v.decode() if isinstance(v, bytes) else v
+        if isinstance(text, str) and text.isdigit() and len(text) <= 15:
+            known.append(int(text))
+    return min(known) if known else None
 
 
 @dataclass
@@ -213,7 +227,7 @@ class Admission:
             return refused
         now = now_ms()
         try:
-            request_id = read_request_id(headers) or f"gate-{uuid.uuid4()}"
+            client_id = read_request_id(headers)
             route = self.route_for(headers, body)
             if len(self.cfg.routes) > 1 and (refused := self.not_forwarded(method, raw_path, route)) is not None:
                 return refused
@@ -222,27 +236,52 @@ class Admission:
             header_retries = read_retry_count(headers)
         except BadRequest as exc:
             return _error(400, "bad_request", str(exc))
+        # A request without an id is remembered by what its retries re-send (the OpenAI SDK
+        # sends no id): a retry (count >= 1) finds its first copy's id, and with it the
+        # first copy's deadline and retry count. A fresh request is never matched.
+        fingerprint: str | None = None
+        if client_id is not None:
+            request_id = client_id
+        else:
+            fingerprint = retry_fingerprint(tenant, route.name, method, raw_path, headers, body)
+            first = await self._first_copy(fingerprint) if header_retries >= 1 else None
+            if first is not None:
+                fingerprint = None  # matched: the first copy's entry stays as it is
+            request_id = first or f"gate-{uuid.uuid4()}"
         # Ids are the client's, scoped by tenant: two tenants' `order-1001` are two requests.
         queue_id = f"{tenant}/{request_id}"
         fields: dict[str, Any] = {"request_id": request_id}
         recorded = True
         try:
-            record, stats, budget = await self._enqueue_and_read(queue_id, route.name, tenant, deadline_ms, now)
+            record, stats, budget, engine_age = await self._enqueue_and_read(queue_id, route, tenant, deadline_ms, now, fingerprint)
             self._redis(True)
             retry_count = max(header_retries, record.retry_count)
             deadline_ms = record.deadline_ms  # a resent id keeps the deadline of its first copy
-            # Age first: how long the requests ahead of this one have waited. A resent id's own
-            # lateness is in its slack (it keeps its first deadline) and its retry count.
-            queue_age_ms = stats.oldest_age_ms or 0
+            slack = deadline_ms - now
+            # Age first: how long the requests ahead of this one have waited, in the route's
+            # own Redis queue and inside its backends' engines (`engine_age`). A resent id's
+            # own lateness is in its slack (it keeps its first deadline) and its retry count.
+            route_age = stats.oldest_age_ms or 0
+            queue_age_ms = max(route_age, engine_age or 0)
+            fields.update(queue_age_ms=queue_age_ms, deadline_slack_ms=slack, retry_count=retry_count)
+            if route.backends:
+                fields["engine_queue_age_ms"] = engine_age
             req = admission.Request(
                 queue_age_ms=queue_age_ms,
-                deadline_slack_ms=deadline_ms - now,
+                deadline_slack_ms=slack,
                 retry_count=retry_count,
                 last_upstream_status=record.http_status,
                 tenant_budget_left=budget,
             )
             decision = admission.decide(req, route.policy)
-            fields.update(queue_age_ms=queue_age_ms, deadline_slack_ms=deadline_ms - now, retry_count=retry_count)
+            if route.backends and engine_age is None:
+                # No backend's figure is known (their exporter silent, every engine just
+                # restarted): never read as 0. Closed: refuse; open: the route's own queue.
+                if route.policy.unknown_age_mode == "closed":
+                    if decision.admitted:
+                        decision = admission.unknown_age(slack, route.policy)
+                else:
+                    decision = replace(decision, reason=f"{decision.reason}; engine queue age unknown, failing open on the route's own queue")
         except REDIS_DOWN as exc:
             self._redis(False)
             recorded = False
@@ -251,8 +290,12 @@ class Admission:
             # A rejection's body has every documented key; the queue age is unknown (null).
             fields.update(queue_age_ms=None, deadline_slack_ms=slack, retry_count=header_retries)
             if route.policy.redis_down == "closed":
-                decision = admission.Decision(
-                    admission.REJECT_REDIS_DOWN, "Redis unreachable: queue age unknown; route fails closed", 503, retry_after_s=5.0, retryable=True
+                decision = admission.bounded(
+                    admission.Decision(
+                        admission.REJECT_REDIS_DOWN, "Redis unreachable: queue age unknown; route fails closed", 503, retry_after_s=5.0, retryable=True
+                    ),
+                    slack,
+                    route.policy,
                 )
             else:
                 # Fail open: the policy still sees this request's own deadline and retries.
@@ -275,7 +318,10 @@ class Admission:
         if recorded:
             await self.quiet(self.queue.complete(queue_id, decision.status, route=route.name))
         if decision.retry_after_s is not None:
-            out["Retry-After"] = str(max(1, round(decision.retry_after_s)))
+            out["Retry-After"] = str(admission.retry_after_header(decision.retry_after_s))
+        # The OpenAI SDKs obey this before their status rules: a non-retryable refusal is
+        # never retried, whatever its status.
+        out[SHOULD_RETRY_HEADER] = "true" if decision.retryable else "false"
         refusal = {
             "error": {
                 "type": "admission_rejected",
@@ -288,29 +334,56 @@ class Admission:
         }
         return Outcome(False, decision.status, decision.decision, out, refusal, route=route)
 
+    async def _first_copy(self, fingerprint: str) -> str | None:
+        """The id of the first copy a retry without an id re-sends (None: none known, or
+        Redis not answering: the enqueue that follows meets the same Redis)."""
+        try:
+            value = await self.redis.get(self.queue.keys.retry_match(fingerprint))
+        except RedisError:
+            return None
+        if value is None:
+            return None
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        return text if text.startswith("gate-") else None
+
     def _tenant_key(self, tenant: str) -> str:
         return self.queue.keys.tenant(tenant, int(time.time() // 60))
 
-    async def _enqueue_and_read(self, request_id: str, route: str, tenant: str, deadline_ms: int, now: int) -> tuple[QueueRecord, RouteStats, float | None]:
+    async def _enqueue_and_read(
+        self, request_id: str, route: Route, tenant: str, deadline_ms: int, now: int, fingerprint: str | None = None
+    ) -> tuple[QueueRecord, RouteStats, float | None, int | None]:
         """One round trip: enqueue (or recognise a resent id), the route's queue stats,
-        the tenant's spend this minute, and the id taken off the waiting set."""
+        the tenant's spend this minute, the engine queue age of the route's backends, the
+        retry fingerprint of a request without an id, and the id taken off the waiting set."""
         q = self.queue
         pipe = await self._pipeline()
         # The queue as this request finds it (the others waiting), before it joins.
-        add_route_stats_commands(pipe, q.keys, route, now)
-        q.pipe_enqueue(pipe, request_id, route, tenant, deadline_ms, now, now)
+        add_route_stats_commands(pipe, q.keys, route.name, now)
+        q.pipe_enqueue(pipe, request_id, route.name, tenant, deadline_ms, now, now)
         limit = self.cfg.tenants.get(tenant)
         if limit is not None:
             pipe.get(self._tenant_key(tenant))
+        if route.backends:
+            pipe.mget([q.keys.engine_age(b) for b in route.backends])
+        if fingerprint is not None:
+            # Until the deadline plus the window in which the client may still retry.
+            ttl = max(0, deadline_ms - now) + int(route.policy.retry_match_window_ms)
+            pipe.set(q.keys.retry_match(fingerprint), request_id.split("/", 1)[1], px=max(1, ttl))
         # Leave the waiting set at once (state running): an admitted request saves a round
         # trip; a rejected one is marked done right after.
-        q.pipe_leave(pipe, request_id, route, "running", None, now)
+        q.pipe_leave(pipe, request_id, route.name, "running", None, now)
         replies = await self._execute(pipe)
         stats = parse_route_stats(replies[:ROUTE_STATS_COMMANDS], now)
-        record = QueueRecord.from_hash(request_id, replies[ROUTE_STATS_COMMANDS])
+        i = ROUTE_STATS_COMMANDS
+        record = QueueRecord.from_hash(request_id, replies[i])
         assert record is not None  # the enqueue script returns the record it wrote
-        budget = None if limit is None else limit - float(replies[ROUTE_STATS_COMMANDS + 1] or 0)
-        return record, stats, budget
+        i += 1
+        budget = None
+        if limit is not None:
+            budget = limit - float(replies[i] or 0)
+            i += 1
+        engine_age = engine_queue_age(replies[i]) if route.backends else None
+        return record, stats, budget, engine_age
 
     # --- finishing an attempt -------------------------------------------------------------
     async def finish(self, attempt: Attempt, status: int | None, units: int = 0) -> bool:

@@ -133,7 +133,7 @@ class Doors:
             status = int(refusal["status"])
             if not 400 <= status <= 599:
                 raise ValueError("status")
-            allowed = {"x-request-id", "x-llm-health-decision", "x-queue-age-ms", "x-deadline-slack-ms", "retry-after", "allow"}
+            allowed = {"x-request-id", "x-llm-health-decision", "x-queue-age-ms", "x-deadline-slack-ms", "retry-after", "allow", "x-should-retry"}
             headers = {str(k): str(v) for k, v in dict(refusal["headers"]).items() if str(k).lower() in allowed and "\n" not in str(v) and "\r" not in str(v)}
             body = json.dumps(refusal["body"], separators=(",", ":")).encode()
         except (ValueError, KeyError, TypeError, binascii.Error):

@@ -18,6 +18,7 @@ with a 400 that names the header, before anything is written to Redis.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -95,6 +96,34 @@ def read_retry_count(headers: Mapping[str, str]) -> int:
         if value is not None:
             return _integer(name, value, 0, MAX_RETRY_COUNT, "the attempts before this one")
     return 0
+
+
+# What a client re-sends unchanged on a retry and tells one caller's request from
+# another's: the credentials (hashed, never kept), the deadline as stated, the body.
+CREDENTIAL_HEADERS = ("Authorization", "Api-Key", "X-Api-Key")
+DEADLINE_HEADERS = ("X-Request-Deadline-Ms", "X-Request-Timeout-Ms", "X-Envoy-Expected-Rq-Timeout-Ms")
+LENGTH_HEADERS = ("X-Original-Content-Length", "Content-Length")
+
+
+def retry_fingerprint(tenant: str, route: str, method: str, raw_path: str, headers: Mapping[str, str], body: bytes | None) -> str:
+    """The digest that matches a retry sent without an id to its first copy: the OpenAI
+    SDK sends no request id and re-sends the request byte for byte, with the same headers
+    but `X-Stainless-Retry-Count`. Over the tenant, the route, the method and path, the
+    credentials, the deadline headers as sent, and the body; a door that sees no body
+    (nginx `auth_request`, Envoy `ext_authz`) uses its length instead, so two requests of
+    one caller with the same length and deadline header look alike there (docs/admission.md:
+    a retry then inherits the newer copy's deadline, never an older one)."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (tenant, route, method.upper(), raw_path):
+        h.update(part.encode("utf-8", "surrogateescape") + b"\0")
+    for name in (*CREDENTIAL_HEADERS, *DEADLINE_HEADERS):
+        value = headers.get(name)
+        h.update(name.encode() + b"=" + (value or "").encode("utf-8", "surrogateescape") + b"\0")
+    if body is not None:
+        h.update(b"body\0" + body)
+    else:
+        h.update(b"length\0" + (first_header(headers, LENGTH_HEADERS) or "").encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
 
 
 def token_units(tail: bytes) -> int:

@@ -110,6 +110,12 @@ class QueueKeys:
         in their one round trip for the routes that name the backend (`backends:`)."""
         return f"{self.prefix}engine:{backend}:queue_age_ms"
 
+    def retry_match(self, digest: str) -> str:
+        """The request id of the last first copy with this retry fingerprint (a request sent
+        without an id: `gate.headers.retry_fingerprint`), kept until its deadline plus the
+        route's `retry_match_window_ms`: a retry without an id finds its first copy here."""
+        return f"{self.prefix}fp:{digest}"
+
     def tenant(self, tenant: str, minute: int) -> str:
         """Token units a tenant spent in one wall-clock minute."""
         return f"{self.prefix}tenant:{tenant}:{minute}"
