@@ -33,14 +33,26 @@ from .decision import Admission, Attempt, Outcome
 MAX_OPEN_ATTEMPTS = 10_000  # admitted calls awaiting their end; the oldest is dropped past it
 
 
-def request_of(data: Mapping[str, Any]) -> tuple[str, str, CIMultiDict[str], bytes]:
-    """(method, path, headers, body for routing by model) from LiteLLM's call data."""
+def request_of(data: Mapping[str, Any], caller: str | None = None) -> tuple[str, str, CIMultiDict[str], bytes]:
+    """(method, path, headers, body) from LiteLLM's call data: the body as the client sent
+    it, in a canonical JSON (sorted keys), for routing by model and for the fingerprint
+    that matches a retry sent without an id to its first copy; ``caller``, the hashed
+    LiteLLM key of the caller, stands in for the credentials LiteLLM strips from the
+    headers it hands over (`Api-Key`, hashed into that fingerprint, never kept)."""
     psr = data.get("proxy_server_request") or {}
     url = urlsplit(str(psr.get("url") or "/v1/chat/completions"))
     path = url.path if url.path.startswith("/v1/") else "/v1" + url.path  # LiteLLM serves both forms
     raw = path + ("?" + url.query if url.query else "")
     headers: CIMultiDict[str] = CIMultiDict((str(k), str(v)) for k, v in (psr.get("headers") or {}).items())
-    body = json.dumps({"model": data.get("model")}).encode()
+    sent = psr.get("body")
+    if not isinstance(sent, Mapping):
+        sent = {"model": data.get("model")}
+    try:
+        body = json.dumps(sent, sort_keys=True, separators=(",", ":"), default=str).encode()
+    except (TypeError, ValueError):
+        body = json.dumps({"model": data.get("model")}).encode()
+    if caller:
+        headers["Api-Key"] = caller
     return str(psr.get("method") or "POST"), raw, headers, body
 
 
@@ -72,8 +84,8 @@ class Hook:
             self._admission = Admission(parse_gate_config(load_yaml(self.config_file), self.config_file))
         return self._admission
 
-    async def decide(self, data: dict[str, Any]) -> Outcome:
-        method, raw, headers, body = request_of(data)
+    async def decide(self, data: dict[str, Any], caller: str | None = None) -> Outcome:
+        method, raw, headers, body = request_of(data, caller)
         outcome = await self.admission.decide(method, raw, headers, body)
         call_id = str(data.get("litellm_call_id") or "")
         if outcome.admitted and outcome.attempt is not None and call_id:
@@ -97,7 +109,7 @@ def handler(config_file: str | None = None) -> Any:
 
     class LLMHealthAdmission(CustomLogger):
         async def async_pre_call_hook(self, user_api_key_dict: Any, cache: Any, data: dict, call_type: Any) -> Any:
-            outcome = await hook.decide(data)
+            outcome = await hook.decide(data, str(getattr(user_api_key_dict, "token", "") or "") or None)
             if outcome.admitted:
                 return data
             err = (outcome.body or {}).get("error", {})
