@@ -6,8 +6,10 @@ redis-server, and the gate and nginx + `llm-health decide` answer from them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import aiohttp
 import pytest
 import redis
 
@@ -85,3 +87,27 @@ async def test_an_expired_figure_is_unknown(stack, redis_url):  # noqa: F811
             pass
     status, body, _ = await post(url, {})
     assert (status, json.loads(body)["error"]["code"]) == (503, "reject_queue_age_unknown")
+
+
+async def test_reopen_waits_for_the_engines_queue_to_be_young_again(stack, redis_url):  # noqa: F811
+    """The rollback's last step reads the real age: a closed route reopens only after two
+    sampling intervals with its engines' queue under the deadline (unknown never counts)."""
+    url, _, gate = await stack(routes={"chat": {"upstream": "UPSTREAM", "default_deadline_ms": 30000, "backends": ["gpu-a"]}})
+    prefix = gate.cfg.queue_prefix
+    auth = {"Authorization": "Bearer admin-secret"}
+    publish(redis_url, prefix, **{"gpu-a": 47000})  # 47 s old against a 30 s deadline
+    async with aiohttp.ClientSession() as s:
+        assert (await s.post(url + "/-/routes/chat/reject_all", headers=auth)).status == 200
+        await asyncio.sleep(0.35)  # the sampler runs every 100 ms in these tests
+        r = await s.post(url + "/-/routes/chat/open", headers=auth)
+        assert r.status == 409 and (await r.json())["good_intervals"] == 0
+        publish(redis_url, prefix, **{"gpu-a": None})  # unknown: still not good
+        await asyncio.sleep(0.35)
+        assert (await s.post(url + "/-/routes/chat/open", headers=auth)).status == 409
+        publish(redis_url, prefix, **{"gpu-a": 200})
+        for _ in range(100):  # two good intervals, however slowly this machine runs them
+            await asyncio.sleep(0.1)
+            r = await s.post(url + "/-/routes/chat/open", headers=auth)
+            if r.status == 200:
+                break
+        assert r.status == 200

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Coroutine, Mapping
@@ -186,7 +187,11 @@ class Admission:
                     log.error("redis refused the queue read of route %s: %s", route.name, exc)
                     continue
                 self._redis(True)
-                age = stats.oldest_age_ms or 0
+                age: float = stats.oldest_age_ms or 0
+                if route.backends:
+                    engine_age = await self._engine_age(route)
+                    # Unknown is not "under the deadline": the interval does not count as good.
+                    age = max(age, engine_age) if engine_age is not None else math.inf
                 deadline = route.policy.default_deadline_ms or route.policy.reject_if_queue_age_ms_gte
                 route.guard.observe(age, deadline)
 
@@ -333,6 +338,12 @@ class Admission:
             }
         }
         return Outcome(False, decision.status, decision.decision, out, refusal, route=route)
+
+    async def _engine_age(self, route: Route) -> int | None:
+        try:
+            return engine_queue_age(await self.redis.mget([self.queue.keys.engine_age(b) for b in route.backends]))
+        except RedisError:
+            return None
 
     async def _first_copy(self, fingerprint: str) -> str | None:
         """The id of the first copy a retry without an id re-sends (None: none known, or
