@@ -161,6 +161,27 @@ async def test_a_late_retry_is_refused_non_retryable(litellm):
     assert len(engine.seen) == before
 
 
+async def test_a_retry_without_an_id_keeps_its_first_copys_deadline(litellm):
+    """The OpenAI SDK's way: no id, the same body and deadline header, `X-Stainless-Retry-Count`
+    1 on the retry. The retry is matched to its first copy through LiteLLM's call data, so its
+    deadline is the first copy's, past by now: refused, the engine not reached."""
+    url, engine, _ = litellm
+    h = {"X-Request-Timeout-Ms": "1000", "X-Stainless-Retry-Count": "0"}
+    body = {"model": "llama", "messages": [{"role": "user", "content": "retry-me"}]}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/chat/completions", json=body, headers={**AUTH, **h}) as r:
+            assert r.status == 200, await r.read()
+        before = len(engine.seen)
+        await asyncio.sleep(1.2)
+        async with s.post(url + "/v1/chat/completions", json=body, headers={**AUTH, **h, "X-Stainless-Retry-Count": "1"}) as r:
+            status, got, headers = r.status, json.loads(await r.read()), r.headers.copy()
+        # A fresh request with the same body is a new request: admitted.
+        async with s.post(url + "/v1/chat/completions", json=body, headers={**AUTH, **h}) as r:
+            assert r.status == 200, await r.read()
+    assert status == 422 and decision(got, headers) == "reject_retry_late", got
+    assert len(engine.seen) == before + 1
+
+
 async def test_queue_age_beating_slack_is_refused_with_retry_after(litellm):
     url, engine, redis = litellm
     q = AdmissionQueue.from_url(redis.url, prefix=PREFIX)

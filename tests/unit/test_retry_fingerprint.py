@@ -52,10 +52,17 @@ def test_the_digest_keeps_no_credential():
 def test_the_litellm_hook_hands_over_the_body_as_sent_and_the_callers_key():
     data = {
         "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
         "litellm_call_id": "x",
-        "proxy_server_request": {"url": "http://litellm/v1/chat/completions", "method": "POST", "headers": {}, "body": {"b": 1, "model": "m"}},
+        "metadata": {"t": 1},
+        "proxy_server_request": {"url": "http://litellm/v1/chat/completions", "method": "POST", "headers": {}, "body": {}},
     }
     method, raw, headers, body = request_of(data, "hashed-key")
-    assert (method, raw, body, headers["Api-Key"]) == ("POST", "/v1/chat/completions", b'{"b":1,"model":"m"}', "hashed-key")
-    _, _, _, again = request_of({**data, "litellm_call_id": "y"})
-    assert again == body  # LiteLLM's own call id is not part of what the client sent
+    assert (method, raw, body, headers["Api-Key"]) == (
+        "POST",
+        "/v1/chat/completions",
+        b'{"messages":[{"content":"hi","role":"user"}],"model":"m"}',
+        "hashed-key",
+    )
+    _, _, _, again = request_of({**data, "litellm_call_id": "y", "metadata": {"t": 2}})
+    assert again == body  # LiteLLM's own per-call fields are not part of what the client sent

@@ -30,12 +30,53 @@ from ..config.gate import parse_gate_config
 from ..config.load import load_yaml
 from .decision import Admission, Attempt, Outcome
 
+# The request fields of the OpenAI API a client sends (chat, completions, embeddings,
+# responses): what a retry re-sends unchanged, and tells one request from another.
+CLIENT_FIELDS = frozenset(
+    [
+        "model",
+        "messages",
+        "prompt",
+        "input",
+        "instructions",
+        "suffix",
+        "stream",
+        "stream_options",
+        "temperature",
+        "top_p",
+        "n",
+        "stop",
+        "max_tokens",
+        "max_completion_tokens",
+        "max_output_tokens",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+        "user",
+        "seed",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "response_format",
+        "modalities",
+        "audio",
+        "reasoning_effort",
+        "echo",
+        "best_of",
+        "encoding_format",
+        "dimensions",
+    ]
+)
 MAX_OPEN_ATTEMPTS = 10_000  # admitted calls awaiting their end; the oldest is dropped past it
 
 
 def request_of(data: Mapping[str, Any], caller: str | None = None) -> tuple[str, str, CIMultiDict[str], bytes]:
-    """(method, path, headers, body) from LiteLLM's call data: the body as the client sent
-    it, in a canonical JSON (sorted keys), for routing by model and for the fingerprint
+    """(method, path, headers, body) from LiteLLM's call data: the request fields the client
+    sent, in a canonical JSON (sorted keys), for routing by model and for the fingerprint
     that matches a retry sent without an id to its first copy; ``caller``, the hashed
     LiteLLM key of the caller, stands in for the credentials LiteLLM strips from the
     headers it hands over (`Api-Key`, hashed into that fingerprint, never kept)."""
@@ -44,9 +85,9 @@ def request_of(data: Mapping[str, Any], caller: str | None = None) -> tuple[str,
     path = url.path if url.path.startswith("/v1/") else "/v1" + url.path  # LiteLLM serves both forms
     raw = path + ("?" + url.query if url.query else "")
     headers: CIMultiDict[str] = CIMultiDict((str(k), str(v)) for k, v in (psr.get("headers") or {}).items())
-    sent = psr.get("body")
-    if not isinstance(sent, Mapping):
-        sent = {"model": data.get("model")}
+    # LiteLLM's snapshot of the body (and `data`) carries fields of its own per call (call
+    # ids, metadata, times): only the fields of the OpenAI request the client sent count.
+    sent = {k: v for k, v in data.items() if k in CLIENT_FIELDS}
     try:
         body = json.dumps(sent, sort_keys=True, separators=(",", ":"), default=str).encode()
     except (TypeError, ValueError):
