@@ -40,6 +40,7 @@ from .cluster_events import ClusterKeyevents
 from .connection import FEED_CLIENT_NAME, TRANSIENT, text
 from .feed import KeyeventSubscriber
 from .keys import LeaseKeys, QueueKeys
+from .records import LeaseError
 from .target import ALL_REPLICAS, RedisTarget, parse_target
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ REPLICAS_RECHECK_S = 5.0  # wait_replicas=all: how often Sentinel is asked for t
 CLUSTER_REDIRECTS = 16  # MOVED/ASK/TRYAGAIN hops one confirmed write may follow
 
 
-class NotReplicated(RedisError):
+class NotReplicated(LeaseError, RedisError):
     """A write the primary applied but fewer replicas than required acknowledged in
     time: it may be lost in a failover, so it does not count (the caller undoes it)."""
 

@@ -52,7 +52,13 @@ class LeaseState:
     job_id: str | None = None
 
 
-class LeaseLost(Exception):
+class LeaseError(Exception):
+    """The base of every error the lease library raises on its own (`llm_health.leases`):
+    `LeaseLost`, `KeyspaceEventsOff`, `NotReplicated`. Redis' own errors pass through as
+    redis-py raises them."""
+
+
+class LeaseLost(LeaseError):
     """The lease could not be renewed: someone else may hold the GPU now."""
 
     def __init__(self, lease: Lease, reason: str):
@@ -60,7 +66,7 @@ class LeaseLost(Exception):
         super().__init__(f"lease on {lease.gpu} (token {lease.token}) lost: {reason}")
 
 
-class KeyspaceEventsOff(RuntimeError):
+class KeyspaceEventsOff(LeaseError, RuntimeError):
     """Redis does not publish the keyspace events the waiters need."""
 
     def __init__(self, current: str, command: str, where: str | None = None):

@@ -1,0 +1,36 @@
+"""GPU leases in Redis, the library other programs import: one lease per GPU (`SET NX` with
+a TTL, a fencing token), renewed by a heartbeat, released by its holder, expired by Redis
+when the holder dies; waiters woken by the keyevents of a lease that vanished, never by
+polling; a reconcile pass against what the workers report. One server, Sentinel or
+Cluster, from the URL.
+
+```python
+from llm_health.leases import LeaseClient, LeaseError, Pool
+
+leases = LeaseClient.from_url("redis://127.0.0.1:6379/0")
+lease = await leases.wait_for_gpu(Pool("a100", ["gpu0", "gpu1"]), "worker-7", timeout=60)  # None: none freed in time
+```
+
+Everything a caller needs is here; the modules behind it (`llm_health.store`) may move.
+Every error the library raises on its own derives from `LeaseError`.
+"""
+
+from __future__ import annotations
+
+from .store.deployment import NotReplicated
+from .store.heartbeat import Heartbeat
+from .store.leases import LeaseClient
+from .store.records import KeyspaceEventsOff, Lease, LeaseError, LeaseLost, LeaseState, Pool, ReconcileReport
+
+__all__ = [
+    "Heartbeat",
+    "KeyspaceEventsOff",
+    "Lease",
+    "LeaseClient",
+    "LeaseError",
+    "LeaseLost",
+    "LeaseState",
+    "NotReplicated",
+    "Pool",
+    "ReconcileReport",
+]
