@@ -82,7 +82,7 @@ if "$py" - "$PWD/exporter" <<'EOF'; then
 import importlib.util, sys
 spec = importlib.util.find_spec("llm_health")
 here = spec is not None and spec.origin is not None and spec.origin.startswith(sys.argv[1] + "/")
-sys.exit(0 if here and all(importlib.util.find_spec(m) for m in ("aiohttp", "prometheus_client", "yaml", "redis", "hiredis")) else 1)
+sys.exit(0 if here and all(importlib.util.find_spec(m) for m in ("aiohttp", "prometheus_client", "yaml", "redis", "hiredis", "uvloop")) else 1)
 EOF
   say "llm-health with its demo extra: already installed in $py"
 else
