@@ -2,8 +2,8 @@
 already reads, without sending a request. Pure: no I/O, time passed in.
 
 vLLM (V1 and V0) counts, per engine unit, the requests it finished
-(`vllm:request_success_total`, summed over `finished_reason`, aborts included), and
-gauges the requests running and waiting. Over the rounds they give two curves:
+(`vllm:request_success_total`, summed over `finished_reason`), and gauges the requests
+running and waiting. Over the rounds they give two curves:
 
     arrivals    A = finished + running + waiting
     departures  D = finished + running      (requests that left the waiting queue)
@@ -22,9 +22,10 @@ preemption puts the most recently scheduled running request back at the front of
 queue: D falls by one and the head is that request, arrival D + 1 again, so the bound
 holds across preemptions too. What bends it (the figure stays a lower bound, only a
 looser one): priority scheduling (a low-priority request can wait behind younger ones),
-a waiting request aborted from the middle of the queue (it counts as finished: D rises
-as if the head had left), a request that vanishes from every count (A falls: every
-point is lowered by as many, which keeps each point true).
+a waiting request from the middle of the queue counted as finished
+(`finished_reason="abort"`: D rises as if the head had left), a request that vanishes
+from every count (A falls: every point is lowered by as many, which keeps each point
+true; vLLM 0.32 counts a request its client abandoned nowhere).
 
 Unknown (None), never 0 and never a stale age, where it cannot be known: a round that
 read no usable numbers; a process seen for the first time (the exporter's start, a
