@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
 from llm_health.config.exporter import Backend, Config, Timing
 from llm_health.config.redis import parse_redis_config
@@ -110,3 +111,32 @@ async def test_engine_queue_age_key_appears_tracks_goes_on_unknown_and_expires(s
 async def exporter_status(exporter: Exporter, backend: str) -> dict[str, Any]:
     body = exporter.status_body()
     return next(b for b in body["backends"] if b["backend"] == backend)
+
+
+async def test_a_redis_that_is_down_is_counted_and_does_not_hold_the_rounds(sim_server, ticker):
+    busy = await sim_server("busy", scenario="overloaded")
+    ticker.append(busy)
+    dead = sim.dead_url().replace("http://", "redis://")  # nothing listens: refused at once
+    config = Config(timing=T, backends=(Backend("busy", busy.url, "vllm", T),), redis=parse_redis_config({"url": dead, "routes": ["chat"]}, "test.yaml"))
+    exporter = Exporter(config)
+    await exporter.start()
+    try:
+
+        async def counted() -> bool:
+            return exporter.redis_view.publish_failures >= 3
+
+        await eventually(counted, "failed publications counted")
+        rounds = exporter.slots["busy"].monitor.rounds
+
+        async def rounds_go_on() -> bool:
+            return exporter.slots["busy"].monitor.rounds >= rounds + 5 and exporter.slots["busy"].monitor.queue_ages.backend is not None
+
+        await eventually(rounds_go_on, "the backend's rounds and its figure going on without Redis")
+        assert not exporter.redis_view.up
+        text = generate_latest(exporter.registry).decode()
+        failures = [line for line in text.splitlines() if line.startswith("llm_redis_engine_age_publish_failures_total ")]
+        assert failures and float(failures[0].split()[1]) >= 3
+        # the figure itself is still exported and in /status while Redis is down
+        assert 'llm_backend_queue_age_seconds{backend="busy"}' in text
+    finally:
+        await exporter.stop()
