@@ -7,9 +7,10 @@ documented bound (one round) once what the client counts and the engine's queue 
 is taken out: the time from a request's sending to its intake by EngineCore (between two
 steps: `intake_bound`, from the streams' chunk gaps) and from its scheduling (it leaves
 vLLM's waiting queue) to its first streamed token (a prefill step: `first_token_lag`,
-from the streams' ends). On this throttled CPU engine both are up to seconds. Across a restart of vLLM the figure is
-unknown (null) while the server is away, never a stale age, and right again after.
-Prints the worst error in rounds.
+from the streams' ends). On this throttled CPU engine both are up to seconds. Across a
+restart of vLLM the figure is unknown (null) while the server is away, never a stale
+age, and right again after. A second test does the same across a preemption (a server
+with 9 KV blocks). Both print the worst error in rounds.
 
 Failure bounds only: the bounds are read from the rounds the test saw (the largest gap
 between two rounds' ends), not assumed from the configured interval.
