@@ -211,3 +211,10 @@ def test_missing_figures_are_dashes_not_errors():
     b = backend("gpu0", "down", running=None, waiting=None, generation_tokens_per_second=float("nan"), last_round_at=None, engines=0)
     text = Parsed(render([b])).joined()
     assert "never" in text and text.count("–") >= 4
+
+
+def test_the_engine_queue_age_is_shown_and_unknown_says_so():
+    html = render([backend("old", "busy", queue_age_ms=47_210), backend("young", "busy", queue_age_ms=850), backend("restarted", "busy", queue_age_ms=None)])
+    text = Parsed(html).joined()
+    assert "queue age" in text and "47.2 s" in text and "850 ms" in text
+    assert "unknown" in text  # null in /status: unknown, never shown as 0

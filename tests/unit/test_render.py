@@ -17,6 +17,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_health.core.health import EngineVerdict, Memory, Verdict
+from llm_health.core.queue_age import QueueAges
 from llm_health.core.readiness import Readiness
 from llm_health.core.states import State
 from llm_health.exporter.collectors import BackendsCollector, BuildInfoCollector
@@ -38,6 +39,7 @@ class FakeMonitor:
     stats: RoundStats = field(default_factory=RoundStats)
     memory: Memory | None = None
     last_probe: ProbeResult | None = None
+    queue_ages: QueueAges = field(default_factory=QueueAges)
 
 
 @dataclass
@@ -92,6 +94,8 @@ def fleet() -> list[FakeSlot]:
         {'re"ason\n': 1, "exception": 10**12},
     )
     down = FakeSlot(FakeBackend("down", kind="proxy"), verdict=Verdict(State.DOWN, "refused", Memory()), readiness=Readiness(False, "down", not_ready_total=3))
+    plain.monitor.queue_ages.units = {("m", "0"): 12.5}  # the engine's queue age: known
+    odd.monitor.queue_ages.units = {(e.model_name, e.engine): (None if i % 3 == 0 else numbers[i % len(numbers)]) for i, e in enumerate(odd_engines)}
     slots = [never, plain, odd, down]
     for s in slots:
         s.render()

@@ -217,6 +217,14 @@ def _engines(entries: Sequence[Mapping[str, Any]]) -> str:
     return f'<ul class="eng">{"".join(items)}</ul>'
 
 
+def _engine_age(b: Mapping[str, Any]) -> str:
+    """The engine's queue age (`queue_age_ms`): `unknown` while it cannot be known (absent
+    from /status only for a document of another version)."""
+    if b.get("queue_age_ms") is None:
+        return '<span class="muted">unknown</span>' if "queue_age_ms" in b else '<span class="muted">–</span>'
+    return _ms(b["queue_age_ms"])
+
+
 def _backends(data: PageData) -> str:
     rows = []
     for b in data.backends:
@@ -227,6 +235,7 @@ def _backends(data: PageData) -> str:
             f'<td class="reason">{esc(b.get("reason", ""))}</td>'
             f"<td>{_engines(b.get('engines') or ())}</td>"
             f'<td class="n">{_num(b.get("running"))}</td><td class="n">{_num(b.get("waiting"))}</td>'
+            f'<td class="n">{_engine_age(b)}</td>'
             f'<td class="n">{_num(b.get("generation_tokens_per_second"), 1)}</td>'
             f"<td>{esc(b.get('profile') or b.get('kind', ''))}</td><td>{_ago(b.get('last_round_at'), data.now)}</td></tr>"
         )
@@ -234,7 +243,7 @@ def _backends(data: PageData) -> str:
     note = ""
     if total > len(data.backends):
         note = f'<p class="muted">The {len(data.backends)} worst of {total} backends are listed; /status has every one.</p>'
-    head = "<tr><th>backend</th><th>state</th><th>reason</th><th>engines</th><th>running</th><th>waiting</th><th>tokens/s</th><th>engine kind</th><th>last round</th></tr>"
+    head = "<tr><th>backend</th><th>state</th><th>reason</th><th>engines</th><th>running</th><th>waiting</th><th>queue age</th><th>tokens/s</th><th>engine kind</th><th>last round</th></tr>"
     return f'<h2>Backends</h2><table id="backends">{head}{"".join(rows)}</table>{note}'
 
 

@@ -5,6 +5,8 @@ Emits (labels `pool` and `route` come from configuration, never from keys):
 
 - `llm_redis_up`: 1 if the last refresh read Redis, else 0 (then only the counters
   below are exported besides it);
+- `llm_redis_engine_age_publish_failures_total`: rounds whose publication of the engine
+  queue ages did not land;
 - per pool: `llm_gpu_pool_size`, `llm_gpu_leases_held`, `llm_gpu_free`,
   `llm_gpu_waiters`, `llm_gpu_lease_ttl_min_seconds` and
   `llm_gpu_lease_age_max_seconds` (absent while no lease is held),
@@ -60,6 +62,13 @@ class RedisCollector(SnapshotCollector):
         )
         gaps.add_metric([], float(v.gaps))
         yield gaps
+        publish = CounterMetricFamily(
+            "llm_redis_engine_age_publish_failures",
+            "Rounds whose publication of the backends' engine queue ages (the doors' QueueKeys.engine_age keys) did not land, "
+            "whole or in part; the keys then expire after 3 rounds and read as unknown.",
+        )
+        publish.add_metric([], float(v.publish_failures))
+        yield publish
 
         releases = CounterMetricFamily(
             "llm_gpu_lease_releases",

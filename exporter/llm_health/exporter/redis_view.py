@@ -100,6 +100,8 @@ class RedisView:
         )
 
         self.keyspace_flags: str | None = None
+        # Rounds whose publication of the engine queue ages did not land (whole or part).
+        self.publish_failures = 0
         self.keyspace_fix: str | None = None
 
         # Drift needs the previous round: leases and backend states.
@@ -144,18 +146,25 @@ class RedisView:
 
     # ------------------------------------------------------------------ refresh
 
-    async def refresh(self, backend_states: Mapping[str, str]) -> None:
-        """Read Redis once (constant round trips) and replace the snapshot. Never raises
-        for Redis trouble: `llm_redis_up` goes to 0 and the next round tries again."""
+    async def refresh(self, backend_states: Mapping[str, str], engine_ages: Mapping[str, int | None] | None = None, ttl_ms: int = 3000) -> None:
+        """Read Redis once (constant round trips) and replace the snapshot; in the same
+        pipeline, publish each backend's engine queue age (`engine_ages`, ms or None while
+        unknown) under QueueKeys.engine_age: SET with an expiry of `ttl_ms`, or DEL while
+        unknown (absent means unknown, never 0). Never raises for Redis trouble:
+        `llm_redis_up` goes to 0 (and a publish that did not land is counted in
+        `publish_failures`) and the next round tries again."""
         started = time.perf_counter()
+        ages = dict(engine_ages or {})
         try:
-            self.snapshot = await self._read(dict(backend_states))
+            self.snapshot = await self._read(dict(backend_states), ages, ttl_ms)
             self.up, self.error = True, None
         except (RedisError, OSError, TimeoutError) as e:
             self.up, self.error = False, f"{type(e).__name__}: {e}"
+            self.publish_failures += 1 if ages else 0
             log.warning("redis view: refresh failed: %s", self.error)
         except Exception as e:  # a bug must not take the exporter down either
             self.up, self.error = False, f"{type(e).__name__}: {e}"
+            self.publish_failures += 1 if ages else 0
             log.exception("redis view: refresh failed")
         self.last_duration_s = time.perf_counter() - started
 
@@ -223,7 +232,7 @@ class RedisView:
             self._rebuild_gpu_index()
         return round_trips
 
-    async def _read(self, backend_states: dict[str, str]) -> Snapshot:
+    async def _read(self, backend_states: dict[str, str], ages: dict[str, int | None] | None = None, ttl_ms: int = 3000) -> Snapshot:
         self.commands_last = 0
         round_trips = await self._resolve_members()
         pools = [(p, self._pool_gpus.get(p.name, ())) for p in self.config.pools]
@@ -253,8 +262,19 @@ class RedisView:
             add_route_stats_commands(pipe, self.qkeys, route, wall)
             if self.config.queue_gc:  # KEYS[1] is unused; the routes key keeps it in the queue's slot
                 pipe.eval(GC_LUA, 6, self.qkeys.routes(), *self.qkeys.route_keys(route), gc_cutoff, 1000)
+        ages = ages or {}
+        for backend, age in ages.items():  # last in the batch: the reads above keep their places
+            if age is None:
+                pipe.delete(self.qkeys.engine_age(backend))
+            else:
+                pipe.set(self.qkeys.engine_age(backend), str(age), px=ttl_ms)
         replies = await pipe.execute(raise_on_error=False)
         round_trips += 1
+        published = replies[len(replies) - len(ages) :] if ages else []
+        failed = [r for r in published if isinstance(r, Exception)]
+        if failed:
+            self.publish_failures += 1
+            log.warning("redis view: publishing %d engine queue age(s) failed: %s", len(failed), failed[0])
         self.commands_last += len(replies)
         self.round_trips_last = round_trips
 

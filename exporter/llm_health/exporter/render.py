@@ -77,8 +77,42 @@ FAMILIES: tuple[Family, ...] = (
         "decided when a round ends; only backends that turned so at least once.",
         ("backend",),
     ),
+    Family(
+        "llm_backend_queue_age_seconds",
+        "gauge",
+        "Age of the oldest request waiting inside the backend's engine (the largest of its engine units), derived from the engine's "
+        "counters every round: a lower bound, below the truth by less than one round for a first-come-first-served vLLM engine "
+        "(docs/engines.md). Absent while unknown (a restart, a first read of a queue, an engine that cannot tell)." + STATEFUL,
+        ("backend",),
+    ),
+    Family(
+        "llm_backend_engine_queue_age_seconds",
+        "gauge",
+        "Age of the oldest request waiting in one engine unit (data-parallel rank), as llm_backend_queue_age_seconds; absent while unknown.",
+        ELABELS,
+    ),
 )
-(UP, STATE, ESTATE, RUNNING, WAITING, STEPS, TOKENS, SINCE, DIGEST, RESTARTS, PROBES, PROBE_S, FETCH_S, INFO, ROUND_S, ERRORS, NOT_READY) = range(len(FAMILIES))
+(
+    UP,
+    STATE,
+    ESTATE,
+    RUNNING,
+    WAITING,
+    STEPS,
+    TOKENS,
+    SINCE,
+    DIGEST,
+    RESTARTS,
+    PROBES,
+    PROBE_S,
+    FETCH_S,
+    INFO,
+    ROUND_S,
+    ERRORS,
+    NOT_READY,
+    QUEUE_AGE,
+    ENGINE_QUEUE_AGE,
+) = range(len(FAMILIES))
 STATES = tuple(State)
 ONE_HOT = frozenset({STATE, ESTATE})  # one series per state: 1 for the one the sample names, 0 for the others
 
@@ -138,6 +172,12 @@ def samples(slot: SlotLike) -> Iterator[Sample]:
         yield ERRORS, (name, reason), count
     if slot.readiness.not_ready_total:
         yield NOT_READY, (name,), slot.readiness.not_ready_total
+    ages = m.queue_ages
+    if v is not None and ages.backend is not None:
+        yield QUEUE_AGE, (name,), ages.backend
+    for (model_name, engine), age in ages.units.items() if v is not None else ():
+        if age is not None:
+            yield ENGINE_QUEUE_AGE, (name, model_name, engine), age
 
 
 def escape(value: str) -> str:

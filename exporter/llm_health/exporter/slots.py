@@ -6,6 +6,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ import aiohttp
 
 from ..config.exporter import Backend
 from ..core.health import Verdict
+from ..core.queue_age import to_ms
 from ..core.readiness import Readiness, next_readiness
 from ..core.states import State
 from ..probe.client import BackendClient
@@ -69,6 +71,7 @@ class Slot:
 
     def status(self) -> dict[str, Any]:
         v, stats, m = self.verdict, self.monitor.stats, self.monitor
+        ages = m.queue_ages
         out = {
             "backend": self.backend.name,
             "url": redact_url(m.client.url),
@@ -80,6 +83,8 @@ class Slot:
             "profile": stats.profile,
             "running": v.running if v and v.engines else None,
             "waiting": v.waiting if v and v.engines else None,
+            # the engine's queue age (core.queue_age), null while unknown
+            "queue_age_ms": to_ms(ages.backend) if v else None,
             "steps_per_second": v.total("steps_per_second") if v else None,
             "generation_tokens_per_second": v.total("generation_tokens_per_second") if v else None,
             "restarts": m.memory.restarts if m.memory else 0,
@@ -101,11 +106,32 @@ class Slot:
                     "steps_per_second": e.steps_per_second,
                     "generation_tokens_per_second": e.generation_tokens_per_second,
                     "seconds_since_progress": e.seconds_since_progress,
+                    "queue_age_ms": to_ms(ages.units.get((e.model_name, e.engine))),
                 }
                 for e in (v.engines if v else ())
             ],
         }
         return out
+
+
+def engine_ages(slots: Iterable[Slot], now: float, interval: float) -> dict[str, int | None]:
+    """What the exporter publishes to Redis (QueueKeys.engine_age) for its engine backends
+    (a proxy has no engine queue): each one's queue age in ms, None (the key deleted) while
+    unknown or when its last round ended more than 3 intervals ago (a round stuck on a
+    slow read leaves no figure behind that would outlive it)."""
+    out: dict[str, int | None] = {}
+    for s in slots:
+        if s.backend.kind == "proxy":
+            continue
+        fresh = s.verdict is not None and s.last_round_at is not None and now - s.last_round_at <= 3 * max(interval, s.backend.timing.interval)
+        out[s.backend.name] = to_ms(s.monitor.queue_ages.backend) if fresh else None
+    return out
+
+
+def engine_age_ttl_ms(interval: float) -> int:
+    """The expiry of a published engine queue age: 3 rounds of the Redis view, at least 3 s,
+    so a figure outlives a late round but not a stopped exporter by more than that."""
+    return max(3000, int(3 * interval * 1000))
 
 
 # A fleet's first rounds are spread over up to one interval, at most this many starting per

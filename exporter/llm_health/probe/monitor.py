@@ -13,6 +13,7 @@ from ..core import engines
 from ..core.engines import Limits, OverLimits, UnknownEngine
 from ..core.exposition import ParseError
 from ..core.health import Memory, Observation, Settings, Verdict, after_probe, decide, same_fingerprint
+from ..core.queue_age import QueueAges
 from .client import BackendClient, Fetched, ProbeResult
 from .reading import read_fetched
 
@@ -44,6 +45,8 @@ class BackendMonitor:
         self.rounds = 0
         self.probes_sent = 0
         self.last_probe: ProbeResult | None = None  # kept across rounds: probes are minutes apart
+        # The engine's queue age (core.queue_age), advanced by every round's reading.
+        self.queue_ages = QueueAges()
 
     def _stalling(self, reading: engines.Reading) -> bool:
         """Some engine has work in flight and the same fingerprint as last round."""
@@ -65,14 +68,15 @@ class BackendMonitor:
             verdict = decide(self.memory, obs, self.settings, kind="proxy")
             stats.error = None if ok else "models"
         else:
-            verdict = await self._engine_round(now, stats)
+            verdict = await self._engine_round(now, start, stats)
         stats.seconds = time.monotonic() - start
         self.memory, self.verdict, self.stats = verdict.memory, verdict, stats
         self.rounds += 1
         return verdict
 
-    async def _engine_round(self, now: float, stats: RoundStats) -> Verdict:
+    async def _engine_round(self, now: float, start: float, stats: RoundStats) -> Verdict:
         fetched = await self.client.metrics()
+        read_at = now + (time.monotonic() - start)  # the counters are no older than this
         stats.metrics = fetched
         reading = None
         error = fetched.error
@@ -109,6 +113,7 @@ class BackendMonitor:
             # Before calling it stalled, ask whether the engine sleeps or is paused on purpose.
             obs = Observation(now=now, reading=reading, sleeping=await self.client.flag("/is_sleeping"), paused=await self.client.flag("/is_paused"))
         verdict = decide(self.memory, obs, self.settings, kind=self.kind)
+        self.queue_ages.update(reading, read_at, restarted=verdict.restarted)
         if verdict.probe_wanted:
             models_error = None
             if self.model is None:

@@ -106,6 +106,16 @@ class SimEngine:
     max_model_len: int = 32768
     hists: dict[str, _Hist] = field(default_factory=dict)
     _carry: float = 0.0
+    # The request lifecycle, on when max_num_seqs > 0 (the `overloaded` scenario): requests
+    # arrive at `arrivals_per_second` into `waiting`, are scheduled first come first served
+    # into at most max_num_seqs running places, finish after `request_tokens` steps (the
+    # success counter, as vLLM's request_success_total), and `preempt()` puts the most
+    # recently scheduled one back at the head of the queue. Off, the counts stay as set.
+    max_num_seqs: int = 0
+    arrivals_per_second: float = 0.0
+    request_tokens: int = 20
+    _left: list[int] = field(default_factory=list)  # steps left per running request, in scheduling order
+    _arrival_carry: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.hists:
@@ -122,10 +132,43 @@ class SimEngine:
         self._carry -= whole
         return whole
 
+    def _schedule(self) -> None:
+        while self.waiting > 0 and len(self._left) < self.max_num_seqs:
+            self.waiting -= 1
+            self._left.append(self.request_tokens)
+        self.running = len(self._left)
+
+    def preempt(self) -> None:
+        """vLLM's preemption: the most recently scheduled running request goes back to the
+        head of the waiting queue, its work lost; num_preemptions_total counts it."""
+        if self._left:
+            self._left.pop()
+            self.waiting += 1
+            self.running = len(self._left)
+            self.preemptions += 1
+
+    def _lifecycle(self, seconds: float) -> None:
+        self._arrival_carry += seconds * self.arrivals_per_second
+        arrived = int(self._arrival_carry)
+        self._arrival_carry -= arrived
+        self.waiting += arrived
+        if len(self._left) != self.running:  # counts set from outside: take them as running requests
+            self._left = [self.request_tokens] * self.running
+        self._schedule()
+
     def advance(self, seconds: float) -> None:
+        if self.max_num_seqs > 0 and self.mode == "decode":
+            self._lifecycle(seconds)
         if self.mode == "decode" and self.running > 0:
             # One step per output token per request in the batch: batch steps at the pace of one request.
             steps = self._whole(seconds * self.tokens_per_second)
+            if steps and self.max_num_seqs > 0:
+                self._left = [left - steps for left in self._left]
+                done = sum(1 for left in self._left if left <= 0)
+                if done:
+                    self.finish(done, generation_tokens=self.request_tokens, seconds=self.request_tokens / self.tokens_per_second)
+                    self._left = [left for left in self._left if left > 0]
+                    self._schedule()
             if steps:
                 self.hists["vllm:iteration_tokens_total"].observe(self.running, steps)
                 self.generation_tokens += steps * self.running
@@ -166,6 +209,7 @@ class SimEngine:
         for name in ("kv_usage", "prompt_tokens", "generation_tokens", "success", "preemptions", "prefix_queries", "hists", "created"):
             setattr(self, name, getattr(fresh, name))
         self.running = self.waiting = 0
+        self._left = []
         self.mode = "idle"
 
 

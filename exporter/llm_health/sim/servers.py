@@ -356,6 +356,15 @@ def saturated(server: SimServer, running: int = 12, waiting: int = 3, tokens_per
         e.mode, e.running, e.waiting, e.tokens_per_second, e.kv_usage = "decode", running, waiting, tokens_per_second, 0.6
 
 
+def overloaded(server: SimServer, max_num_seqs: int = 4, arrivals_per_second: float = 3.0, request_tokens: int = 20, tokens_per_second: float = 10.0) -> None:
+    """A saturated engine whose queue ages: requests arrive faster than it serves them (4
+    places, 2 s a request: 2 a second served, 3 arriving), so `waiting` grows and its head
+    gets older; the counters move as vLLM's do (SimEngine's request lifecycle)."""
+    for e in server.engines:
+        e.mode, e.kv_usage, e.tokens_per_second = "decode", 0.6, tokens_per_second
+        e.max_num_seqs, e.arrivals_per_second, e.request_tokens = max_num_seqs, arrivals_per_second, request_tokens
+
+
 def batch_job(server: SimServer, running: int = 3, tokens_per_second: float = 8.0) -> None:
     """A batch job: 2-4 long requests at about 8 tokens/s."""
     for e in server.engines:
@@ -404,6 +413,7 @@ def stuck(server: SimServer) -> None:
 SCENARIOS = {
     "idle": idle,
     "saturated": saturated,
+    "overloaded": overloaded,
     "batch": batch_job,
     "long_prefill": long_prefill,
     "hung": hang,

@@ -1,0 +1,174 @@
+"""The age of the oldest request waiting inside an engine, from the counters every round
+already reads, without sending a request. Pure: no I/O, time passed in.
+
+vLLM (V1 and V0) counts, per engine unit, the requests it finished
+(`vllm:request_success_total`, summed over `finished_reason`), and gauges the requests
+running and waiting. Over the rounds they give two curves:
+
+    arrivals    A = finished + running + waiting
+    departures  D = finished + running      (requests that left the waiting queue)
+
+Each round where A rose appends the point (A, t): "at least A requests had arrived by
+t" (t is when the round's read ended). Among the first D + 1 arrivals at most D have
+left the queue, so one of them still waits: the oldest waiting request arrived no later
+than the first point with A >= D + 1, and its age is at least `now - t` of that point.
+That is the figure: a lower bound of the true age whatever the scheduling order.
+
+With first-come-first-served scheduling the waiting queue is exactly arrivals D+1..A
+(requests are scheduled in arrival order, whatever order they finish in), so the head
+is arrival D + 1, which arrived after the round before that point: the figure is then
+below the truth by less than one round (plus the read's own duration). vLLM's
+preemption puts the most recently scheduled running request back at the front of the
+queue: D falls by one and the head is that request, arrival D + 1 again, so the bound
+holds across preemptions too. What bends it (the figure stays a lower bound, only a
+looser one): priority scheduling (a low-priority request can wait behind younger ones),
+a waiting request from the middle of the queue counted as finished
+(`finished_reason="abort"`: D rises as if the head had left), a request that vanishes
+from every count (A falls: every point is lowered by as many, which keeps each point
+true; vLLM 0.32 counts a request its client abandoned nowhere).
+
+Unknown (None), never 0 and never a stale age, where it cannot be known: a round that
+read no usable numbers; a process seen for the first time (the exporter's start, a
+restart: a new `process_start_time_seconds` or a counter that went backwards) until its
+queue's head is a request that arrived after that first read (the requests already
+waiting then arrived at an unknown time); an engine profile with no finished-requests
+counter while its waiting count is above 0. A queue with nothing waiting is 0, known,
+for every profile.
+
+Memory is bounded: points at or below `finished` can never be the answer again and are
+dropped; beyond `max_points` (one point per round at most) the oldest are dropped, which
+only makes the figure younger (still a lower bound).
+
+A backend's figure is the largest of its engine units' (data-parallel ranks): the age
+of the oldest request waiting anywhere in it, and unknown if any unit's is unknown (the
+oldest request could be in the unit that cannot be read).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from .engines import BY_NAME, EngineReading, Reading
+
+# The counter of finished requests per profile, where the method above applies. The
+# others (SGLang, TGI, llama.cpp, Triton: docs/engines.md says why) give 0 when nothing
+# waits and unknown otherwise.
+FINISHED: dict[str, str] = {
+    "vllm_v1": "vllm:request_success_total",
+    "vllm_v0": "vllm:request_success_total",
+}
+
+MAX_POINTS = 4096
+
+
+def counts(profile: str, e: EngineReading) -> tuple[float, float, float] | None:
+    """(finished, running, waiting) of a unit whose profile counts finished requests;
+    None for a profile that does not. Values may be NaN (no evidence)."""
+    name = FINISHED.get(profile)
+    if name is None:
+        return None
+    finished = e.counters[BY_NAME[profile].counters.index(name)]
+    return finished, e.running, e.waiting
+
+
+@dataclass
+class Curve:
+    """One engine unit's arrival curve, for one process."""
+
+    start_time: float | None
+    baseline: float  # arrivals already counted when this process was first read: their times are unknown
+    arrivals: float
+    finished: float
+    points: deque[tuple[float, float]] = field(default_factory=deque)  # (A, t), A strictly rising
+
+
+def _unit_age(curve: Curve, finished: float, running: float, waiting: float, now: float, max_points: int) -> float | None:
+    """Advance the curve with this round's numbers and answer the unit's age."""
+    arrivals = finished + running + waiting
+    points = curve.points
+    if arrivals < curve.arrivals:
+        # Requests that left without being counted anywhere: every point lowered by as
+        # many stays true ("at least A arrivals by t" of the requests still counted).
+        gone = curve.arrivals - arrivals
+        kept = [(a - gone, t) for a, t in points if a - gone > 0]
+        points.clear()
+        points.extend(kept)
+    elif arrivals > curve.arrivals:
+        points.append((arrivals, now))
+    curve.arrivals, curve.finished = arrivals, finished
+    while points and points[0][0] <= finished:
+        points.popleft()
+    while len(points) > max_points:
+        points.popleft()
+    if waiting == 0:
+        return 0.0
+    head = finished + running + 1
+    if head <= curve.baseline:
+        return None
+    for a, t in points:
+        if a >= head:
+            return max(0.0, now - t)
+    return None
+
+
+class QueueAges:
+    """Per engine unit of one backend, the curves and the last round's figures."""
+
+    def __init__(self, max_points: int = MAX_POINTS):
+        self.max_points = max_points
+        self.curves: dict[tuple[str, str], Curve] = {}
+        self.units: dict[tuple[str, str], float | None] = {}  # the last round's figure per unit
+
+    @property
+    def backend(self) -> float | None:
+        """The backend's figure: the largest unit's, unknown if any is unknown or none was read."""
+        if not self.units or any(age is None for age in self.units.values()):
+            return None
+        return max(age for age in self.units.values() if age is not None)
+
+    def forget(self) -> None:
+        """A round without a usable reading: every figure unknown (the curves are kept: the
+        same process read again continues them, a new one is told by its start time)."""
+        self.units = dict.fromkeys(self.units)
+
+    def update(self, reading: Reading | None, now: float, restarted: bool = False) -> None:
+        """One round's reading (None: nothing usable), read by `now`; `restarted` where the
+        health decision saw a new process (core.health)."""
+        if reading is None:
+            self.forget()
+            return
+        units: dict[tuple[str, str], float | None] = {}
+        curves: dict[tuple[str, str], Curve] = {}
+        for key, e in reading.engines.items():
+            got = counts(reading.profile, e)
+            if got is None:
+                units[key] = 0.0 if e.waiting == 0 else None
+                continue
+            finished, running, waiting = got
+            curve = self.curves.get(key)
+            if any(math.isnan(x) for x in got):
+                units[key] = None
+                if curve is not None and not restarted:
+                    curves[key] = curve
+                continue
+            new_process = (
+                curve is None
+                or restarted
+                or finished < curve.finished
+                or (reading.start_time is not None and curve.start_time is not None and reading.start_time != curve.start_time)
+            )
+            if new_process:
+                arrivals = finished + running + waiting
+                curve = Curve(reading.start_time, baseline=arrivals, arrivals=arrivals, finished=finished)
+            assert curve is not None
+            curves[key] = curve
+            units[key] = _unit_age(curve, finished, running, waiting, now, self.max_points)
+        self.curves, self.units = curves, units
+
+
+def to_ms(seconds: float | None) -> int | None:
+    """The figure as the user's `queue_age_ms`: whole milliseconds (rounded down, so a
+    lower bound stays one), None while unknown."""
+    return None if seconds is None else int(seconds * 1000)

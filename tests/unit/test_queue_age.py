@@ -1,0 +1,208 @@
+"""core.queue_age: the engine's queue age from its counters (docs/engines.md)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llm_health.core import engines
+from llm_health.core.engines import EngineReading, Reading
+from llm_health.core.queue_age import MAX_POINTS, QueueAges, to_ms
+
+NAN = math.nan
+
+
+def unit(finished: float, running: float, waiting: float, engine: str = "0") -> EngineReading:
+    # VLLM_V1 counters: iteration count, prompt, generation, success, preemptions, prefix queries
+    return EngineReading("m", engine, running, waiting, 0.0, 0.0, (0.0, 0.0, 0.0, finished, 0.0, 0.0), ())
+
+
+def reading(*units: EngineReading, start: float = 1000.0, profile: str = "vllm_v1") -> Reading:
+    return Reading(profile, start, {u.key: u for u in units})
+
+
+def test_fifo_burst_ages_by_the_round_of_arrival():
+    q = QueueAges()
+    q.update(reading(unit(0, 0, 0)), now=0.0)
+    assert q.backend == 0.0  # nothing waits: 0, known
+    q.update(reading(unit(0, 1, 4)), now=1.0)  # five arrived in (0, 1]
+    assert q.backend == 0.0  # arrival 2 (the head) arrived by 1.0
+    q.update(reading(unit(0, 1, 4)), now=2.0)
+    assert q.backend == 1.0
+    q.update(reading(unit(1, 1, 5)), now=3.0)  # one finished, arrival 3 is the head; two more came
+    assert q.backend == 2.0
+    q.update(reading(unit(5, 1, 1)), now=4.0)  # head is arrival 7: it came in (2, 3]
+    assert q.backend == 1.0
+    q.update(reading(unit(7, 0, 0)), now=5.0)
+    assert q.backend == 0.0
+    assert not q.curves[("m", "0")].points  # nothing kept once the queue is empty
+
+
+def test_first_read_of_a_queue_is_unknown_until_its_head_arrived_after_it():
+    q = QueueAges()
+    q.update(reading(unit(10, 1, 3)), now=0.0)  # requests 12..14 waited before anything was read
+    assert q.backend is None
+    q.update(reading(unit(10, 1, 4)), now=1.0)  # arrival 15 came in (0, 1]; head still 12
+    assert q.backend is None
+    q.update(reading(unit(13, 1, 1)), now=2.0)  # head is 15
+    assert q.backend == 1.0
+
+
+def test_preemption_puts_the_last_scheduled_back_at_the_head():
+    q = QueueAges()
+    q.update(reading(unit(0, 0, 0)), now=0.0)
+    q.update(reading(unit(0, 2, 0)), now=1.0)  # arrivals 1, 2 by 1.0, both running
+    q.update(reading(unit(0, 2, 1)), now=2.0)  # arrival 3 by 2.0
+    assert q.backend == 0.0
+    q.update(reading(unit(0, 1, 2)), now=3.0)  # arrival 2 preempted: the head again
+    assert q.backend == 2.0  # it arrived in (0, 1]: within one round of its true age
+    q.update(reading(unit(1, 2, 0)), now=4.0)
+    assert q.backend == 0.0
+
+
+def test_abort_counted_as_finished_and_vanished_requests_keep_a_lower_bound():
+    q = QueueAges()
+    q.update(reading(unit(0, 0, 0)), now=0.0)
+    q.update(reading(unit(0, 1, 1)), now=1.0)  # arrivals 1, 2 by 1.0
+    q.update(reading(unit(0, 1, 3)), now=2.0)  # arrivals 3, 4 by 2.0
+    q.update(reading(unit(1, 1, 2)), now=3.0)  # the head (2) aborted: success{abort} +1
+    assert q.backend == 1.0  # head is 3 now
+    q.update(reading(unit(1, 1, 1)), now=4.0)  # one vanished from every count: points lowered
+    assert q.backend is not None and q.backend <= 2.0
+
+
+def test_restart_is_unknown_then_right_again_never_stale():
+    q = QueueAges()
+    q.update(reading(unit(0, 0, 0)), now=0.0)
+    q.update(reading(unit(0, 1, 3)), now=1.0)
+    q.update(reading(unit(0, 1, 3)), now=30.0)
+    assert q.backend == 29.0
+    # A new process: counters from 0, a new start time, two requests already waiting.
+    q.update(reading(unit(0, 1, 2), start=2000.0), now=31.0)
+    assert q.backend is None
+    q.update(reading(unit(0, 1, 3), start=2000.0), now=32.0)  # arrival 4 by 32
+    assert q.backend is None
+    q.update(reading(unit(3, 1, 0), start=2000.0), now=33.0)
+    assert q.backend == 0.0
+    # The same with an unchanged start time but a counter that went backwards.
+    q.update(reading(unit(0, 1, 1), start=2000.0), now=34.0)
+    assert q.backend is None
+    # And the health decision's word alone.
+    q.update(reading(unit(5, 1, 0), start=2000.0), now=35.0)
+    q.update(reading(unit(6, 1, 1), start=2000.0), now=36.0, restarted=True)
+    assert q.backend is None
+
+
+def test_no_reading_or_no_evidence_is_unknown():
+    q = QueueAges()
+    q.update(reading(unit(0, 0, 0)), now=0.0)
+    q.update(reading(unit(0, 1, 1)), now=1.0)
+    q.update(None, now=2.0)
+    assert q.backend is None
+    assert q.units == {("m", "0"): None}
+    q.update(reading(unit(0, 1, 1)), now=3.0)  # the same process: the curve carried on
+    assert q.backend == 2.0
+    q.update(reading(unit(0, NAN, 1)), now=4.0)
+    assert q.backend is None
+    assert QueueAges().backend is None  # no round yet
+
+
+def test_data_parallel_backend_is_the_oldest_unit_and_unknown_if_any_is():
+    q = QueueAges()
+    q.update(reading(unit(0, 0, 0, "0"), unit(0, 0, 0, "1")), now=0.0)
+    q.update(reading(unit(0, 1, 1, "0"), unit(0, 1, 0, "1")), now=1.0)
+    q.update(reading(unit(0, 1, 1, "0"), unit(0, 1, 1, "1")), now=5.0)
+    assert q.units == {("m", "0"): 4.0, ("m", "1"): 0.0}
+    assert q.backend == 4.0
+    q.update(reading(unit(0, 1, 1, "0"), unit(0, NAN, 1, "1")), now=6.0)
+    assert q.units[("m", "0")] == 5.0 and q.backend is None
+
+
+def test_engines_without_a_finished_counter_know_only_an_empty_queue():
+    for profile, running, waiting in (("llamacpp", 1, 0), ("triton", 0, 0), ("sglang", 2, 0), ("tgi", 1, 0)):
+        n = len(engines.BY_NAME[profile].counters)
+        e = EngineReading("", "", running, waiting, 0.0, 0.0, (0.0,) * n, ())
+        q = QueueAges()
+        q.update(Reading(profile, None, {e.key: e}), now=0.0)
+        assert q.backend == 0.0, profile
+        e = EngineReading("", "", running, 3, 0.0, 0.0, (0.0,) * n, ())
+        q.update(Reading(profile, None, {e.key: e}), now=1.0)
+        assert q.backend is None, profile
+
+
+def test_a_real_vllm_payload_reads_through_the_profile():
+    text = open("tests/data/vllm-real/busy.prom").read()
+    r = engines.read(text)
+    q = QueueAges()
+    q.update(r, now=0.0)
+    (e,) = r.engines.values()
+    assert q.backend == (0.0 if e.waiting == 0 else None)
+
+
+def test_memory_is_bounded():
+    q = QueueAges(max_points=8)
+    q.update(reading(unit(0, 0, 0)), now=0.0)
+    for i in range(1, 100):
+        q.update(reading(unit(0, 1, i)), now=float(i))  # a queue that only grows
+    assert len(q.curves[("m", "0")].points) == 8
+    assert q.backend is not None and q.backend <= 98.0  # younger than the truth, never older
+    assert MAX_POINTS >= 1024
+
+
+def test_to_ms():
+    assert to_ms(None) is None
+    assert to_ms(1.2349) == 1234
+    assert to_ms(0.0) == 0
+
+
+@dataclass
+class Fifo:
+    """A first-come-first-served engine with `slots` running places; preemption sends the
+    most recently scheduled running request back to the head, as vLLM's scheduler does."""
+
+    slots: int
+    waiting: list[float] = field(default_factory=list)  # arrival times, head first
+    running: list[tuple[float, float]] = field(default_factory=list)  # (arrival, work left)
+    finished: int = 0
+
+    def step(self, now: float, dt: float, arrivals: int, work: float, preempt: bool) -> None:
+        self.waiting.extend([now] * arrivals)
+        if preempt and self.running:
+            arrival, _left = self.running.pop()
+            self.waiting.insert(0, arrival)
+        self.running = [(a, left - dt) for a, left in self.running]
+        done = [r for r in self.running if r[1] <= 0]
+        self.finished += len(done)
+        self.running = [r for r in self.running if r[1] > 0]
+        while self.waiting and len(self.running) < self.slots and not preempt:
+            self.running.append((self.waiting.pop(0), work))
+
+    def truth(self, now: float) -> float:
+        return now - self.waiting[0] if self.waiting else 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    slots=st.integers(1, 4),
+    steps=st.lists(st.tuples(st.integers(0, 3), st.floats(0.05, 2.0), st.booleans()), min_size=5, max_size=120),
+    round_every=st.integers(1, 10),
+)
+def test_fifo_figure_is_within_one_round_below_the_truth(slots, steps, round_every):
+    dt = 0.1
+    engine, q = Fifo(slots), QueueAges()
+    q.update(reading(unit(0, 0, 0)), now=0.0)
+    last_round = 0.0
+    for i, (arrivals, work, preempt) in enumerate(steps, start=1):
+        now = i * dt
+        engine.step(now - dt / 2, dt, arrivals, work, preempt and i % 7 == 0)
+        if i % round_every:
+            continue
+        q.update(reading(unit(engine.finished, len(engine.running), len(engine.waiting))), now=now)
+        figure, truth = q.backend, engine.truth(now)
+        assert figure is not None
+        assert figure <= truth + 1e-9
+        assert truth - figure < (now - last_round) + 1e-9
+        last_round = now
