@@ -349,6 +349,22 @@ def admission(cfg: dict) -> dash_b.Dashboard:
         .with_row(dash_b.Row("Age against deadline"))
         .with_panel(
             timeseries(
+                "Engine queue age against deadline",
+                "Age of the oldest request waiting inside each backend's engine (llm_backend_queue_age_seconds: a lower bound within one "
+                "exporter round; no line while unknown), the route's engine queue age (the youngest head among its backends whose age is "
+                "known, as the gate combines them) and the route's deadline (routes: in rules/config.yaml). Route age at or above the "
+                "deadline: LLMEngineQueueAgeOverDeadline pages.",
+                "s",
+                [
+                    query(f"max without ({cfg['exporter']['replica_labels']}) (llm_backend_queue_age_seconds{{{exporter}}})", "{{backend}} engine queue age"),
+                    query('route:llm_engine_queue_age_seconds:min{route=~"$route"}', "{{route}} engine queue age ({{backends}})", "B"),
+                    query('route:llm_deadline_seconds:config{route=~"$route"}', "{{route}} deadline", "C"),
+                ],
+                w=24,
+            )
+        )
+        .with_panel(
+            timeseries(
                 "Queue age against deadline",
                 "Age of the oldest queued request, and the deadline of the tightest one (its age plus its slack). Age above deadline: the SLO is lost, page.",
                 "s",

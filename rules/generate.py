@@ -116,6 +116,64 @@ def derive(config: dict) -> dict:
         # rules were made for shows as too few.
         held = math.floor(window / every[job] + 1e-9)
         config[job]["evidence_samples"] = max(evidence["min_samples"], held - 1)
+    return derive_queue_age(config)
+
+
+NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # a route's or backend's name (the exporter's backend names)
+
+
+def _regex(names: list[str]) -> str:
+    """A PromQL regex matching exactly these names (RE2, anchored by PromQL; `.` escaped)."""
+    return "|".join(name.replace(".", "\\\\.") for name in names)
+
+
+def derive_queue_age(config: dict) -> dict:
+    """Validate `routes:` and render the exporter layer's route records into
+    `exporter.route_rules` (YAML list items, indented for the template's rules list); raise
+    `vllm.queue_age_deadline` to 2 vLLM scrapes into `vllm.queue_age_window`."""
+    every = seconds(config["scrape_intervals"].get("vllm"), "scrape_intervals.vllm")
+    deadline = seconds(config["vllm"].get("queue_age_deadline"), "vllm.queue_age_deadline")
+    window = max(deadline, 2 * every)
+    config["vllm"]["queue_age_window"] = duration(window)
+    # The range the guards read (restarts, failed scrapes): the window and one scrape, so
+    # that it holds the sample `offset <window>` reads too.
+    config["vllm"]["queue_age_range"] = duration(window + every)
+    routes = config.get("routes")
+    if routes is None:
+        routes = {}
+    if not isinstance(routes, dict):
+        raise SystemExit("config: routes: must be a mapping of route name to {deadline, backends}")
+    selector, replicas = config["selectors"]["exporter"], config["exporter"]["replica_labels"]
+    rules: list[str] = []
+    for route, spec in routes.items():
+        where = f"routes.{route}"
+        if not isinstance(route, str) or not NAME.fullmatch(route):
+            raise SystemExit(f"config: {where}: a route name uses letters, digits and _ . : - only (at most 128)")
+        if not isinstance(spec, dict) or set(spec) != {"deadline", "backends"}:
+            got = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
+            raise SystemExit(f"config: {where}: needs exactly `deadline` and `backends` (got {got})")
+        limit = seconds(spec["deadline"], f"{where}.deadline")
+        backends = spec["backends"]
+        if not isinstance(backends, list) or not backends:
+            raise SystemExit(f"config: {where}.backends: a non-empty list of the exporter's backend names")
+        for name in backends:
+            if not isinstance(name, str) or not NAME.fullmatch(name):
+                raise SystemExit(f"config: {where}.backends: {name!r} is not a backend name (letters, digits and _ . : - only)")
+        if len(set(backends)) != len(backends):
+            raise SystemExit(f"config: {where}.backends: a backend is named twice")
+        names = ",".join(backends)
+        rules.append(
+            f"- record: route:llm_engine_queue_age_seconds:min\n"
+            f"  # Route {route}: the youngest known head among {names}.\n"
+            f"  expr: |\n"
+            f"    label_replace(label_replace(\n"
+            f'      min(max without ({replicas}) (llm_backend_queue_age_seconds{{{selector}, backend=~"{_regex(backends)}"}})),\n'
+            f'      "route", "{route}", "", ""), "backends", "{names}", "", "")\n'
+            f"- record: route:llm_deadline_seconds:config\n"
+            f'  expr: label_replace(vector({limit:g}), "route", "{route}", "", "")'
+        )
+    text = "\n".join(rules) or "# No routes in rules/config.yaml (routes:): LLMEngineQueueAgeOverDeadline has nothing to read."
+    config["exporter"]["route_rules"] = text.replace("\n", "\n      ")
     return config
 
 

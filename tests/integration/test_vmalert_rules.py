@@ -31,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures
 import random
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -244,7 +245,6 @@ def test_vllm_engine_hung_gpu_fault_fires_in_vmalert_from_its_own_alerts(tmp_pat
     (so that Alertmanager routes it to the pager: rules/alertmanager.example.yml), and is
     notified."""
     require(install_problem("victoria-metrics", "vmalert"))
-    import threading
 
     series = _raw_fault_case()
     faulted, healthy = "10.2.1.5:8000", "10.2.1.6:8000"
@@ -293,6 +293,78 @@ def test_vllm_engine_hung_gpu_fault_fires_in_vmalert_from_its_own_alerts(tmp_pat
         # Later evaluations: still exactly the faulted pod's engine.
         time.sleep(10)
         assert [a["labels"]["instance"] for a in firing("VLLMEngineHungGPUFault")] == [faulted]
+    finally:
+        stop.set()
+        scraper.join(timeout=10)
+        if vmalert is not None:
+            vmalert.stop()
+        sink.stop()
+        vm.stop()
+
+
+def test_queue_age_alerts_fire_in_vmalert(tmp_path: Path):
+    """LLMEngineQueueAgeOverDeadline (rules/llm-health.rules.yml: its route records, made
+    of `label_replace(vector(...))`, and a `group_left` match) and
+    VLLMEngineQueueAgeOverDeadline (rules/fast/vllm.rules.yml: sample differences through
+    `offset`, `resets`, `changes`) evaluated by vmalert on the old queues of
+    rules/tests/queue-age.test.yml, scraped every 5 s: both fire, with their annotations
+    rendered (vmalert drops an alert whose template fails), and the young engine does not.
+    The records are read back through VictoriaMetrics, so the alerts come a search latency
+    (about 30 s) after their records."""
+    require(install_problem("victoria-metrics", "vmalert"))
+    vm = start_victoria_metrics(tmp_path)
+    sink = start_sink()  # vmalert starts only with a notifier
+    vmalert = None
+    stop = threading.Event()
+    start = time.time() - 600
+
+    def scrape(at: float) -> str:
+        t, ms = int(at - start), int(at * 1000)
+        lines = [
+            f'llm_backend_queue_age_seconds{{job="llm-health",instance="127.0.0.1:9118",backend="gpu0"}} {60 + t} {ms}',
+            f'up{{job="llm-health",instance="127.0.0.1:9118"}} 1 {ms}',
+        ]
+        for name, waiting, running, finished in (("old", 10, 1, 50 + t // 60), ("young", 20, 8, 100 + 12 * (t // 15))):
+            unit = f'job="vllm",instance="{name}:8000",model_name="m",engine="0"'
+            lines += [
+                f"vllm:num_requests_waiting{{{unit}}} {waiting} {ms}",
+                f"vllm:num_requests_running{{{unit}}} {running} {ms}",
+                f'vllm:request_success_total{{{unit},finished_reason="stop"}} {finished} {ms}',
+                f"vllm:num_preemptions_total{{{unit}}} 0 {ms}",
+                f'process_start_time_seconds{{job="vllm",instance="{name}:8000"}} 1000 {ms}',
+                f'up{{job="vllm",instance="{name}:8000"}} 1 {ms}',
+            ]
+        return "\n".join(lines)
+
+    def scraping() -> None:
+        while not stop.wait(5 - time.time() % 5):
+            vm.import_prometheus(scrape(time.time()))
+
+    now = time.time()
+    vm.import_prometheus("\n".join(scrape(now - age) for age in range(600, 0, -5)))
+    scraper = threading.Thread(target=scraping, daemon=True)
+    scraper.start()
+    try:
+        vmalert = start_vmalert(
+            tmp_path, [RULES / "llm-health.rules.yml", RULES / "fast" / "vllm.rules.yml"], vm.url, notifiers=[sink.url], evaluation_interval="5s"
+        )
+
+        def firing() -> dict[str, dict] | None:
+            found = {a["labels"]["alertname"]: a for a in vmalert.alerts() if a["state"] == "firing" and "QueueAge" in a["labels"]["alertname"]}
+            return found if len(found) == 2 else None
+
+        try:
+            alerts = wait_until(firing, timeout=180, interval=2, what="both queue-age alerts firing in vmalert")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; vmalert's log:\n{vmalert.log()}") from None
+        route = alerts["LLMEngineQueueAgeOverDeadline"]
+        assert (route["labels"]["route"], route["labels"]["backends"], route["labels"]["severity"]) == ("chat", "gpu0", "critical"), route["labels"]
+        description = route["annotations"]["description"]
+        assert "route chat (gpu0)" in description and "deadline of 30s" in description, route["annotations"]
+        raw = alerts["VLLMEngineQueueAgeOverDeadline"]
+        assert raw["labels"]["instance"] == "old:8000" and "were already" in raw["annotations"]["description"], raw
+        engines = {a["labels"].get("instance") for a in vmalert.alerts() if a["labels"]["alertname"] == "VLLMEngineQueueAgeOverDeadline"}
+        assert engines == {"old:8000"}, engines
     finally:
         stop.set()
         scraper.join(timeout=10)
