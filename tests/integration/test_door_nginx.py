@@ -186,7 +186,8 @@ async def test_an_enqueue_run_late_by_a_stall_leaves_no_record_running(door, own
     assert all(w[0] == 200 for w in warm)
     with Stalled(own_redis_server):
         fresh = await send(url, headers={"X-Request-Id": "late-fresh", **timeout_ms(60000)})
-        retry = await send(url, headers={"X-Request-Id": "late-retry", "X-Retry-Count": "1", "X-Request-Deadline-Ms": "1000"})
+        late = str(int(time.time() * 1000) - 1000)  # its deadline passed: refused after the enqueue
+        retry = await send(url, headers={"X-Request-Id": "late-retry", "X-Retry-Count": "1", "X-Request-Deadline-Ms": late})
     assert fresh[0] == 200 and fresh[2].get("X-LLM-Health-Decision") == "admit_unrecorded", fresh
     assert retry[0] != 200, retry
     recs = await not_running(own_redis_server.url, doors.admission.cfg.queue_prefix, ["late-fresh", "late-retry"], doors.admission)
