@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
 from llm_health.config.gate import parse_gate_config
 from llm_health.gate.doors import Doors
@@ -193,6 +194,20 @@ async def test_an_enqueue_run_late_by_a_stall_leaves_no_record_running(door, own
     recs = await not_running(own_redis_server.url, doors.admission.cfg.queue_prefix, ["late-fresh", "late-retry"], doors.admission)
     print(f"records after the stall: { {i: r and r.state for i, r in recs.items()} }")
     assert all(r is None or r.state == "done" for r in recs.values()), recs
+
+
+async def test_a_deadline_sent_twice_with_different_values_is_refused(door):
+    """Through nginx to `llm-health decide`: a retry carrying `X-Request-Deadline-Ms` twice
+    (a future value, then a past one) is ambiguous, 400 naming the header; `+5` is refused."""
+    url, engine, _ = door
+    now = int(time.time() * 1000)
+    twice = CIMultiDict([("X-Request-Id", "twice-1"), ("X-Request-Deadline-Ms", str(now + 60000)), ("X-Request-Deadline-Ms", str(now - 1000))])
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={"model": "m"}, headers=twice) as r:
+        status, body = r.status, await r.json()
+    assert status == 400 and "X-Request-Deadline-Ms" in body["error"]["message"], body
+    status, raw, _ = await send(url, headers={"X-Request-Id": "signed-1", "X-Request-Timeout-Ms": "+5000"})
+    assert status == 400 and b"X-Request-Timeout-Ms" in raw, raw
+    assert not any(h[2].get("X-Request-Id") in ("twice-1", "signed-1") for h in engine.seen)
 
 
 async def test_a_forged_report_finishes_nothing(door):
