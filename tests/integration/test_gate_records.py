@@ -189,3 +189,16 @@ async def test_an_enqueue_run_late_by_a_stall_leaves_no_record_running(stack, ow
     assert all(r is None or r.state == "done" for r in recs.values()), recs
     assert recs["late-open"] is None or (recs["late-open"].attempts == 1 and recs["late-open"].http_status == 200), recs
     assert recs["late-shut"] is None or (recs["late-shut"].attempts == 0 and recs["late-shut"].http_status == 503), recs
+
+
+async def test_late_attempts_followed_are_bounded(own_redis_server, monkeypatch):
+    """docs/admission.md: at most LATE_PENDING_MAX background writes pending; a late
+    attempt past it is not followed, and is counted as given up."""
+    monkeypatch.setattr(decision, "LATE_PENDING_MAX", 0)
+    cfg = parse_gate_config({"gate": {"redis": own_redis_server.url, "routes": {"chat": {"upstream": "http://127.0.0.1:1", "default_deadline_ms": 30000}}}})
+    adm = Admission(cfg)
+    try:
+        adm.finish_later(decision.Attempt("x", "default/x", "chat", "default", 0, False, late=True), 200)
+        assert not adm._pending and adm.registry.get_sample_value("llm_gate_records_given_up_total") == 1
+    finally:
+        await adm.stop()

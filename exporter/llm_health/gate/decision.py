@@ -66,6 +66,7 @@ FINISH_RETRY_S = (0.1, 0.3, 1.0, 2.0, 4.0)
 # the enqueue it sent before the stall (in Redis' buffer, run as soon as Redis resumed)
 # has surely run, whichever connection Redis read first.
 LATE_RESEND_S = 1.0
+LATE_PENDING_MAX = 4096  # background writes pending past which a late attempt is not followed
 
 
 def may_run_late(exc: BaseException) -> bool:
@@ -302,7 +303,7 @@ class Admission:
             return Outcome(True, 200, decision.decision, out, route=route, attempt=attempt)
         if recorded:
             await self.quiet(self.queue.complete(queue_id, decision.status, route=route.name))
-        elif late:
+        elif late and self._late_room():
             self.background(self._complete_late(queue_id, decision.status, route.name))
         if decision.retry_after_s is not None:
             out["Retry-After"] = str(max(1, round(decision.retry_after_s)))
@@ -402,8 +403,17 @@ class Admission:
 
     def finish_later(self, attempt: Attempt, status: int | None, units: int = 0) -> None:
         """`finish` off the client's path; `stop()` waits for it."""
-        if attempt.recorded or attempt.late:
+        if attempt.recorded or (attempt.late and self._late_room()):
             self.background(self.finish(attempt, status, units))
+
+    def _late_room(self) -> bool:
+        """Room for one more late attempt's finish (at most LATE_PENDING_MAX pending: a
+        Redis black-holed for minutes under load must not pile up tasks); else counted
+        as given up (the record, if the enqueue ever runs, expires with its retention)."""
+        if len(self._pending) < LATE_PENDING_MAX:
+            return True
+        self.m_records_lost.inc()
+        return False
 
     def background(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
