@@ -69,6 +69,7 @@ def default_address(command: str) -> tuple[str, int]:
 def test_each_component_has_its_own_default_port_and_the_shipped_files_point_at_it():
     ports = {c: default_address(c)[1] for c in ("serve", "gate", "restarter", "decide")}
     assert len(set(ports.values())) == len(ports), ports
+    assert ports == {"serve": 9118, "gate": 9119, "restarter": 9120, "decide": 9122}  # as README.md lists them
     decide, restarter = ports["decide"], ports["restarter"]
     assert f"server 127.0.0.1:{decide};" in (ROOT / "deploy" / "nginx" / "nginx.conf").read_text()
     envoy = (ROOT / "deploy" / "envoy" / "envoy.yaml").read_text()
