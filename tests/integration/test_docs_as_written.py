@@ -1,8 +1,10 @@
-"""Every door starts from its docs: the commands and bodies of docs/admission.md and
+"""Every door starts from its docs: the commands, files and bodies of docs/admission.md and
 docs/restarts.md marked `<!-- docs-as-written: NAME -->` are read from the docs' own code
 blocks and run as written on real processes, with only their addresses, ports and file
 paths moved to this test's (a doc that drifts fails here):
 
+- `gate.yml` and `gate`: the gate's documented configuration and command, a request
+  admitted and forwarded;
 - `decide`: `llm-health decide` with its syslog address, behind the shipped nginx
   (deploy/nginx, the syslog address of llm-health-admitted.conf the one the doc gives):
   a request admitted and its end recorded through the syslog report;
@@ -78,6 +80,35 @@ def test_each_component_has_its_own_default_port_and_the_shipped_files_point_at_
     assert f"http://127.0.0.1:{restarter}/alerts" in block(RESTARTS, "send")
     for example in (ROOT / "rules" / "alertmanager.example.yml", ROOT / "compose" / "alertmanager.yml"):
         assert f"http://restarter:{restarter}/alerts" in example.read_text(), example
+
+
+async def test_the_gate_as_documented_with_the_documented_configuration(own_redis_server, tmp_path):
+    hits: list[str] = []
+
+    async def engine(request: web.Request) -> web.Response:
+        hits.append((await request.json())["model"])
+        return web.json_response({"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", engine)
+    runner, eurl = await serve(app)
+    token = tmp_path / "gate-admin.token"
+    token.write_text("admin-secret\n")
+    moves = {"redis://127.0.0.1:6379/0": own_redis_server.url, "http://10.0.0.5:8000": eurl, "http://10.0.0.6:8000": eurl}
+    (tmp_path / "gate.yml").write_text(moved(block(ADMISSION, "gate.yml"), {**moves, "/etc/llm-health/gate-admin.token": str(token)}))
+    port = free_port()
+    argv = moved(block(ADMISSION, "gate").strip(), {"127.0.0.1:9119": f"127.0.0.1:{port}"}).split()
+    assert argv[0] == "llm-health"
+    proc = subprocess.Popen([sys.executable, "-m", "llm_health", *argv[1:]], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await until_answers(f"http://127.0.0.1:{port}/-/healthy")
+        async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "llama-3-8b", "prompt": "hi"}) as r:
+            assert r.status == 200 and r.headers["X-LLM-Health-Decision"].startswith("admit"), await r.text()
+        assert hits == ["llama-3-8b"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        await runner.cleanup()
 
 
 async def test_decide_as_documented_behind_the_shipped_nginx(own_redis_server, tmp_path):
