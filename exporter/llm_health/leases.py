@@ -17,7 +17,7 @@ Every error the library raises on its own derives from `LeaseError`.
 
 from __future__ import annotations
 
-from .store.deployment import NotReplicated
+from .store.errors import NotReplicated
 from .store.heartbeat import Heartbeat
 from .store.leases import LeaseClient
 from .store.records import KeyspaceEventsOff, Lease, LeaseError, LeaseLost, LeaseState, Pool, ReconcileReport

@@ -16,7 +16,8 @@ with `result` ok / none / not_replicated / error); `not_replicated` (gpu, token 
 claim Redis applied and no replica acknowledged, undone); every renewal (`renew`, its
 `sent` time and `result` ok / refused / not_replicated / error); `release_start` just
 before the release is sent; `timeout` (`start`, `deadline`) for a wait that returned
-None; `waiting` when a wait begins.
+None; `waiting` when a wait begins. `error` with `where: wait_for_gpu` is an exception
+wait_for_gpu raised to the worker (a waiter must outlive every failover: none expected).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ async def main() -> None:
             try:
                 lease = await client.wait_for_gpu(pool, args.worker, timeout=args.wait_timeout_s)
             except Exception as exc:  # Redis down or restarting: try again
-                log("error", error=f"{type(exc).__name__}: {exc}")
+                log("error", where="wait_for_gpu", error=f"{type(exc).__name__}: {exc}")
                 await asyncio.sleep(0.1)
                 continue
             if lease is None:

@@ -20,7 +20,7 @@ from llm_health.store.queue import AdmissionQueue
 from tests.fixtures.litellm import LiteLLM
 from tests.fixtures.redis_server import RedisServer
 from tests.harness.processes import free_port
-from tests.integration.test_gate_records import Stalled, until
+from tests.integration.test_gate_records import Stalled, not_running, until
 
 PREFIX = "litellm-door:"
 AUTH: dict[str, str] = {}  # the module's proxy's master key, as a header
@@ -236,6 +236,23 @@ async def test_a_redis_stall_leaves_no_record_running_after_its_answer(litellm):
         engine.delay = 0.0
     rec = await record(redis, "l-stall", timeout=60)
     assert rec is not None and rec.state == "done" and rec.attempts == 1 and rec.http_status == 200 and rec.token_units == 10, rec
+
+
+async def test_an_enqueue_run_late_by_a_stall_leaves_no_record_running(litellm):
+    """Redis SIGSTOPped before the call, for longer than the hook waits: its enqueue is sent
+    and times out, the route fails closed (503 `reject_redis_down`), and Redis runs the
+    enqueue when it resumes, after the answer. The hook marks the id done once Redis
+    answers and once more after: no record `running` (the hook's writes are in LiteLLM's
+    process: the record is read until it is done, or for 15 s)."""
+    url, _, redis = litellm
+    warm = await asyncio.gather(*(chat(url, {"X-Request-Id": f"l-warm-{i}", **timeout_ms(60000)}) for i in range(8)))
+    assert all(w[0] == 200 for w in warm)  # scripts loaded, connections open in the hook's pool
+    with Stalled(redis):
+        status, body, headers = await chat(url, {"X-Request-Id": "l-late", **timeout_ms(60000)})
+        assert status == 503 and decision(body, headers) == "reject_redis_down", body
+    recs = await not_running(redis.url, PREFIX, ["l-late"])
+    print(f"record after the stall: { {i: r and r.state for i, r in recs.items()} }")
+    assert all(r is None or r.state == "done" for r in recs.values()), recs
 
 
 async def test_zz_redis_down_is_the_route_s_policy(litellm):  # last: it stops the module's Redis

@@ -9,18 +9,20 @@ import asyncio
 import json
 import socket
 import time
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
 from llm_health.config.gate import parse_gate_config
 from llm_health.gate.doors import Doors
 from llm_health.store.queue import AdmissionQueue
 from tests.fixtures.nginx import Nginx
 from tests.integration.test_gate import recorded, serve
-from tests.integration.test_gate_records import Stalled, until
+from tests.integration.test_gate_records import Stalled, not_running, until
 
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 
@@ -168,6 +170,44 @@ async def test_a_redis_stall_leaves_no_record_running_after_its_answer(door, own
         await until(lambda: doors.admission.m_record_retries._value.get(), timeout=60, what="a record sent again")
     rec = await recorded(own_redis_server.url, doors.admission.cfg.queue_prefix, "stall-1", timeout=30)
     assert rec is not None and rec.state == "done" and rec.http_status == 200 and rec.attempts == 1, rec
+
+
+async def test_an_enqueue_run_late_by_a_stall_leaves_no_record_running(door, own_redis_server):
+    """Redis SIGSTOPped before a fresh request and a late retry, for longer than the door
+    waits: their enqueues are sent and time out; with the route failing open the door
+    admits the fresh one unrecorded and refuses the retry (its deadline passed); Redis
+    resumes after both answers and runs the enqueues then. The door finishes both once
+    Redis answers and once more after: no record `running` (the issue saw both left so
+    in 5 of 6 runs)."""
+    url, _, doors = door
+    route = doors.admission.cfg.routes["chat"]
+    route.policy = replace(route.policy, redis_down="open")
+    # Scripts loaded (the late EVALSHAs run) and connections open in the door's pool.
+    warm = await asyncio.gather(*(send(url, headers={"X-Request-Id": f"warm-{i}"}) for i in range(8)))
+    assert all(w[0] == 200 for w in warm)
+    with Stalled(own_redis_server):
+        fresh = await send(url, headers={"X-Request-Id": "late-fresh", **timeout_ms(60000)})
+        late = str(int(time.time() * 1000) - 1000)  # its deadline passed: refused after the enqueue
+        retry = await send(url, headers={"X-Request-Id": "late-retry", "X-Retry-Count": "1", "X-Request-Deadline-Ms": late})
+    assert fresh[0] == 200 and fresh[2].get("X-LLM-Health-Decision") == "admit_unrecorded", fresh
+    assert retry[0] != 200, retry
+    recs = await not_running(own_redis_server.url, doors.admission.cfg.queue_prefix, ["late-fresh", "late-retry"], doors.admission)
+    print(f"records after the stall: { {i: r and r.state for i, r in recs.items()} }")
+    assert all(r is None or r.state == "done" for r in recs.values()), recs
+
+
+async def test_a_deadline_sent_twice_with_different_values_is_refused(door):
+    """Through nginx to `llm-health decide`: a retry carrying `X-Request-Deadline-Ms` twice
+    (a future value, then a past one) is ambiguous, 400 naming the header; `+5` is refused."""
+    url, engine, _ = door
+    now = int(time.time() * 1000)
+    twice = CIMultiDict([("X-Request-Id", "twice-1"), ("X-Request-Deadline-Ms", str(now + 60000)), ("X-Request-Deadline-Ms", str(now - 1000))])
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={"model": "m"}, headers=twice) as r:
+        status, body = r.status, await r.json()
+    assert status == 400 and "X-Request-Deadline-Ms" in body["error"]["message"], body
+    status, raw, _ = await send(url, headers={"X-Request-Id": "signed-1", "X-Request-Timeout-Ms": "+5000"})
+    assert status == 400 and b"X-Request-Timeout-Ms" in raw, raw
+    assert not any(h[2].get("X-Request-Id") in ("twice-1", "signed-1") for h in engine.seen)
 
 
 async def test_a_forged_report_finishes_nothing(door):

@@ -18,6 +18,7 @@ from aiohttp import web
 from llm_health.config.gate import parse_gate_config
 from llm_health.gate import decision
 from llm_health.gate.decision import Admission
+from llm_health.store.queue import AdmissionQueue
 from tests.integration.test_gate import deadline_in, post, recorded, stack  # noqa: F401  (the fixture)
 
 
@@ -145,3 +146,59 @@ async def test_a_dropped_stream_records_its_attempt_and_the_tokens_reported(own_
     finally:
         await runner.cleanup()
         await up_runner.cleanup()
+
+
+async def not_running(redis_url: str, prefix: str, ids: list[str], admission: Admission | None = None, settle_s: float = 15.0) -> dict[str, object]:
+    """The ids' records once the door's background writes are done (``admission``, in this
+    process) or, for a door in another process, once each is done or ``settle_s`` passed:
+    a record still `running` then is one no write will ever finish."""
+    q = AdmissionQueue.from_url(redis_url, prefix=prefix)
+    try:
+        if admission is not None:
+            await until(lambda: not admission._pending, timeout=60, what="the door's background writes")
+        deadline = time.monotonic() + settle_s
+        while True:
+            recs = {i: await q.read(f"default/{i}") for i in ids}
+            if admission is not None or time.monotonic() > deadline or all(r is not None and r.state == "done" for r in recs.values()):
+                return recs
+            await asyncio.sleep(0.05)
+    finally:
+        await q.aclose()
+
+
+async def test_an_enqueue_run_late_by_a_stall_leaves_no_record_running(stack, own_redis_server):  # noqa: F811
+    """Redis SIGSTOPped before the requests, for longer than the gate waits: their enqueues
+    are sent and time out, a route failing open admits (`admit_unrecorded`), one failing
+    closed refuses; Redis resumes only after both answers and runs the enqueues then (the
+    issue saw such records left `running` for good, `attempts: 0`, in 5 of 6 runs). The
+    gate finishes both once Redis answers, and once more after: no record `running`."""
+    routes = {"open": {"upstream": "UPSTREAM", "default_deadline_ms": 30000, "redis_down": "open"}}
+    routes["shut"] = {"upstream": "UPSTREAM", "default_deadline_ms": 30000, "redis_down": "closed"}
+    url, _, gate = await stack(redis=own_redis_server.url, routes=routes)
+    # Scripts loaded (the late EVALSHAs run) and connections open in the pool (an enqueue
+    # on a new one would wait for its handshake, and never be sent).
+    warm = await asyncio.gather(*(post(url, {"X-Request-Id": f"warm-{i}", "X-Route": "open"}) for i in range(8)))
+    assert all(w[0] == 200 for w in warm)
+    with Stalled(own_redis_server):
+        opened = await post(url, {"X-Request-Id": "late-open", "X-Route": "open", **deadline_in(60000)})
+        shut = await post(url, {"X-Request-Id": "late-shut", "X-Route": "shut", **deadline_in(60000)})
+    assert opened[0] == 200 and opened[2]["X-LLM-Health-Decision"] == "admit_unrecorded", opened
+    assert shut[0] == 503, shut
+    recs = await not_running(own_redis_server.url, gate.cfg.queue_prefix, ["late-open", "late-shut"], gate.admission)
+    print(f"records after the stall: { {i: r and r.state for i, r in recs.items()} }")
+    assert all(r is None or r.state == "done" for r in recs.values()), recs
+    assert recs["late-open"] is None or (recs["late-open"].attempts == 1 and recs["late-open"].http_status == 200), recs
+    assert recs["late-shut"] is None or (recs["late-shut"].attempts == 0 and recs["late-shut"].http_status == 503), recs
+
+
+async def test_late_attempts_followed_are_bounded(own_redis_server, monkeypatch):
+    """docs/admission.md: at most LATE_PENDING_MAX background writes pending; a late
+    attempt past it is not followed, and is counted as given up."""
+    monkeypatch.setattr(decision, "LATE_PENDING_MAX", 0)
+    cfg = parse_gate_config({"gate": {"redis": own_redis_server.url, "routes": {"chat": {"upstream": "http://127.0.0.1:1", "default_deadline_ms": 30000}}}})
+    adm = Admission(cfg)
+    try:
+        adm.finish_later(decision.Attempt("x", "default/x", "chat", "default", 0, False, late=True), 200)
+        assert not adm._pending and adm.registry.get_sample_value("llm_gate_records_given_up_total") == 1
+    finally:
+        await adm.stop()

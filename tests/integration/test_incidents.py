@@ -59,9 +59,10 @@ def proc_state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
-async def restart_with_capture(sim_server, ticker, restarter_client, tmp_path, capture: Capture, api_key: str | None = None):
+async def restart_with_capture(sim_server, ticker, restarter_client, tmp_path, capture: Capture, api_key: str | None = None, served: str | None = None):
     """One hung simulated backend, one alert with its evidence, one restart: (action, index,
-    record directory, metrics, client)."""
+    record directory, metrics, client). ``served``: the /metrics payload the backend serves
+    until it is restarted (a real engine's, frozen), in place of the simulated one."""
     s = await sim_server(scenario="hung")
     ticker.append(s)
     marker = tmp_path / "marker"
@@ -69,6 +70,9 @@ async def restart_with_capture(sim_server, ticker, restarter_client, tmp_path, c
     config = make_config(target, confirm_interval=0.2, incidents=Incidents(dir=str(tmp_path / "incidents"), keep=5))
     _, client = await restarter_client(config)
     effect = RestartEffect(marker, s)
+    if served is not None:
+        simulated = s.payload
+        s.payload = lambda: served if effect.applied == 0 else simulated()  # type: ignore[method-assign]
     try:
         (a,) = (await post_json(client, hung_alert("gpu0", evidence_of(s))))["alerts"]
         action = await wait_done(client, a["action"], timeout=60)
@@ -238,3 +242,21 @@ async def test_no_capture_without_a_confirmed_restart(sim_server, ticker, restar
     listed = await (await client.get("/incidents", headers=AUTH)).json()
     assert listed["incidents"] == [] and not (tmp_path / "incidents").exists()
     assert sample(await metrics(client), "llm_restarter_incidents_total", backend="gpu0") == 0.0
+
+
+async def test_the_record_keeps_a_real_vllm_payload_byte_for_byte(sim_server, ticker, restarter_client, tmp_path):
+    """A real vLLM 0.32 payload (tests/data/vllm-real/stopped.prom: an engine stopped with 4
+    requests running) served by the backend the restarter confirms hung: every payload file
+    of the record is the served bytes, HELP "inter-token latency" included (a secret
+    pattern once rewrote it to `<redacted>`). The API key, on no line of the payload, is
+    still redacted wherever else it stood."""
+    served = (Path(__file__).parents[1] / "data" / "vllm-real" / "stopped.prom").read_text(encoding="utf-8")
+    assert "inter-token latency" in served
+    _, index, directory, _, _ = await restart_with_capture(
+        sim_server, ticker, restarter_client, tmp_path, Capture(enabled=False), api_key=API_KEY, served=served
+    )
+    files = [directory / r["payload_file"] for r in index["reads"] if r.get("payload_file")]
+    assert len(files) == 2, index["reads"]
+    for f in files:
+        assert f.read_bytes() == served.encode("utf-8"), f
+    assert API_KEY.encode() not in all_bytes(directory)

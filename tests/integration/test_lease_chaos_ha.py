@@ -1,5 +1,7 @@
-"""Chaos on real Redis Sentinel and Redis Cluster topologies (tests/fixtures/redis_topology.py):
-five worker processes (tests/harness/lease_worker.py --detail; two with jobs of 1-3.5 s,
+"""Chaos on real Redis Sentinel and Redis Cluster topologies (tests/fixtures/redis_topology.py),
+``min-replicas-to-write 1`` on every data node (as the README advises: a primary without a
+linked replica refuses writes with NOREPLICAS, from the claim script and the waiters'
+list alike): five worker processes (tests/harness/lease_worker.py --detail; two with jobs of 1-3.5 s,
 that renew across the faults, three with jobs under 0.7 s) claim, renew and release a
 pool of three GPUs (TTL 3 s) for over 30 s each while, on the real processes:
 
@@ -34,6 +36,8 @@ From the workers' logs, the resource's and the samples, the test counts and asse
   it (validity ends early only at the holder's release or its LeaseLost): 0;
 * waiters that overslept: a wait_for_gpu that returned None although a GPU of its pool
   sampled free for over 2 s while it waited: 0;
+* exceptions raised to the workers by wait_for_gpu (NOREPLICAS, READONLY, LOADING, ...
+  are "not yet" to a waiter: store.errors.retryable): 0;
 * every worker claims a GPU again after the last fault.
 
 It prints the counts (and what broke a zero), and leaves the logs with chaos.json (faults,
@@ -371,8 +375,13 @@ def judge(c: Chaos) -> dict[str, Any]:
     lost = [e for e in ev if e["event"] == "lost"]
     out["leases_lost"] = len(lost)
     out["errors"] = sum(e["event"] == "error" for e in ev)
-    # What escaped wait_for_gpu (printed): a waiter outlives a failover (RETRY_SOON).
-    out["error_kinds"] = sorted({e["error"].split(":")[0] for e in ev if e["event"] == "error"})
+    # What escaped wait_for_gpu: a waiter outlives every failover (store.errors.retryable).
+    raised = [e for e in ev if e["event"] == "error" and e.get("where") == "wait_for_gpu"]
+    out["raised_to_waiters"] = len(raised)
+    # What the waiters met and outlived: claim scripts answered by a failover's error reply.
+    met = [e["error"] for e in ev if e["event"] == "claim_done" and e["result"] == "error"]
+    out["claims_refused"] = {w: n for w in ("NOREPLICAS", "READONLY", "LOADING", "TRYAGAIN", "CLUSTERDOWN") if (n := sum(w in m for m in met))}
+    out["error_kinds"] = sorted({e["error"][:80] for e in ev if e["event"] == "error"})
     out["samples_free_held_unavailable"] = [sum(s[2] == k for g in GPUS for s in c.samples[g]) for k in ("free", "held", "unavailable")]
     return out
 
@@ -392,13 +401,14 @@ def check(c: Chaos, counts: dict[str, Any]) -> None:
     assert counts["lost_after_ack"] == 0
     assert counts["acting_at_once"] == 0
     assert counts["overslept"] == 0
+    assert counts["raised_to_waiters"] == 0, f"wait_for_gpu raised to its caller: {counts['error_kinds']}"
     assert counts["claims"] >= 30
     if c.migration is not None:
         assert c.migration.get("TRYAGAIN", 0) + c.migration.get("ASK", 0) >= 1, f"the migration met no claim-like TRYAGAIN or ASK: {c.migration}"
 
 
-async def test_lease_chaos_sentinel(own_redis_sentinel: SentinelTopology, tmp_path: Path) -> None:
-    topo = own_redis_sentinel
+async def test_lease_chaos_sentinel(guarded_redis_sentinel: SentinelTopology, tmp_path: Path) -> None:
+    topo = guarded_redis_sentinel
     async with Chaos(tmp_path, topo.url) as c:
         await asyncio.sleep(2)
         old = topo.primary_port()
@@ -423,8 +433,8 @@ def replica_of(topo: ClusterTopology, primary: int) -> int:
     return next(n["port"] for n in topo.nodes() if n["primary_id"] == pid)
 
 
-async def test_lease_chaos_cluster(own_redis_cluster: ClusterTopology, tmp_path: Path) -> None:
-    topo = own_redis_cluster
+async def test_lease_chaos_cluster(guarded_redis_cluster: ClusterTopology, tmp_path: Path) -> None:
+    topo = guarded_redis_cluster
     slot = {g: topo.keyslot("{" + g + "}") for g in GPUS}
     async with Chaos(tmp_path, topo.url) as c:
         await asyncio.sleep(2)

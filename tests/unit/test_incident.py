@@ -85,6 +85,16 @@ def test_redact_removes_keys_and_secret_flags():
     assert "sk-1" not in out and "tok-9" not in out and "hunter2" not in out and "--model m" in out
 
 
+def test_redact_leaves_words_that_only_contain_a_flag_name():
+    help_line = "# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.\n"
+    assert redact(help_line, ("sk-1",)) == help_line
+    assert redact("--api-key sk-1 -x my-token-file", ()) == "--api-key <redacted> -x my-token-file"
+    # The index is JSON: an argv is a list there.
+    assert redact('{"argv": ["vllm", "--api-key", "sk-2", "--port", "8000"]}', ()) == '{"argv": ["vllm", "--api-key", "<redacted>", "--port", "8000"]}'
+    # A /metrics payload: only a configured secret, never a flag pattern.
+    assert redact("x --token abc", ("sk-1",), flags=False) == "x --token abc"
+
+
 def test_incident_ids_refuse_paths():
     assert INCIDENT_ID.match("20261202T141503Z-gpu0-1")
     for bad in ("../x", "20261202T141503Z-gpu0-1/../../etc", "index.json", ""):

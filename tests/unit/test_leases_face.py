@@ -7,7 +7,7 @@ from __future__ import annotations
 import redis.exceptions
 
 import llm_health.leases as leases
-from llm_health.store import deployment, heartbeat, records
+from llm_health.store import errors, heartbeat, records
 from llm_health.store import leases as store_leases
 
 
@@ -20,7 +20,7 @@ def test_all_exported_members_are_listed_and_importable():
 
 def test_the_face_is_the_library_not_a_copy():
     assert leases.LeaseClient is store_leases.LeaseClient and leases.Heartbeat is heartbeat.Heartbeat
-    assert leases.LeaseLost is records.LeaseLost and leases.NotReplicated is deployment.NotReplicated
+    assert leases.LeaseLost is records.LeaseLost and leases.NotReplicated is errors.NotReplicated
     assert callable(leases.LeaseClient.wait_for_gpu) and callable(leases.LeaseClient.from_url)
 
 

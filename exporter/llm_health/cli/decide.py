@@ -28,7 +28,7 @@ def cmd(args: argparse.Namespace) -> int:
 def add(sub: Any) -> None:
     d = sub.add_parser("decide", help="the admission decision as an endpoint: nginx auth_request, Envoy ext_authz")
     d.add_argument("--config.file", dest="config_file", required=True, help="the gate's configuration file (routes, admission, redis)")
-    d.add_argument("--web.listen-address", dest="web_listen_address", type=listen_address, default=listen_address("127.0.0.1:9120"))
+    d.add_argument("--web.listen-address", dest="web_listen_address", type=listen_address, default=listen_address("127.0.0.1:9122"))
     d.add_argument(
         "--syslog.listen-address",
         dest="syslog_listen_address",

@@ -20,13 +20,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from ..config.redis import RedisConfig
 from ..core.drift import Identity, PoolSnapshot, pool_snapshot
 from ..store.bulk import add_cluster_reads, add_read_leases, parse_cluster_reads, parse_read_leases, read_leases_chunks
 from ..store.connection import text
 from ..store.deployment import connect, wrap
+from ..store.errors import ERRORS
 from ..store.feed import RELEASE_REASONS, required_keyspace_command
 from ..store.queue import ROUTE_STATS_COMMANDS, RouteStats, add_route_stats_commands, now_ms, parse_route_stats
 from ..store.scripts import GC_LUA
@@ -115,7 +116,7 @@ class RedisView:
             await self._check_keyspace_events()
             for note in await self.deployment.startup_warnings():
                 log.warning("redis view: %s", note)
-        except (RedisError, OSError, TimeoutError):
+        except ERRORS:
             pass
         if self.config.pools:
             self.subscriber.start()
@@ -158,7 +159,7 @@ class RedisView:
         try:
             self.snapshot = await self._read(dict(backend_states), ages, ttl_ms)
             self.up, self.error = True, None
-        except (RedisError, OSError, TimeoutError) as e:
+        except ERRORS as e:
             self.up, self.error = False, f"{type(e).__name__}: {e}"
             self.publish_failures += 1 if ages else 0
             log.warning("redis view: refresh failed: %s", self.error)

@@ -18,6 +18,7 @@ script, sent again (bounded) while Redis does not answer, counted when given up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -29,24 +30,29 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis import asyncio as aioredis
-from redis.exceptions import ClusterDownError, MovedError, NoScriptError, RedisClusterException, RedisError
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MovedError, NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..config.gate import GateConfig, Route
 from ..core import admission, forwarding
 from ..store.deployment import connect, wrap
+from ..store.errors import ERRORS, RETRYABLE_TYPES, retryable
 from ..store.queue import ROUTE_STATS_COMMANDS, AdmissionQueue, QueueRecord, RouteStats, add_route_stats_commands, now_ms, parse_route_stats
 from ..tasks import cancel_and_wait
 from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant, retry_fingerprint
 
 log = logging.getLogger("llm_health.gate")
 
-# Redis is down or unreachable: the route's redis_down policy applies. Any other Redis
-# error (a refused script, a bad value) means Redis is up and answered. On Cluster: a
-# cluster that says it is down (CLUSTERDOWN, a failover under way) or whose slot map
-# cannot be had (RedisClusterException) is down too.
-REDIS_DOWN: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, RedisClusterException)
+
+# Redis is down, unreachable or failing over: the route's redis_down policy applies. The
+# classes here; an error reply that means the same (NOREPLICAS, a script's READONLY:
+# store.errors.retryable) is turned into RedisDown where it is caught (`_down`). Any other
+# Redis error (a refused script, a bad value) means Redis is up and answered.
+class RedisDown(RedisError):
+    """An error reply of a failover or a resync (store.errors.retryable), as a class."""
+
+
+REDIS_DOWN: tuple[type[BaseException], ...] = (*RETRYABLE_TYPES, RedisDown)
 
 # The headers a door hands the proxy (and the proxy the upstream and the client), in the
 # user's field names.
@@ -58,6 +64,17 @@ SHOULD_RETRY_HEADER = "x-should-retry"  # the OpenAI SDKs obey it before their s
 # Finishing an attempt while Redis does not answer: sent again after these pauses (about
 # 7 s in all, past a Sentinel failover's few seconds), then given up and counted.
 FINISH_RETRY_S = (0.1, 0.3, 1.0, 2.0, 4.0)
+# A late attempt's finish is sent once more this long after Redis answered it: by then
+# the enqueue it sent before the stall (in Redis' buffer, run as soon as Redis resumed)
+# has surely run, whichever connection Redis read first.
+LATE_RESEND_S = 1.0
+LATE_PENDING_MAX = 4096  # background writes pending past which a late attempt is not followed
+
+
+def may_run_late(exc: BaseException) -> bool:
+    """The enqueue was sent and no answer came in time: Redis may run it later (a stall,
+    a paused VM). A refused connection or a failover's error reply ran nothing."""
+    return isinstance(exc, (TimeoutError, RedisTimeoutError))
 
 
 def engine_queue_age(values: list[Any]) -> int | None:
@@ -82,8 +99,12 @@ class Attempt:
     route: str
     tenant: str
     retry_count: int | None
-    recorded: bool  # False: admitted while Redis was down, nothing to finish
+    recorded: bool  # False: admitted while Redis was down, nothing to finish (unless late)
     attempt_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    # Admitted unrecorded because the enqueue timed out: it was sent, and a stalled Redis
+    # may run it when it resumes, after the answer. Finished like a recorded attempt, and
+    # once more after Redis answered again (`finish`): no record is left `running`.
+    late: bool = False
 
 
 @dataclass
@@ -102,6 +123,11 @@ class Outcome:
 
 def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None, **extra: Any) -> Outcome:
     return Outcome(False, status, kind, headers or {}, {"error": {"type": kind, "message": message, **extra}})
+
+
+def _down(exc: RedisError) -> RedisError:
+    """``exc`` as RedisDown when it is a failover's or a resync's answer (NOREPLICAS, ...)."""
+    return RedisDown(str(exc)) if retryable(exc) else exc
 
 
 class Admission:
@@ -184,7 +210,10 @@ class Admission:
                     self._redis(False)
                     continue
                 except RedisError as exc:
-                    log.error("redis refused the queue read of route %s: %s", route.name, exc)
+                    if retryable(exc):
+                        self._redis(False)
+                    else:
+                        log.error("redis refused the queue read of route %s: %s", route.name, exc)
                     continue
                 self._redis(True)
                 age: float = stats.oldest_age_ms or 0
@@ -256,7 +285,7 @@ class Admission:
         # Ids are the client's, scoped by tenant: two tenants' `order-1001` are two requests.
         queue_id = f"{tenant}/{request_id}"
         fields: dict[str, Any] = {"request_id": request_id}
-        recorded = True
+        recorded, late = True, False
         try:
             record, stats, budget, engine_age = await self._enqueue_and_read(queue_id, route, tenant, deadline_ms, now, fingerprint)
             self._redis(True)
@@ -289,7 +318,7 @@ class Admission:
                     decision = replace(decision, reason=f"{decision.reason}; engine queue age unknown, failing open on the route's own queue")
         except REDIS_DOWN as exc:
             self._redis(False)
-            recorded = False
+            recorded, late = False, may_run_late(exc)
             log.warning("redis unreachable for route %s (%s): failing %s", route.name, type(exc).__name__, route.policy.redis_down)
             slack = deadline_ms - now
             # A rejection's body has every documented key; the queue age is unknown (null).
@@ -318,10 +347,12 @@ class Admission:
             out[QUEUE_AGE_HEADER] = str(int(fields["queue_age_ms"]))
         out[SLACK_HEADER] = str(int(fields["deadline_slack_ms"]))
         if decision.admitted:
-            attempt = Attempt(request_id, queue_id, route.name, tenant, fields.get("retry_count"), recorded)
+            attempt = Attempt(request_id, queue_id, route.name, tenant, fields.get("retry_count"), recorded, late=late)
             return Outcome(True, 200, decision.decision, out, route=route, attempt=attempt)
         if recorded:
             await self.quiet(self.queue.complete(queue_id, decision.status, route=route.name))
+        elif late and self._late_room():
+            self.background(self._complete_late(queue_id, decision.status, route.name))
         if decision.retry_after_s is not None:
             out["Retry-After"] = str(admission.retry_after_header(decision.retry_after_s))
         # The OpenAI SDKs obey this before their status rules: a non-retryable refusal is
@@ -400,13 +431,18 @@ class Admission:
     async def finish(self, attempt: Attempt, status: int | None, units: int = 0) -> bool:
         """Record the attempt's end (status, token units), the id done, the tenant charged:
         one idempotent script and the leave (status None: not known to the door), sent again while Redis does not answer
-        (FINISH_RETRY_S), then given up (counted). True once written."""
-        if not attempt.recorded:
+        (FINISH_RETRY_S), then given up (counted). True once written. A late attempt
+        (`Attempt.late`) is sent once more LATE_RESEND_S after Redis answered: the scripts
+        change nothing where there is no record, and count one attempt id once."""
+        if not attempt.recorded and not attempt.late:
             return False
         for pause in (*FINISH_RETRY_S, None):
             try:
                 await self._finish_once(attempt, status, units)
                 self._redis(True)
+                if attempt.late:
+                    await asyncio.sleep(LATE_RESEND_S)
+                    return await self.finish(replace(attempt, late=False, recorded=True), status, units)
                 return True
             except REDIS_DOWN as exc:
                 self._redis(False)
@@ -432,10 +468,36 @@ class Admission:
         q.pipe_leave(pipe, attempt.queue_id, attempt.route, "done", status, now)
         await self._execute(pipe)
 
+    async def _complete_late(self, queue_id: str, status: int, route: str) -> None:
+        """A refusal whose enqueue may run late (`may_run_late`): marked done once Redis
+        answers, and again LATE_RESEND_S later (no record: nothing changes)."""
+        for pause in (*FINISH_RETRY_S, None):
+            try:
+                await self.queue.complete(queue_id, status, route=route)
+            except ERRORS:
+                if pause is None:
+                    self.m_records_lost.inc()
+                    return
+                await asyncio.sleep(pause)
+                continue
+            await asyncio.sleep(LATE_RESEND_S)
+            with contextlib.suppress(*ERRORS):
+                await self.queue.complete(queue_id, status, route=route)
+            return
+
     def finish_later(self, attempt: Attempt, status: int | None, units: int = 0) -> None:
         """`finish` off the client's path; `stop()` waits for it."""
-        if attempt.recorded:
+        if attempt.recorded or (attempt.late and self._late_room()):
             self.background(self.finish(attempt, status, units))
+
+    def _late_room(self) -> bool:
+        """Room for one more late attempt's finish (at most LATE_PENDING_MAX pending: a
+        Redis black-holed for minutes under load must not pile up tasks); else counted
+        as given up (the record, if the enqueue ever runs, expires with its retention)."""
+        if len(self._pending) < LATE_PENDING_MAX:
+            return True
+        self.m_records_lost.inc()
+        return False
 
     def background(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -450,7 +512,10 @@ class Admission:
         except REDIS_DOWN:
             self._redis(False)
         except RedisError as exc:
-            log.error("redis refused a queue write: %s", exc)
+            if retryable(exc):
+                self._redis(False)
+            else:
+                log.error("redis refused a queue write: %s", exc)
 
     # --- Redis ---------------------------------------------------------------------------
     async def _pipeline(self) -> Any:
@@ -471,19 +536,22 @@ class Admission:
         commands = list(pipe.command_stack)
         try:
             try:
-                return await pipe.execute()
-            except MovedError:
-                if not self.deployment.cluster:
-                    raise
-                await self.deployment.refresh_topology()
-                pipe = await self._pipeline()
-                pipe.command_stack = list(commands)
-                return await pipe.execute()
-        except NoScriptError:
-            await self.queue.load_scripts()
-            again = await self._pipeline()
-            again.command_stack = list(commands)
-            return await again.execute()
+                try:
+                    return await pipe.execute()
+                except MovedError:
+                    if not self.deployment.cluster:
+                        raise
+                    await self.deployment.refresh_topology()
+                    pipe = await self._pipeline()
+                    pipe.command_stack = list(commands)
+                    return await pipe.execute()
+            except NoScriptError:
+                await self.queue.load_scripts()
+                again = await self._pipeline()
+                again.command_stack = list(commands)
+                return await again.execute()
         except REDIS_DOWN:
             await self.deployment.refresh_topology()  # Cluster: the next request finds the new primary
             raise
+        except RedisError as exc:  # a failover's answer (NOREPLICAS, ...) is Redis down too
+            raise _down(exc) from exc

@@ -113,6 +113,8 @@ class Doors:
             headers = dict(outcome.headers)
             if outcome.attempt.recorded:
                 headers[RECORD_HEADER] = self.token(outcome.attempt)
+            elif outcome.attempt.late:  # its enqueue may run when Redis resumes: finished then, status unknown
+                self.admission.finish_later(outcome.attempt, None)
             return web.Response(status=200, headers=headers)
         refusal = {"status": outcome.status, "headers": outcome.headers, "body": outcome.body}
         encoded = base64.urlsafe_b64encode(json.dumps(refusal, separators=(",", ":")).encode()).decode()

@@ -12,8 +12,11 @@ Headers read (first one present wins):
 | route | `X-Route` (else the route whose `models` has the body's model, else the first) |
 | tenant | `X-Tenant`: 1-64 of letters, digits and `_ . : -` (else `default`) |
 
-Numbers are decimal integers; anything else (`1e20`, `inf`, `3.5`, out of range) is refused
-with a 400 that names the header, before anything is written to Redis.
+Numbers are unsigned decimal integers; anything else (`1e20`, `inf`, `3.5`, a sign: `+5`,
+`-5`, out of range) is refused with a 400 that names the header, before anything is
+written to Redis. A header of the table sent more than once with different values (two
+deadlines, two request ids) is refused the same way: the request is ambiguous; copies
+with the same value are one. (Of two different headers of one row, the first listed wins.)
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ MAX_TIMEOUT_MS = 7 * 86400 * 1000  # a week: any longer is a unit mistake
 DEADLINE_PAST_MS = 86400 * 1000  # an absolute deadline may lie up to a day in the past
 MAX_RETRY_COUNT = 1000
 MAX_ID_LENGTH = 256
-_INTEGER = re.compile(r"^\s*\+?[0-9]{1,16}\s*$")
+_INTEGER = re.compile(r"^\s*[0-9]{1,16}\s*$")  # no sign: `+5` and `-5` are refused
 _TENANT = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _ID = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII, no spaces
 
@@ -42,9 +45,21 @@ class BadRequest(ValueError):
     pass
 
 
+def _get(headers: Mapping[str, str], name: str) -> str | None:
+    """The header's value; BadRequest naming it if it came more than once with different
+    values. Doors hand aiohttp's multidict (every copy: `getall`) or a plain mapping."""
+    getall = getattr(headers, "getall", None)
+    if getall is None:
+        return headers.get(name)
+    values = getall(name, [])
+    if len({v.strip() for v in values}) > 1:
+        raise BadRequest(f"{name} was sent {len(values)} times with different values: the request is ambiguous")
+    return values[0] if values else None
+
+
 def first_header(headers: Mapping[str, str], names: Iterable[str]) -> str | None:
     for n in names:
-        v = headers.get(n)
+        v = _get(headers, n)
         if v is not None and v.strip():
             return v.strip()
     return None
@@ -60,7 +75,7 @@ def _integer(name: str, raw: str, low: int, high: int, what: str) -> int:
 def read_request_id(headers: Mapping[str, str]) -> str | None:
     """The client's request id (None: the gate makes one up, never a retry)."""
     for name in ID_HEADERS:
-        value = headers.get(name)
+        value = _get(headers, name)
         if value is not None and value.strip():
             value = value.strip()
             if len(value) > MAX_ID_LENGTH or not _ID.match(value):
@@ -70,7 +85,8 @@ def read_request_id(headers: Mapping[str, str]) -> str | None:
 
 
 def read_tenant(headers: Mapping[str, str]) -> str:
-    tenant = headers.get("X-Tenant", "default").strip()
+    value = _get(headers, "X-Tenant")
+    tenant = ("default" if value is None else value).strip()
     if not _TENANT.match(tenant):
         raise BadRequest(f"X-Tenant must be 1 to 64 of letters, digits and _ . : -, got {tenant[:64]!r}")
     return tenant
@@ -78,11 +94,11 @@ def read_tenant(headers: Mapping[str, str]) -> str:
 
 def read_deadline_ms(headers: Mapping[str, str], now: int, default_ms: float | None) -> int:
     """The absolute deadline in Unix ms, from the headers or the route's default."""
-    absolute = headers.get("X-Request-Deadline-Ms")
+    absolute = _get(headers, "X-Request-Deadline-Ms")
     if absolute is not None:
         return _integer("X-Request-Deadline-Ms", absolute, now - DEADLINE_PAST_MS, now + MAX_TIMEOUT_MS, "Unix time in milliseconds within a week")
     for name in ("X-Request-Timeout-Ms", "X-Envoy-Expected-Rq-Timeout-Ms"):
-        budget = headers.get(name)
+        budget = _get(headers, name)
         if budget is not None:
             return now + _integer(name, budget, 0, MAX_TIMEOUT_MS, "the milliseconds left")
     if default_ms is None:
@@ -92,7 +108,7 @@ def read_deadline_ms(headers: Mapping[str, str], now: int, default_ms: float | N
 
 def read_retry_count(headers: Mapping[str, str]) -> int:
     for name in RETRY_HEADERS:
-        value = headers.get(name)
+        value = _get(headers, name)
         if value is not None:
             return _integer(name, value, 0, MAX_RETRY_COUNT, "the attempts before this one")
     return 0

@@ -55,7 +55,10 @@ FAILURES = (
 
 MAX_STACK_BYTES = 1024 * 1024  # one dump's output kept, at most
 PIDS_OUTPUT_BYTES = 64 * 1024
-_SECRET_FLAG = re.compile(r"(--?(?:api[-_]?key|token|password|secret)[= ]+)\S+", re.IGNORECASE)
+# A flag on a command line (`--api-key X`, `--token=X`, `-password X`): starts the line or
+# follows a space or a quote, so "inter-token latency" in a dump's text is no flag.
+# In the index's JSON an argv is a list: `"--api-key", "X"`.
+_SECRET_FLAG = re.compile(r"((?:^|(?<=[\s'\"]))--?(?:api[-_]?key|token|password|secret)(?:=|[ ]+|\",\s*\"))[^\s\"']+", re.IGNORECASE | re.MULTILINE)
 
 
 @dataclass
@@ -99,13 +102,15 @@ class CaptureResult:
         self.failures.append({"pid": pid, "reason": reason, "detail": detail})
 
 
-def redact(text: str, secrets: tuple[str, ...]) -> str:
-    """Every configured secret, and the value of any --api-key/--token/--password flag,
-    replaced: a dump prints the process's command line."""
+def redact(text: str, secrets: tuple[str, ...], *, flags: bool = True) -> str:
+    """Every configured secret replaced, and with ``flags`` the value of any
+    --api-key/--token/--password/--secret flag: a dump prints the process's command line.
+    A /metrics payload is evidence: only a configured secret is replaced in it
+    (``flags=False``), never a word of the engine's own text."""
     for s in secrets:
         if s:
             text = text.replace(s, "<redacted>")
-    return _SECRET_FLAG.sub(lambda m: m.group(1) + "<redacted>", text)
+    return _SECRET_FLAG.sub(lambda m: m.group(1) + "<redacted>", text) if flags else text
 
 
 # --- /proc -----------------------------------------------------------------------------------

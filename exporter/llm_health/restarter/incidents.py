@@ -260,7 +260,7 @@ async def record_incident(
     incident_id = store.new_id(target.name, action.id)
     secrets = tuple(s for s in (*secrets, target.api_key) if s)
     index = build_index(incident_id, action, target, reads, baseline, result, captured_at, hung_after)
-    files = [(f"metrics-{i + 1}.txt", redact(r["payload"], secrets)) for i, r in enumerate(reads) if r.get("payload")]
+    files = [(f"metrics-{i + 1}.txt", redact(r["payload"], secrets, flags=False)) for i, r in enumerate(reads) if r.get("payload")]
     files += [(s["file"], redact(d.text, secrets)) for s, d in zip(index["stacks"], result.dumps, strict=True)]
     files += [(f"maps-{pid}.txt", text) for pid, text in result.maps.items() if text]
     index = json.loads(redact(json.dumps(index, default=str), secrets))

@@ -35,13 +35,11 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from redis.exceptions import RedisError
-
 from ..config.restarter import SharedState, Target
 from ..core.restart_policy import KEY_TTL, Admission, Budget, Policy, RestartRecord, budget_verdict
 from ..core.webhook import Alert
-from ..store.connection import TRANSIENT
-from ..store.deployment import NotReplicated, connect
+from ..store.deployment import connect
+from ..store.errors import ERRORS, NotReplicated
 from ..store.heartbeat import Heartbeat
 from ..store.keys import LeaseKeys
 from ..store.leases import LeaseClient
@@ -50,7 +48,7 @@ from .state import BudgetView, Handoff
 
 log = logging.getLogger("llm_health.restarter")
 
-ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT, RedisError)
+# ERRORS (store.errors): any Redis trouble; the state is unavailable, never a crash.
 POLL = 0.25  # seconds between looks for handed-over evidence
 ALREADY_ACTED_ON = "this alert (fingerprint, startsAt) was already acted on"  # a duplicate's detail
 

@@ -8,13 +8,10 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from redis.exceptions import RedisError
-
-from .connection import TRANSIENT
+from .errors import ERRORS
 from .feed import KeyeventSubscriber
 
 TOPOLOGY_CHECK_S = 1.0  # how often the feed asks where the primaries are
-ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT, RedisError)
 
 
 class ClusterKeyevents:

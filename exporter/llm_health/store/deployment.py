@@ -34,29 +34,19 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, RedisError, ResponseError, SlotNotCoveredError, TryAgainError
+from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, ResponseError, SlotNotCoveredError, TryAgainError
 
 from .cluster_events import ClusterKeyevents
 from .connection import FEED_CLIENT_NAME, TRANSIENT, text
+from .errors import ERRORS, NotReplicated, retryable
 from .feed import KeyeventSubscriber
 from .keys import LeaseKeys, QueueKeys
-from .records import LeaseError
 from .target import ALL_REPLICAS, RedisTarget, parse_target
 
 log = logging.getLogger(__name__)
 
-ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT, RedisError)
 REPLICAS_RECHECK_S = 5.0  # wait_replicas=all: how often Sentinel is asked for the replicas
 CLUSTER_REDIRECTS = 16  # MOVED/ASK/TRYAGAIN hops one confirmed write may follow
-
-
-class NotReplicated(LeaseError, RedisError):
-    """A write the primary applied but fewer replicas than required acknowledged in
-    time: it may be lost in a failover, so it does not count (the caller undoes it)."""
-
-    def __init__(self, acked: int, wanted: int, timeout_ms: int, replies: Sequence[Any]):
-        super().__init__(f"write acknowledged by {acked} replica(s) of the {wanted} required within {timeout_ms} ms (WAIT)")
-        self.acked, self.wanted, self.replies = acked, wanted, list(replies)
 
 
 def sha1(script: str) -> str:
@@ -123,6 +113,11 @@ class Deployment:
             replies[-1] = 0
         for r in replies:
             if isinstance(r, Exception):
+                if retryable(r):
+                    # NOREPLICAS, READONLY, ... from a server that may no longer be the
+                    # primary (after `SENTINEL FAILOVER` the old one stays a primary with
+                    # no replica for ~10 s): the caller's retry must reach the new one.
+                    await self.follow_primary()
                 raise r
         if wait:
             acked = int(replies[-1])

@@ -19,15 +19,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from redis.exceptions import RedisError
-
-from .connection import TRANSIENT
+from .errors import ERRORS
 from .records import Lease
 
 log = logging.getLogger(__name__)
 
 Renew = Callable[[Lease], Awaitable[bool]]
-RENEW_ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT, RedisError)
+RENEW_ERRORS = ERRORS  # store.errors: a failover's answers and any other, retried until the lease's validity ends
 
 
 def safety_margin(ttl_ms: int) -> float:

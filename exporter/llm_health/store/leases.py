@@ -28,10 +28,9 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from redis.exceptions import ClusterDownError, RedisError, SlotNotCoveredError, TryAgainError
-
-from .connection import TRANSIENT, text
-from .deployment import Deployment, NotReplicated, connect, wrap
+from .connection import text
+from .deployment import Deployment, connect, wrap
+from .errors import ERRORS, NotReplicated, retryable, suppress_retryable
 from .feed import FEED_LINGER_S, RESUBSCRIBED, KeyeventFeed, required_keyspace_command
 from .heartbeat import Heartbeat
 from .keys import LeaseKeys
@@ -44,10 +43,7 @@ T = TypeVar("T")
 
 DEFAULT_TTL_MS = 30_000
 DEFAULT_FALLBACK_INTERVAL_S = 1.0
-NOT_REPLICATED_RETRY_S = 0.1  # a waiter whose claim failed (no replica had it, Redis unreachable) tries again this soon
-# What a waiter outlives (a failover in progress, a Cluster settling: CLUSTERDOWN,
-# TRYAGAIN, a slot map with a hole) rather than raising to its caller.
-RETRY_SOON: tuple[type[BaseException], ...] = (NotReplicated, *TRANSIENT, ClusterDownError, TryAgainError, SlotNotCoveredError)
+NOT_REPLICATED_RETRY_S = 0.1  # a waiter whose claim failed retryably (store.errors.retryable: NOREPLICAS, ...) tries again this soon
 
 
 class LeaseClient:
@@ -147,7 +143,7 @@ class LeaseClient:
             if got:
                 n = len(keys) // 3
                 j = int(got[0])
-                with contextlib.suppress(*TRANSIENT, RedisError):
+                with contextlib.suppress(*ERRORS):
                     await self.deployment.script(RELEASE_LUA, [keys[j], keys[n + j]], [args[0], int(got[1])], confirm=False)
             raise
 
@@ -250,7 +246,7 @@ class LeaseClient:
         finally:
             await hb.stop()
             if release and not hb.lost.is_set():
-                with contextlib.suppress(*TRANSIENT, RedisError):
+                with contextlib.suppress(*ERRORS):
                     await self.release(lease)
 
     # ------------------------------------------------------------ keyspace events
@@ -332,12 +328,14 @@ class LeaseClient:
             except TimeoutError:
                 # The feed never came up in time (a primary failing over): still look once,
                 # so no waiter times out beside a free GPU.
-                with contextlib.suppress(*RETRY_SOON):
+                with suppress_retryable():
                     return await self._claim_cancel_safe(pool.gpus, holder, via="deadline", **claim_kw)
                 return None
             try:
                 lease = await self._claim_cancel_safe(pool.gpus, holder, **claim_kw)
-            except RETRY_SOON as e:
+            except Exception as e:
+                if not retryable(e):
+                    raise
                 log.warning("claim for %s failed, again in %.1fs: %r", holder, NOT_REPLICATED_RETRY_S, e)
                 lease, first_not_replicated = None, True
             else:
@@ -346,7 +344,7 @@ class LeaseClient:
                 return lease
             # Listed only once it really waits (the feed is already joined, so the
             # order of these two does not matter for the race).
-            with contextlib.suppress(*RETRY_SOON):  # the list is for observers; waiting goes on
+            with suppress_retryable():  # the list is for observers; waiting goes on
                 await self._register_waiter(pool, waiter, int((time.time() + timeout) * 1000))
                 registered = True
             if registered and not self.deployment.cluster:  # the list shares the claim's slot
@@ -367,13 +365,15 @@ class LeaseClient:
                 if now >= deadline:
                     # One last look: a release whose event was lost in the last fallback
                     # interval must not let us time out beside a free GPU.
-                    with contextlib.suppress(*RETRY_SOON):
+                    with suppress_retryable():
                         return await claim(pool.gpus, via="deadline")
                     return None
                 if now >= next_fallback:
                     try:
                         lease = await claim(pool.gpus, via="fallback")
-                    except RETRY_SOON as e:
+                    except Exception as e:
+                        if not retryable(e):
+                            raise
                         log.warning("claim for %s failed, again in %.1fs: %r", holder, NOT_REPLICATED_RETRY_S, e)
                         lease, next_fallback = None, loop.time() + min(fallback, NOT_REPLICATED_RETRY_S)
                     else:
@@ -393,7 +393,9 @@ class LeaseClient:
                     else:
                         gpu, reason = event
                         lease = await claim([gpu], start=0, via=reason)
-                except RETRY_SOON as e:  # undone, or not sent: try all again soon (a failover settling)
+                except Exception as e:  # undone, or not sent: try all again soon (a failover settling)
+                    if not retryable(e):
+                        raise
                     log.warning("claim for %s failed, again in %.1fs: %r", holder, NOT_REPLICATED_RETRY_S, e)
                     next_fallback = min(next_fallback, loop.time() + NOT_REPLICATED_RETRY_S)
                     continue

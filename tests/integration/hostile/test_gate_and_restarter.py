@@ -13,6 +13,7 @@ import time
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
 
 from llm_health.store.queue import AdmissionQueue
 
@@ -59,6 +60,9 @@ async def gate(tmp_path, redis_url, hostile, llm_health):
         ("X-Request-Deadline-Ms", "100000000000000"),
         ("X-Retry-Count", str(10**25)),
         ("X-Retry-Count", "-1"),
+        ("X-Retry-Count", "+1"),
+        ("X-Request-Timeout-Ms", "+5000"),
+        ("X-Request-Timeout-Ms", "-5"),
         ("X-Tenant", "a/b"),
         ("X-Request-Id", "x" * 300),
     ],
@@ -73,6 +77,38 @@ async def test_numeric_and_id_headers_are_refused_by_name(gate, header, value):
     assert upstream.requests == []
     assert await metric(proc.url, "llm_gate_redis_up") == 1
     assert (await post(proc.url, {"X-Request-Id": "h2"}))[0] == 200  # the gate goes on
+
+
+@pytest.mark.parametrize(
+    "header,first,second",
+    [
+        ("X-Request-Deadline-Ms", "FUTURE", "PAST"),
+        ("X-Request-Timeout-Ms", "60000", "1"),
+        ("X-Retry-Count", "0", "3"),
+        ("X-Request-Id", "rep-1", "rep-2"),
+        ("X-Tenant", "tenant-a", "tenant-b"),
+    ],
+)
+async def test_a_header_repeated_with_different_values_is_refused_by_name(gate, header, first, second):
+    """A retry carrying `X-Request-Deadline-Ms` twice, a future value then a past one, was
+    admitted (the first copy won): a request whose deadline is ambiguous is refused, 400
+    naming the header, nothing forwarded; two copies of one value are one."""
+    proc, upstream = gate
+    now = int(time.time() * 1000)
+    values = [{"FUTURE": str(now + 60000), "PAST": str(now - 1000)}.get(v, v) for v in (first, second)]
+    base = [] if header == "X-Request-Id" else [("X-Request-Id", "rep-0")]
+    status, body = await post_multi(proc.url, [*base, (header, values[0]), (header, values[1])])
+    assert status == 400 and header in json.loads(body)["error"]["message"], body
+    assert upstream.requests == []
+    # Two copies of one value are one.
+    same = [("X-Request-Id", "rep-9")] * 2 if header == "X-Request-Id" else [("X-Request-Id", "rep-9"), (header, values[0]), (header, values[0])]
+    status, body = await post_multi(proc.url, same)
+    assert status == 200, body
+
+
+async def post_multi(url: str, headers: list[tuple[str, str]]) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as http, http.post(url + "/v1/completions", json={"model": "m"}, headers=CIMultiDict(headers)) as r:
+        return r.status, await r.text()
 
 
 async def test_request_ids_are_scoped_by_tenant(gate):
