@@ -30,30 +30,21 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis import asyncio as aioredis
-from redis.exceptions import MovedError, NoScriptError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from ..config.gate import GateConfig, Route
 from ..core import admission, forwarding
 from ..store.deployment import connect, wrap
-from ..store.errors import ERRORS, RETRYABLE_TYPES, retryable
-from ..store.queue import ROUTE_STATS_COMMANDS, AdmissionQueue, QueueRecord, RouteStats, add_route_stats_commands, now_ms, parse_route_stats
+from ..store.errors import ERRORS, REDIS_DOWN, as_down, may_run_late, retryable
+from ..store.queue import ROUTE_STATS_COMMANDS, AdmissionQueue, QueueRecord, RouteStats, add_route_stats_commands, engine_queue_age, now_ms, parse_route_stats
 from ..tasks import cancel_and_wait
 from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant, retry_fingerprint
 
 log = logging.getLogger("llm_health.gate")
 
 
-# Redis is down, unreachable or failing over: the route's redis_down policy applies. The
-# classes here; an error reply that means the same (NOREPLICAS, a script's READONLY:
-# store.errors.retryable) is turned into RedisDown where it is caught (`_down`). Any other
-# Redis error (a refused script, a bad value) means Redis is up and answered.
-class RedisDown(RedisError):
-    """An error reply of a failover or a resync (store.errors.retryable), as a class."""
-
-
-REDIS_DOWN: tuple[type[BaseException], ...] = (*RETRYABLE_TYPES, RedisDown)
-
+# Redis down or failing over (store.errors.REDIS_DOWN, as_down): the route's redis_down
+# policy applies. Any other Redis error means Redis is up and answered.
 # The headers a door hands the proxy (and the proxy the upstream and the client), in the
 # user's field names.
 QUEUE_AGE_HEADER = "x-queue-age-ms"
@@ -69,25 +60,6 @@ FINISH_RETRY_S = (0.1, 0.3, 1.0, 2.0, 4.0)
 # has surely run, whichever connection Redis read first.
 LATE_RESEND_S = 1.0
 LATE_PENDING_MAX = 4096  # background writes pending past which a late attempt is not followed
-
-
-def may_run_late(exc: BaseException) -> bool:
-    """The enqueue was sent and no answer came in time: Redis may run it later (a stall,
-    a paused VM). A refused connection or a failover's error reply ran nothing."""
-    return isinstance(exc, (TimeoutError, RedisTimeoutError))
-
-
-def engine_queue_age(values: list[Any]) -> int | None:
-    """The engine queue age of a route from its backends' published figures (ms): the
-    youngest known one, since a least-loaded balancer sends a new request to the shortest
-    queue; None when none is known (absent or expired, never 0). A value that is not a
-    non-negative integer is unknown."""
-    known = []
-    for v in values:
-        text = v.decode() if isinstance(v, bytes) else v
-        if isinstance(text, str) and text.isdigit() and len(text) <= 15:
-            known.append(int(text))
-    return min(known) if known else None
 
 
 @dataclass
@@ -123,11 +95,6 @@ class Outcome:
 
 def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None, **extra: Any) -> Outcome:
     return Outcome(False, status, kind, headers or {}, {"error": {"type": kind, "message": message, **extra}})
-
-
-def _down(exc: RedisError) -> RedisError:
-    """``exc`` as RedisDown when it is a failover's or a resync's answer (NOREPLICAS, ...)."""
-    return RedisDown(str(exc)) if retryable(exc) else exc
 
 
 class Admission:
@@ -519,39 +486,15 @@ class Admission:
 
     # --- Redis ---------------------------------------------------------------------------
     async def _pipeline(self) -> Any:
-        """A pipeline for the queue's commands. On Cluster the whole queue is one hash tag
-        (one slot) and redis-py's cluster pipeline refuses EVALSHA: a plain pipeline on the
-        primary owning that slot (the slot map is asked again after a failover: `_execute`)."""
-        if not self.deployment.cluster:
-            return self.redis.pipeline(transaction=False)
-        await self.redis.initialize()  # the slot map, once
-        node = self.redis.get_node_from_key(self.queue.keys.routes())
-        return self.deployment.node(node.host, node.port).pipeline(transaction=False)
+        return await self.queue.pipeline()
 
     async def _execute(self, pipe: Any) -> list[Any]:
-        """Run a pipeline holding EVALSHAs and reads (every command safe to send again: the
-        attempt script is idempotent by attempt id). On a Redis that lost its scripts
-        (NOSCRIPT: a restart, a failover) load them and run it again. On Cluster, a MOVED
-        (nothing ran: one slot) runs it again on the slot's primary now."""
-        commands = list(pipe.command_stack)
+        """`AdmissionQueue.execute` (scripts reloaded, a Cluster's MOVED followed); Redis
+        down or failing over refreshes the topology for the next request and raises."""
         try:
-            try:
-                try:
-                    return await pipe.execute()
-                except MovedError:
-                    if not self.deployment.cluster:
-                        raise
-                    await self.deployment.refresh_topology()
-                    pipe = await self._pipeline()
-                    pipe.command_stack = list(commands)
-                    return await pipe.execute()
-            except NoScriptError:
-                await self.queue.load_scripts()
-                again = await self._pipeline()
-                again.command_stack = list(commands)
-                return await again.execute()
+            return await self.queue.execute(pipe)
         except REDIS_DOWN:
             await self.deployment.refresh_topology()  # Cluster: the next request finds the new primary
             raise
         except RedisError as exc:  # a failover's answer (NOREPLICAS, ...) is Redis down too
-            raise _down(exc) from exc
+            raise as_down(exc) from exc

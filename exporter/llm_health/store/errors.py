@@ -44,6 +44,7 @@ from redis.exceptions import (
     SlotNotCoveredError,
     TryAgainError,
 )
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .connection import TRANSIENT
 from .records import LeaseError
@@ -113,6 +114,28 @@ def retryable(exc: BaseException) -> bool:
         return True
     reply = _reply(exc)
     return bool(_INNER_CODE.search(reply)) if found in ("ERR", None) and "script" in reply.lower() else False
+
+
+class RedisDown(RedisError):
+    """An error reply of a failover or a resync (`retryable`), as a class: what the gate's
+    doors catch as "Redis down" beside the connection errors."""
+
+
+# Redis is down, unreachable or failing over: a door's route applies its redis_down
+# policy. An error reply that means the same (NOREPLICAS, a script's READONLY) is turned
+# into RedisDown where it is caught (`as_down`).
+REDIS_DOWN: tuple[type[BaseException], ...] = (*RETRYABLE_TYPES, RedisDown)
+
+
+def as_down(exc: RedisError) -> RedisError:
+    """``exc`` as RedisDown when it is a failover's or a resync's answer (NOREPLICAS, ...)."""
+    return RedisDown(str(exc)) if retryable(exc) else exc
+
+
+def may_run_late(exc: BaseException) -> bool:
+    """A command was sent and no answer came in time: Redis may run it later (a stall, a
+    paused VM). A refused connection or a failover's error reply ran nothing."""
+    return isinstance(exc, (TimeoutError, RedisTimeoutError))
 
 
 @contextlib.contextmanager

@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import MovedError, NoScriptError
+
 from .connection import text
 from .deployment import Deployment, connect, wrap
 from .keys import DEFAULT_QUEUE_PREFIX, DEFAULT_RETENTION_MS, QueueKeys
@@ -141,6 +143,38 @@ class AdmissionQueue:
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> AdmissionQueue:
         return cls(connect(url), **kwargs)
+
+    async def pipeline(self) -> Any:
+        """A pipeline for the queue's commands. On Cluster the whole queue is one hash tag
+        (one slot) and redis-py's cluster pipeline refuses EVALSHA: a plain pipeline on the
+        primary owning that slot (the slot map is asked again after a failover: `execute`)."""
+        if not self.deployment.cluster:
+            return self.redis.pipeline(transaction=False)
+        await self.redis.initialize()  # the slot map, once
+        node = self.redis.get_node_from_key(self.keys.routes())
+        return self.deployment.node(node.host, node.port).pipeline(transaction=False)
+
+    async def execute(self, pipe: Any) -> list[Any]:
+        """Run a pipeline holding EVALSHAs and reads (every command safe to send again: the
+        attempt script is idempotent by attempt id). On a Redis that lost its scripts
+        (NOSCRIPT: a restart, a failover) load them and run it again. On Cluster, a MOVED
+        (nothing ran: one slot) runs it again on the slot's primary now."""
+        commands = list(pipe.command_stack)
+        try:
+            try:
+                return list(await pipe.execute())
+            except MovedError:
+                if not self.deployment.cluster:
+                    raise
+                await self.deployment.refresh_topology()
+                pipe = await self.pipeline()
+                pipe.command_stack = list(commands)
+                return list(await pipe.execute())
+        except NoScriptError:
+            await self.load_scripts()
+            again = await self.pipeline()
+            again.command_stack = list(commands)
+            return list(await again.execute())
 
     async def aclose(self) -> None:
         await self.deployment.aclose()
@@ -339,3 +373,16 @@ def parse_route_stats(replies: Sequence[Any], now: int) -> RouteStats:
         retried=int(retried),
         token_duplication_ratio_max=float(dup[0][1]) if dup else None,
     )
+
+
+def engine_queue_age(values: list[Any]) -> int | None:
+    """The engine queue age of a route from its backends' published figures (ms): the
+    youngest known one, since a least-loaded balancer sends a new request to the shortest
+    queue; None when none is known (absent or expired, never 0). A value that is not a
+    non-negative integer is unknown."""
+    known = []
+    for v in values:
+        text = v.decode() if isinstance(v, bytes) else v
+        if isinstance(text, str) and text.isdigit() and len(text) <= 15:
+            known.append(int(text))
+    return min(known) if known else None
