@@ -11,7 +11,7 @@ WORKERS ?= 2
 XDIST = $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadgroup)
 LINTED = exporter tests bench rules grafana deploy
 
-.PHONY: demo test test-unit test-integration lint deps install
+.PHONY: demo test test-unit test-integration lint deps install bench bench-long
 
 install:
 	$(PYTHON) -m pip install -q --disable-pip-version-check -e .
@@ -42,3 +42,11 @@ lint:
 
 deps:
 	bash scripts/install-test-deps.sh
+
+# docs/benchmarks.md: every benchmark once at this commit (bench/snapshot.py), then the
+# long ones (real engines, the whole loop) with their own commit.
+bench:
+	$(PYTHON) -m bench.snapshot
+
+bench-long:
+	$(PYTHON) -m bench.snapshot --long

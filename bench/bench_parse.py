@@ -156,6 +156,7 @@ def main(argv: list[str]) -> int:
         geo = math.exp(sum(map(math.log, values)) / len(values))
         low, where = min(rows)
         printed = shown(low)
+        print(f"{engine} payloads, own column: geometric mean {shown(geo)}, minimum {printed} ({where})")
         print(
             goal_line(
                 f"{engine} payloads ({len(rows)}), own column ({engine} name set), each at least {GOAL_RATIO:g}x faster than prometheus_client",
