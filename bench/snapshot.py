@@ -35,7 +35,9 @@ CPU, cores, memory, kernel, Python, a calibration figure (the best of 5 runs of 
 pure-Python workload, `bench/_machine.py`, in ms: compare absolute times only between runs
 with the same calibration) and the load average at its start. These machines are shared:
 every comparison that judges a goal is made side by side in one run, as a ratio or a paired
-difference. Earlier snapshots are in git (`git log -p docs/benchmarks.md`), not here.
+difference. Earlier snapshots are in git (`git log -p docs/benchmarks.md`), not here; the
+outputs pasted before this file became one snapshot, which other docs still quote until
+these sections run again, are `git show ceeb71b:docs/benchmarks.md`.
 
 The summary marks a section **stale** when a path it measures changed since its commit
 (`python -m bench.summary`); `tests/unit/test_benchmarks_doc.py` fails when the marks below
