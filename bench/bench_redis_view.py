@@ -223,6 +223,7 @@ async def main() -> None:
             print(f"  {route}: {s}")
         listed = max(v for k, v in trips.items() if "from a Redis set" not in k)
         from_sets = max(v for k, v in trips.items() if "from a Redis set" in k)
+        print(f"scenarios: {len(trips)}; most round trips per refresh: {listed:g} with pools and routes listed, {from_sets:g} from Redis sets")
         print(
             goal_line(
                 "Redis round trips per refresh constant in pools, routes and queue length: 1 with pools and routes listed, 2 when both come from Redis sets",

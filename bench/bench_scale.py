@@ -13,9 +13,8 @@ time), with the size and the cost of gzip (which /metrics applies where Promethe
 
 Two machine figures: the calibration of bench/_machine.py, and prometheus_client's parse
 of the 45 KB vLLM fixture (as bench_admission reports it); plus prometheus_client's parse
-of a busy backend's own payload, which the round's cost is judged against: a round reads
-and judges a backend for less than 1/20 of what merely parsing its payload with
-prometheus_client would cost.
+of a busy backend's own payload, against which a round's cost is printed (no goal: the
+goal is the floor below).
 
 A fleet process on a 2-core machine serves a few hundred reads a second: past ~1,000
 backends run it with a longer `--interval` (the share of a core at 10 s rounds is computed
@@ -32,9 +31,11 @@ A real vLLM closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, uvic
 default), so at 10 s rounds every round opens a new one; the simulated fleet does the same
 unless `--server-keepalive` says otherwise (75, aiohttp's default, shows a reused one).
 
-Goals: under 25% of one core at 10 s rounds and a scrape under 1 s (figures of this
-machine); a scrape at least 10x cheaper than the old path, and a backend round under 1/20
-of prometheus_client's parse of the backend's payload (ratios, taken side by side).
+Goals: a backend round at most 1.5x the floor measured in the same run (a minimal asyncio
+GET of a backend's payload on a new connection plus the targeted parse, in this process
+after the rounds); 10,000 backends at 10 s rounds on new connections in under one core
+(judged at 10,000 backends only, else NOT RUN); a scrape under 1 s, and at least 10x
+cheaper than the old path (side by side).
 `--profile N` prints the N functions of the exporter that cost most over the measured
 rounds (cProfile; the CPU figures are then inflated by the profiler).
 """
@@ -48,7 +49,6 @@ import gc
 import gzip
 import io
 import json
-import math
 import multiprocessing as mp
 import os
 import pstats
@@ -60,7 +60,7 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
-from bench._goal import goal_line
+from bench._goal import goal_line, not_run
 from bench._machine import machine_line, parse_calibration_ms, prometheus_parse_ms
 from llm_health.config.exporter import Backend, Config, Timing
 from llm_health.exporter import slots
@@ -68,10 +68,12 @@ from llm_health.exporter.app import Exporter, _clean, _dumps
 from llm_health.sim import servers as sim
 from llm_health.web import gzip_body
 
-GOAL_CORE_PERCENT = 25.0  # of one core at 10 s rounds
+GOAL_BACKENDS = 10_000  # the share-of-a-core goal is judged at this size, on new connections, or NOT RUN
+GOAL_CORE_PERCENT = 100.0  # of one core at 10 s rounds
 GOAL_SCRAPE_MS = 1000.0
 GOAL_SCRAPE_RATIO = 10.0  # the old path's scrape / the new path's
-GOAL_PARSE_FRACTION = 20.0  # a backend round under 1/20 of prometheus_client's parse of its payload
+GOAL_FLOOR_RATIO = 1.5  # a backend round's CPU against the floor measured in the same run
+FLOOR_READS = 300
 TICK_S = 2.0
 
 
@@ -285,6 +287,24 @@ def breakdown(stats: pstats.Stats, backend_rounds: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+async def floor_per_read_ms(urls: list[str], text: str, reads: int) -> float:
+    """The floor of a round, in this process's CPU ms a read: a minimal asyncio GET of a
+    backend's /metrics on a new connection (bench_client's, Content-Length bodies only, none
+    of the exporter's checks) plus the targeted parse of a busy payload with vLLM's names."""
+    from urllib.parse import urlsplit
+
+    from bench.bench_client import raw_get  # bench_client imports this module: here, not at the top
+    from llm_health.core import engines
+    from llm_health.core.exposition import parse
+
+    ports = [urlsplit(u).port or 80 for u in urls]
+    start = cpu()
+    for i in range(reads):
+        await raw_get(ports[i % len(ports)])
+        parse(text, engines.VLLM_V1.wanted)
+    return (cpu() - start) / reads * 1000
+
+
 def start_fleet(n: int, per_process: int, keepalive: float) -> tuple[list[str], list[tuple[mp.Process, Any]]]:
     procs, urls = [], []
     for first in range(0, n, per_process):
@@ -334,6 +354,7 @@ def main() -> None:
         # the loop `llm-health serve` runs on (web.run_app): uvloop where it is installed
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
             r = runner.run(run(urls, args.interval, args.rounds, args.scrapes, args.profile))
+            floor_ms = runner.run(floor_per_read_ms(urls, payload_text, FLOOR_READS))
     finally:
         for _, parent in procs:
             parent.send("stop")
@@ -395,21 +416,30 @@ def main() -> None:
     print(f"loadavg at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if r["profile"]:
         print(r["profile"])
-    share = 100 * r["share_at_10s"]
-    print(goal_line(f"{n} backends at 10 s rounds in under {GOAL_CORE_PERCENT:g}% of one core", f"{share:.1f}% of one core", share < GOAL_CORE_PERCENT))
+    floor_ratio = float(f"{r['per_round_ms'] / floor_ms:.2f}")
+    print(
+        f"floor ({FLOOR_READS} reads after the run, same process and loop): a minimal asyncio GET on a new connection plus the targeted parse, "
+        f"{floor_ms:.3f} ms CPU a read; a backend round {r['per_round_ms']:.3f} ms = {floor_ratio:.2f}x the floor"
+    )
+    share = float(f"{100 * r['share_at_10s']:.1f}")
+    core_goal = f"{GOAL_BACKENDS} backends at 10 s rounds on new connections in under one core"
+    if n != GOAL_BACKENDS or args.server_keepalive >= 10:
+        print(not_run(core_goal, f"this run: {n} backends, connections kept {args.server_keepalive:g} s"))
+    else:
+        print(goal_line(core_goal, f"{share:.1f}% of one core", share < GOAL_CORE_PERCENT))
+    print(
+        goal_line(
+            f"{n} backends: a backend round at most {GOAL_FLOOR_RATIO:g}x the floor measured in the same run",
+            f"{floor_ratio:.2f}x",
+            floor_ratio <= GOAL_FLOOR_RATIO,
+        )
+    )
     print(goal_line(f"{n} backends: a scrape under {GOAL_SCRAPE_MS:g} ms", f"{r['new_ms']:.0f} ms", r["new_ms"] < GOAL_SCRAPE_MS))
     print(
         goal_line(
             f"{n} backends: a scrape at least {GOAL_SCRAPE_RATIO:g}x cheaper than prometheus_client rendering every snapshot",
             f"{scrape_ratio:.0f}x",
             scrape_ratio >= GOAL_SCRAPE_RATIO,
-        )
-    )
-    print(
-        goal_line(
-            f"{n} backends: a backend round under 1/{GOAL_PARSE_FRACTION:g} of prometheus_client's parse of its payload",
-            f"1/{parse_ratio:.1f}",
-            parse_ratio > GOAL_PARSE_FRACTION and math.isfinite(parse_ratio),
         )
     )
 

@@ -3,6 +3,7 @@ installed (`pip install -e .`), with no sys.path edits."""
 
 pytest_plugins = [
     "tests.fixtures.ci",
+    "tests.fixtures.parallel",
     "tests.fixtures.sim",
     "tests.fixtures.redis",
     "tests.fixtures.redis_any",

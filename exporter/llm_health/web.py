@@ -41,8 +41,8 @@ Encoder = Callable[[CollectorRegistry], bytes]
 Render = Callable[[Encoder], bytes | None]
 
 
-# gzip level 1: on an exporter's 30 MB scrape about 25x smaller in ~0.1 s, where the
-# default level 6 is 3x slower for 7% less (docs/benchmarks.md, bench_scale).
+# gzip level 1: on an exporter's large scrape much smaller and fast, where the default
+# level 6 is slower for little more (the figures: bench_scale in docs/benchmarks.md).
 GZIP_LEVEL = 1
 GZIP_IN_THREAD_OVER = 1 << 20  # bytes: a larger body is compressed off the event loop
 

@@ -1,7 +1,10 @@
 """Every benchmark in bench/ still runs against the code as it is: each is started the way
-docs/benchmarks.md says, at a tiny size, and must exit 0. Nothing here looks at a time;
-the figures come from the full runs in docs/benchmarks.md. (The real-engine benchmarks,
-engines_measure and loop_recovery, run the same code as the real-engine tests.)"""
+docs/benchmarks.md says, at a tiny size, and must exit 0, and every figure its goal lines
+print must be one its own output shows (bench_parse and bench_hostile: the exact row).
+Nothing here looks at a time; the figures come from `make bench` (docs/benchmarks.md).
+(The real-engine benchmarks, engines_measure and loop_recovery, run the same code as the
+real-engine tests.) `make bench` itself (bench/snapshot.py) is run here on one quick
+section into a copy of the doc."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import pytest
 from tests.fixtures.paths import ROOT
 
 SMALL = {
-    "bench_parse": [],
+    "bench_parse": ["--repeat", "1", "--number", "3"],
     "bench_decision": [],
     "bench_scale": ["--backends", "10", "--interval", "1", "--rounds", "1"],
     "bench_client": ["--reads", "20", "--backends", "2", "--passes", "1"],
@@ -36,16 +39,20 @@ GOAL = re.compile(r"^goal: (?P<goal>.+); measured: (?P<measured>.+): (?P<verdict
 
 
 def parse_goals_are_its_rows(out: str) -> None:
-    """bench_parse: each engine's goal line names the smallest "own" ratio of its own rows."""
-    own: dict[str, list[int]] = {}
+    """bench_parse: each engine's goal line names the smallest "own" ratio of its own rows, as
+    printed there, and its verdict is that printed figure against 40x (a figure rounded to the
+    boundary once printed "minimum 40x ... NOT met")."""
+    own: dict[str, list[str]] = {}
     for line in out.splitlines():
         if line.endswith("x") and ".prom " in line:
-            own.setdefault(line.split("-", 1)[0], []).append(int(line.split("|")[1].split()[-1].rstrip("x")))
+            own.setdefault(line.split("-", 1)[0], []).append(line.split("|")[1].split()[-1])
     goals = {m["goal"].split()[0]: m for m in GOAL.finditer(out)}
     assert set(goals) == set(own), out
     for engine, ratios in own.items():
-        low = int(re.match(r"minimum (\d+)x", goals[engine]["measured"])[1])
-        assert low == min(ratios) and (goals[engine]["verdict"] == "met") == (low >= 40), (engine, out)
+        printed = re.match(r"minimum (\d+\.\d)x", goals[engine]["measured"])[1]
+        assert float(printed) == min(float(r.rstrip("x")) for r in ratios), (engine, out)
+        assert f"{printed}x" in ratios, (engine, out)
+        assert (goals[engine]["verdict"] == "met") == (float(printed) >= 40), (engine, out)
 
 
 def hostile_goal_is_its_table(out: str) -> None:
@@ -53,6 +60,23 @@ def hostile_goal_is_its_table(out: str) -> None:
     row = next(line for line in out.splitlines() if line.startswith("healthy round interval, max"))
     (m,) = GOAL.finditer(out)
     assert f"longest interval {row.split()[-2]} s" in m["measured"], out
+
+
+FIGURE = re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?")
+
+
+def goal_figures_are_in_the_table(out: str) -> None:
+    """Every benchmark: each figure a goal line's "measured" part prints (a number, as
+    printed, to its last digit) also appears in the output outside the goal lines: the
+    table or the line it was computed from. A goal line cannot quote a figure its run did
+    not show."""
+    rest = "\n".join(line for line in out.splitlines() if not GOAL.match(line.strip()))
+    shown = set(FIGURE.findall(rest))
+    for m in GOAL.finditer(out):
+        if m["measured"].startswith("NOT RUN"):  # a goal not measured at its rate or size quotes no figure
+            continue
+        for figure in FIGURE.findall(m["measured"]):
+            assert figure in shown or figure.lstrip("+") in shown, f"goal line figure {figure!r} is in no table:\n{m[0]}\n\n{out[-3000:]}"
 
 
 CONSISTENT: dict[str, Callable[[str], None]] = {"bench_parse": parse_goals_are_its_rows, "bench_hostile": hostile_goal_is_its_table}
@@ -66,5 +90,25 @@ def test_benchmark_runs(name):
     # Every benchmark judges its goal from what it measured, in one format (docs/benchmarks.md
     # quotes these lines); at this tiny size the verdict itself means nothing.
     assert GOAL.search(out.stdout), f"bench.{name} prints no goal line:\n{out.stdout[-2000:]}"
+    goal_figures_are_in_the_table(out.stdout)
     if name in CONSISTENT:
         CONSISTENT[name](out.stdout)
+
+
+def test_snapshot_writes_a_section_at_this_commit(tmp_path):
+    """`python -m bench.snapshot --only bench_decision` into a copy of the doc: the block
+    records HEAD and the section's paths, and `python -m bench.summary` reads the summary
+    the snapshot wrote (the stale marks computed from git)."""
+    from bench import summary
+
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(summary.DOC.read_text(encoding="utf-8"), encoding="utf-8")
+    argv = [sys.executable, "-m", "bench.snapshot", "--only", "bench_decision", "--doc", str(doc), "--allow-dirty"]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    (block,) = [b for b in summary.blocks(doc.read_text(encoding="utf-8")) if b.name == "bench_decision"]
+    assert block.commit == head and "bench/bench_decision.py" in block.paths
+    assert summary.goals(block.body), block.body
+    printed = subprocess.run([sys.executable, "-m", "bench.summary", "--doc", str(doc)], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert printed.strip() == summary.current(doc.read_text(encoding="utf-8")).strip()

@@ -5,7 +5,7 @@ name, each a list of `(labels, value)` in file order. Names absent from the payl
 from the result. Pure: stdlib only, no I/O.
 
 Why not prometheus_client's parser: it parses every line of a 12-100 KB payload in Python
-(~1 ms per 10 KB) while the health decision needs ~20 series. Here one compiled regex, whose
+(bench_parse in docs/benchmarks.md) while the health decision needs ~20 series. Here one compiled regex, whose
 alternation of the wanted names is factored into a prefix tree, skips from newline to newline
 in C; Python only touches the lines that start with a wanted name.
 

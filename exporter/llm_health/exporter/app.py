@@ -341,7 +341,7 @@ def _dumps(obj: Any) -> bytes:
     return text.encode()
 
 
-# /status at 10,000 backends takes about 0.3 s to build (bench_scale): callers asking for
+# /status at 10,000 backends takes a noticeable time to build (bench_scale, docs/benchmarks.md): callers asking for
 # it back to back would hold the event loop and delay every round. Reused while younger
 # than this many times its cost, once that cost is at least STATUS_REUSE_MIN_S.
 STATUS_REUSE_FACTOR = 10.0

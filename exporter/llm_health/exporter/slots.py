@@ -154,9 +154,8 @@ def first_round_delays(count: int, interval: float) -> list[float]:
 # where it is shorter): rounds due within one tick start together, in one wake-up of the
 # process, instead of one wake-up each. On a VM a process that wakes a hundred times a
 # second to do 1 ms of work each time pays for a cold CPU every time: bench_scale measured
-# 2.75 ms of CPU per backend round with every round on its own and 1.14 ms with rounds on a
-# 0.25 s grid (1,000 backends, 10 s rounds; 1.34 ms on a 0.1 s grid, 1.14 ms on a 1 s
-# one). A round starts at most one tick late, and the intervals stay exact on average.
+# each round on its own at more than twice the CPU per backend round of rounds on a 0.25 s
+# grid, and a 1 s grid no cheaper (the figures: docs/benchmarks.md). A round starts at most one tick late, and the intervals stay exact on average.
 ROUND_TICK = 0.25
 
 

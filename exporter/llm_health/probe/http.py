@@ -1,9 +1,9 @@
 """A lean HTTP/1.1 GET for the reads every round makes: a backend's `/metrics`, and the
 sleep flags (`/is_sleeping`, `/is_paused`) of an engine that stands still.
 
-A round is mostly this read (bench/bench_client.py, bench/bench_scale.py), and aiohttp's
-client spends about three times what the read needs on it (connector, happy eyeballs, URL
-objects, a request and a response object). This module is the read alone, on an asyncio
+A round is mostly this read, and aiohttp's client spends several times what the read needs
+on it (connector, happy eyeballs, URL objects, a request and a response object; the figures
+are bench_client's and bench_scale's in docs/benchmarks.md). This module is the read alone, on an asyncio
 protocol: the request written once, the answer parsed as it arrives. It keeps every
 guarantee of the aiohttp read it replaces:
 
