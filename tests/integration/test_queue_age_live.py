@@ -74,7 +74,7 @@ def test_exporter_queue_age_alert_fires_and_resolves_in_prometheus(tmp_path, pro
     config = tmp_path / "llm-health.yml"
     config.write_text(f"global: {{interval: 1s, hung_after_seconds: 30}}\nbackends:\n  - {{name: gpu0, url: 'http://{vllm.address}', kind: vllm}}\n")
     port = free_port()
-    log = open(tmp_path / "exporter.log", "w")  # noqa: SIM115 (closed in finally, as tests/integration/test_stack.py)
+    log = open(tmp_path / "exporter.log", "w")
     exporter = subprocess.Popen(
         [sys.executable, "-m", "llm_health", "serve", "--config.file", str(config), "--web.listen-address", f"127.0.0.1:{port}"],
         cwd=ROOT,
