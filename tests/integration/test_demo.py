@@ -70,6 +70,11 @@ def test_demo_proves_every_part_and_leaves_no_process():
     refused = int(re.search(r"ok  late retries refused: (\d+) \(late retries admitted: 0\)", summary).group(1))
     assert refused >= 1
     assert "  ok  double lease holders: 0" in summary
+    # The engine route: refused while the overloaded engine's own queue was older than the deadline, admitted after it drained.
+    assert re.search(
+        r"ok  fresh requests refused on the engine's queue age: [1-9]\d* \(reject_age_beats_slack, engine queue_age_ms \d+-\d+ at refusal\); admitted again after it drained: [1-9]",
+        summary,
+    ), summary
     assert re.search(r"ok  crashed job's lease \(job-crash on g\d\): taken by job-\d+ \(via \w+\)", summary)
     assert summary.rstrip().splitlines()[-2:] == ["verdict: PASS", summary.rstrip().splitlines()[-1]], summary  # nothing logged after it but `stopped:`
     assert summary.rstrip().splitlines()[-1].startswith("stopped: ")

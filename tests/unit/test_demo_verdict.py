@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from llm_health.sim.demo_routes import RouteFigures
 from llm_health.sim.demo_view import Parts, Proof, proofs, summary, verdict
 from llm_health.sim.stalls import StallWatch
 
@@ -20,9 +21,33 @@ def _fresh_line(refused_windows: list[tuple[float, float]], stalls: list[tuple[f
         ages_ms=[3.0, 250.0],
         late_retries_refused=1,
         late_retries_admitted=0,
+        engine_sent=0,
     )
     parts = Parts(exporter=None, exporter_url="", pool=None, route=SimpleNamespace(figures=figures), alerts=None, skipped={}, stalls=watch)
     return next(p for p in proofs(parts, {}, set()) if p.line.startswith("fresh requests admitted"))
+
+
+def _engine_line(refused: int, after_drain: int, ages: list[float]):
+    figures = RouteFigures(
+        fresh_sent=1,
+        fresh_admitted=1,
+        late_retries_refused=1,
+        engine_sent=refused + after_drain,
+        engine_refused_old=refused,
+        engine_refused_ages_ms=ages,
+        engine_admitted=after_drain,
+        engine_admitted_after_drain=after_drain,
+    )
+    parts = Parts(exporter=None, exporter_url="", pool=None, route=SimpleNamespace(figures=figures), alerts=None, skipped={}, stalls=StallWatch())
+    return next(p for p in proofs(parts, {}, set()) if p.line.startswith("fresh requests refused on the engine's queue age"))
+
+
+def test_the_engine_route_holds_only_refused_while_old_and_admitted_after_the_drain():
+    ok = _engine_line(5, 2, [1600.0, 4000.0])
+    assert ok.ok and "engine queue_age_ms 1600-4000 at refusal" in ok.line and ok.line.endswith("admitted again after it drained: 2")
+    assert not _engine_line(0, 3, []).ok  # never refused: the engine's queue age was never read
+    assert not _engine_line(4, 0, [2000.0]).ok  # never admitted again: refused for good
+    assert not _engine_line(2, 1, [900.0, 2000.0]).ok  # refused on an age under the 1.5 s deadline
 
 
 def test_every_first_attempt_admitted_holds():

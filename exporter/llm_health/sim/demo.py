@@ -38,6 +38,12 @@ from .stalls import StallWatch
 POOL, GPUS, ROUTE = "demo", ("g0", "g1", "g2", "g3"), "chat"
 
 
+# `overloaded` (4 places, 2 s a request): 3 requests a second for OVERLOAD_S, then none
+# until its queue is empty and DRAINED_S more: its queue's head ages past the engine route's
+# 1.5 s deadline (about a third of the overload's length), then drains.
+OVERLOAD_S, DRAINED_S, OVERLOAD_ARRIVALS = 9.0, 4.0, 3.0
+
+
 def _one_rank_hung(server: sim.SimServer) -> None:
     """A data-parallel pair: rank 0 hung with work in flight, rank 1 busy."""
     sim.saturated(server, running=4, waiting=0)
@@ -54,6 +60,7 @@ class DemoFleet:
         self._ticker: asyncio.Task[None] | None = None
         self._since_restart = 0.0
         self._prefill_for = 0.0
+        self._overload_for = 0.0
 
     async def start(self) -> None:
         plan = {
@@ -66,6 +73,7 @@ class DemoFleet:
             "dp-one-hung": (2, _one_rank_hung),
             "restarting": (1, sim.batch_job),
             "sleeping": (1, sim.sleep),
+            "overloaded": (1, sim.overloaded),
         }
         for name, (engines, scenario) in plan.items():
             server = sim.SimServer(name, engines=engines)
@@ -81,6 +89,7 @@ class DemoFleet:
             await asyncio.sleep(step)
             for server in self.servers.values():
                 server.advance(step)
+            self._overload(step)
             self._since_restart += step
             if self._since_restart >= 20.0:
                 self._since_restart = 0.0
@@ -96,6 +105,19 @@ class DemoFleet:
             elif prefill.mode == "decode" and self._prefill_for >= 1.0:
                 prefill.finish(1, prompt_tokens=0, generation_tokens=1)
                 prefill.mode, prefill.kv_usage, self._prefill_for = "prefill", 0.05, 0.0
+
+    def _overload(self, step: float) -> None:
+        """`overloaded` in cycles: requests arrive faster than it serves them for
+        OVERLOAD_S (its queue ages past the route's deadline), then none until its queue
+        has drained and stayed empty for DRAINED_S."""
+        engine = self.servers["overloaded"].engines[0]
+        self._overload_for += step
+        if engine.arrivals_per_second > 0 and self._overload_for >= OVERLOAD_S:
+            engine.arrivals_per_second, self._overload_for = 0.0, 0.0
+        elif engine.arrivals_per_second == 0 and engine.waiting > 0:
+            self._overload_for = 0.0
+        elif engine.arrivals_per_second == 0 and self._overload_for >= DRAINED_S:
+            engine.arrivals_per_second, self._overload_for = OVERLOAD_ARRIVALS, 0.0
 
     def backends(self, timing: Timing) -> tuple[Backend, ...]:
         out = [Backend(name, s.url, "vllm", timing) for name, s in self.servers.items()]
@@ -173,7 +195,8 @@ async def run_demo(
             pool = GpuPool(redis_url, Pool(POOL, GPUS))
             stack.push_async_callback(pool.stop)
             await pool.start()
-            route = RetryTraffic(redis_url, ROUTE)
+            overloaded = fleet.servers["overloaded"]
+            route = RetryTraffic(redis_url, ROUTE, engine=(overloaded.url, overloaded.model, "overloaded"))
             stack.push_async_callback(route.stop)
             await route.start()
             redis_cfg = parse_redis_config({"url": redis_url, "pools": [{"name": POOL, "gpus": list(GPUS)}], "routes": [ROUTE]}, "<demo>")

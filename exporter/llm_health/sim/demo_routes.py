@@ -6,7 +6,11 @@ Scaled to half the drill's times: every request has a 1500 ms deadline; a `slow-
 takes the worker 2000 ms and ends in a 503 (its tokens spent), so its retry is sent after
 its deadline and the gate must refuse it; a `fresh-` request takes 1250 ms and is
 answered in time. Two clients, out of step, and a batch scheduler's waiting room that
-records its requests in the route's queue and serves each after 400 ms (`_waiting_room`). The gate stamps each admitted request with its
+records its requests in the route's queue and serves each after 400 ms (`_waiting_room`).
+A second route, `engine`, sends to a simulated engine whose queue is inside it (the
+`overloaded` backend, its queue aging past the deadline, then draining) and names it in
+`backends:`: its client's fresh requests are refused while that queue is older than
+their 1.5 s, admitted again once it drained (`_engine_client`). The gate stamps each admitted request with its
 `x-queue-age-ms` and `x-deadline-slack-ms` (read here at the worker) and puts the slack in
 each refusal; the exporter reads the route's queue from Redis. Counted from the clients'
 own answers.
@@ -33,6 +37,7 @@ from .servers import serve_app
 SCALE = 0.5
 DEADLINE_MS = 3000 * SCALE
 SLOW_MS, NORMAL_MS = 4000 * SCALE, 2500 * SCALE
+ENGINE_ROUTE, ENGINE_EVERY_S = "engine", 0.5  # the route whose queue is inside its engine, a fresh request this often
 ROOM_TICK_S, ROOM_WAIT_MS = 0.2, 400  # the waiting room: one request in per tick, each served after 400 ms
 
 
@@ -58,11 +63,20 @@ class RouteFigures:
     refused_slack_ms: float | None = None
     ages_ms: list[float] = field(default_factory=list)  # every admitted request's x-queue-age-ms
     last: list[str] = field(default_factory=list)
+    # The engine route: fresh requests to a backend whose queue is inside its engine.
+    engine_sent: int = 0
+    engine_refused_old: int = 0  # reject_age_beats_slack on the engine's queue age
+    engine_refused_ages_ms: list[float] = field(default_factory=list)
+    engine_admitted: int = 0
+    engine_admitted_after_drain: int = 0  # admitted after a refusal: the queue drained
+    engine_other: dict[str, int] = field(default_factory=dict)  # any other answer, by decision or status
 
 
 class RetryTraffic:
-    def __init__(self, redis_url: str, route: str = "chat", clients: int = 2):
-        self.redis_url, self.route, self.clients = redis_url, route, clients
+    def __init__(self, redis_url: str, route: str = "chat", clients: int = 2, engine: tuple[str, str, str] | None = None):
+        """``engine``: (url, model, exporter backend name) of a simulated engine whose queue
+        is inside it, for a second route, ENGINE_ROUTE, that names it in `backends:`."""
+        self.redis_url, self.route, self.clients, self.engine = redis_url, route, clients, engine
         self.figures = RouteFigures()
         self.gate_url = ""
         self._runners: list[web.AppRunner] = []
@@ -92,10 +106,15 @@ class RetryTraffic:
         app.router.add_post("/v1/completions", self._worker)
         wrunner, wport = await serve_app(app)
         self._runners.append(wrunner)
+        routes: dict[str, dict[str, object]] = {self.route: {"upstream": f"http://127.0.0.1:{wport}"}}
+        if self.engine is not None:
+            url, _model, backend = self.engine
+            # Its queue is inside the engine: the exporter publishes its age, the gate reads it.
+            routes[ENGINE_ROUTE] = {"upstream": url, "backends": [backend], "default_deadline_ms": DEADLINE_MS, "engine_age_unknown": "open"}
         cfg = parse_gate_config(
             {
                 "admission": {"reject_if_queue_age_ms_gte": DEADLINE_MS, "reject_if_retry_count_gte": 1, "ignore_worker_util_when_slack_ms_lte": 0},
-                "gate": {"redis": self.redis_url, "routes": {self.route: {"upstream": f"http://127.0.0.1:{wport}"}}},
+                "gate": {"redis": self.redis_url, "routes": routes},
             },
             "<demo>",
         )
@@ -107,6 +126,35 @@ class RetryTraffic:
         self._tasks = [asyncio.create_task(self._client(i)) for i in range(self.clients)]
         self._queue = AdmissionQueue.from_url(self.redis_url)
         self._tasks.append(asyncio.create_task(self._waiting_room()))
+        if self.engine is not None:
+            self._tasks.append(asyncio.create_task(self._engine_client()))
+
+    async def _engine_client(self) -> None:
+        """A fresh request to ENGINE_ROUTE every ENGINE_EVERY_S, 1.5 s to live: refused
+        while the engine's queue is older than that, admitted once it has drained."""
+        assert self._session is not None and self.engine is not None
+        f = self.figures
+        while not self._stopping:
+            body = {"model": self.engine[1], "prompt": "hi", "max_tokens": 1}
+            headers = {"X-Route": ENGINE_ROUTE, "X-Request-Timeout-Ms": str(int(DEADLINE_MS))}
+            f.engine_sent += 1
+            try:
+                async with self._session.post(self.gate_url + "/v1/completions", json=body, headers=headers) as r:
+                    await r.read()
+                    decision = r.headers.get("X-LLM-Health-Decision", str(r.status))
+                    age = r.headers.get("x-queue-age-ms")
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                decision, age = type(exc).__name__, None
+            if decision == "reject_age_beats_slack":
+                f.engine_refused_old += 1
+                if age is not None:
+                    f.engine_refused_ages_ms.append(float(age))
+            elif decision == "admit_once":
+                f.engine_admitted += 1
+                f.engine_admitted_after_drain += f.engine_refused_old > 0
+            else:
+                f.engine_other[decision] = f.engine_other.get(decision, 0) + 1
+            await asyncio.sleep(ENGINE_EVERY_S)
 
     async def _waiting_room(self) -> None:
         """A second door on the route: a batch scheduler that records its waiting requests

@@ -99,6 +99,13 @@ def route_section(parts: Parts, series: Series) -> list[str]:
         f"late retries refused {f.late_retries_refused}, late retries admitted {f.late_retries_admitted}; worker calls {f.worker_calls}",
         f"  batch scheduler: {f.room_enqueued} requests queued in Redis, {f.room_served} served",
     ]
+    if f.engine_sent:
+        age = _get(series, "llm_backend_queue_age_seconds", backend="overloaded")
+        shown = "unknown" if age is None else f"{age * 1000:.0f}"
+        lines.append(
+            f"  route engine (queue inside backend `overloaded`): engine queue_age_ms {shown}; fresh requests {f.engine_sent}: "
+            f"refused on the engine's queue age {f.engine_refused_old}, admitted {f.engine_admitted}"
+        )
     lines += [f"  . {e}" for e in f.last[-2:]]
     return lines
 
@@ -207,6 +214,20 @@ def proofs(parts: Parts, servers: dict[str, SimServer], hung_at_start: set[str])
             Proof(
                 f"fresh requests admitted: {rf.fresh_admitted} of {rf.fresh_sent} ({ages}{excused})",
                 rf.fresh_admitted > 0 and rf.fresh_admitted + len(stalled) == rf.fresh_sent,
+                part="route",
+            )
+        )
+    if parts.route is not None and parts.route.figures.engine_sent:
+        rf = parts.route.figures
+        ages = (
+            f", engine queue_age_ms {min(rf.engine_refused_ages_ms):.0f}-{max(rf.engine_refused_ages_ms):.0f} at refusal" if rf.engine_refused_ages_ms else ""
+        )
+        other = f"; other answers: {', '.join(f'{k} {v}' for k, v in sorted(rf.engine_other.items()))}" if rf.engine_other else ""
+        out.append(
+            Proof(
+                f"fresh requests refused on the engine's queue age: {rf.engine_refused_old} (reject_age_beats_slack{ages}); "
+                f"admitted again after it drained: {rf.engine_admitted_after_drain}{other}",
+                rf.engine_refused_old > 0 and rf.engine_admitted_after_drain > 0 and all(a >= 1500 for a in rf.engine_refused_ages_ms),
                 part="route",
             )
         )

@@ -31,6 +31,7 @@ class Received:
     path: str
     running: int
     waiting: int
+    admitted: bool = False  # forwarded by an admission door (the demo's traffic), not a health check
 
     @property
     def while_busy(self) -> bool:
@@ -136,7 +137,7 @@ class SimServer(_Served):
             self.start_us = max(self.start_us + 1, time.monotonic_ns() // 1000)
 
     def completions_while_busy(self) -> list[Received]:
-        return [r for r in self.received if r.path.endswith("completions") and r.while_busy]
+        return [r for r in self.received if r.path.endswith("completions") and r.while_busy and not r.admitted]
 
     @property
     def llamacpp(self) -> LlamaCppEngine:
@@ -201,7 +202,7 @@ class SimServer(_Served):
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "vllm", "max_model_len": 1024}]})
 
     async def _completions(self, request: web.Request) -> web.Response:
-        self.received.append(Received(request.path, self.running, self.waiting))
+        self.received.append(Received(request.path, self.running, self.waiting, admitted="X-LLM-Health-Decision" in request.headers))
         if self.kind == "llamacpp":
             return await self._llamacpp_completion(request)
         if not self._authorised(request):
@@ -211,6 +212,10 @@ class SimServer(_Served):
             return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist."}}, status=404)
         if self.probe_hangs or any(e.mode == "hung" for e in self.engines):
             await asyncio.sleep(3600)
+        if self.received[-1].admitted and await self._served_in_turn():
+            return web.json_response(
+                {"id": "cmpl-sim", "object": "text_completion", "model": self.model, "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}]}
+            )
         if self.running or self.waiting:
             # A real engine would queue this behind the batch; the sim makes it wait as long.
             await asyncio.sleep(3600)
@@ -226,6 +231,21 @@ class SimServer(_Served):
                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
             }
         )
+
+    async def _served_in_turn(self, limit_s: float = 120.0) -> bool:
+        """A request an admission door let through joins a lifecycle engine's queue (the
+        `overloaded` scenario) as one more arrival, first come first served, and is
+        answered once the engine has finished it: True then. False: no such engine here
+        (or it was not served within `limit_s`, a restart in between)."""
+        engine = self.engines[0]
+        if not isinstance(engine, SimEngine) or engine.max_num_seqs <= 0:
+            return False
+        turn = engine.success + engine.running + engine.waiting + 1
+        engine.waiting += 1
+        deadline = time.monotonic() + limit_s
+        while engine.success < turn and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return engine.success >= turn
 
     async def _llamacpp_completion(self, request: web.Request) -> web.Response:
         """llama-server serves its one model whatever name a request gives."""
