@@ -77,7 +77,7 @@ async def test_fleet_states_and_series(sim_server, ticker, serve):
     assert exporter.slots["idle"].monitor.rounds > 1 and exporter.slots["idle"].monitor.stats.probe is None
     assert 0 < s[("llm_backend_probe_duration_seconds", (("backend", "idle"),))] < T.probe_timeout
     assert ("llm_backend_probe_duration_seconds", (("backend", "busy"),)) not in s
-    assert s[("llm_backend_info", (("backend", "busy"), ("kind", "vllm"), ("profile", "vllm_v1")))] == 1
+    assert s[("llm_backend_info", (("backend", "busy"), ("kind", "engine"), ("profile", "vllm_v1")))] == 1
     # a refused connection is the backend down (or restarting), not a failed round
     assert not any(k[0] == "llm_exporter_round_errors_total" and ("backend", "dead") in k[1] for k in s)
     assert ("llm_exporter_build_info", (("version", "0.1.0"),)) in s
@@ -335,7 +335,7 @@ async def test_llamacpp_fleet_states(sim_server, ticker, serve):
     for s in (idle, stuck, restarting):
         text = await wait_for(client, s.name, "idle")
     s = samples(text)
-    assert s[("llm_backend_info", (("backend", "busy"), ("kind", "vllm"), ("profile", "llamacpp")))] == 1
+    assert s[("llm_backend_info", (("backend", "busy"), ("kind", "engine"), ("profile", "llamacpp")))] == 1
     assert s[("llm_backend_requests_running", (("backend", "busy"), ("engine", ""), ("model_name", "")))] == 12
     assert s[("llm_backend_probes_total", (("backend", "idle"), ("result", "ok")))] == 1
     assert len(idle.received) == 1 and idle.llamacpp.n_decode == 1 and idle.llamacpp.tokens_predicted == 1
