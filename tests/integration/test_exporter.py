@@ -338,7 +338,7 @@ async def test_llamacpp_fleet_states(sim_server, ticker, serve):
     assert s[("llm_backend_info", (("backend", "busy"), ("kind", "engine"), ("profile", "llamacpp")))] == 1
     assert s[("llm_backend_requests_running", (("backend", "busy"), ("engine", ""), ("model_name", "")))] == 12
     assert s[("llm_backend_probes_total", (("backend", "idle"), ("result", "ok")))] == 1
-    assert len(idle.received) == 1 and idle.llamacpp.n_decode == 1 and idle.llamacpp.tokens_predicted == 1
+    assert len(idle.received) == 1 and idle.engines[0].n_decode == 1 and idle.engines[0].tokens_predicted == 1
     assert busy.received == [] and frozen.received == []
 
     sim.stuck(stuck)
@@ -353,8 +353,8 @@ async def test_llamacpp_fleet_states(sim_server, ticker, serve):
     # A new process that served two requests before the next read: its counters are already
     # past the old ones, only the new Process-Start-Time-Unix header shows the restart.
     restarting.restart()
-    restarting.llamacpp.probe()
-    restarting.llamacpp.probe()
+    restarting.engines[0].probe()
+    restarting.engines[0].probe()
     deadline = time.monotonic() + 10
     while (after := restarts(await (await client.get("/metrics")).text())) == before and time.monotonic() < deadline:
         await asyncio.sleep(0.1)

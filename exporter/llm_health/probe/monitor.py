@@ -100,8 +100,8 @@ class BackendMonitor:
             # A refused connection is the backend down (or restarting); so is one closed
             # before a byte of the answer when the follow-up answered nothing either (a
             # server killed with the read in flight, as a restart does); and a 503 is its
-            # own word that it cannot serve yet (llama-server answers /metrics and /health
-            # so while it loads its model after a restart): none is a failed round.
+            # own word that it cannot serve yet (a server loading its model after a restart
+            # may answer /metrics and /health so): none is a failed round.
             gone = fetched.refused or (fetched.closed and not ok)
             if stats.error is None and not gone and not fetched.unavailable:
                 stats.error = "timeout" if fetched.timed_out else "metrics"

@@ -37,6 +37,7 @@ class Profile:
     counters: tuple[str, ...]
     gauges: tuple[str, ...] = ()
     unit_labels: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()  # other names the engine goes by (its server's binary)
     # Series that tell this engine where no profile's marker is present (an older or
     # partial payload); asked after every marker.
     fallback_markers: tuple[str, ...] = ()

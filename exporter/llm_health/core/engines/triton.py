@@ -17,4 +17,5 @@ TRITON = Profile(
     counters=("nv_inference_exec_count", "nv_inference_count", "nv_inference_request_success"),
     gauges=("nv_inference_pending_request_count",),
     unit_labels=("model", "version"),
+    aliases=("tritonserver",),
 )

@@ -1,0 +1,53 @@
+"""The simulated vLLM V1 API server: engines of `sim.render.SimEngine`, its `/metrics`
+(`render_vllm`), `/v1/models`, completions, `/health`, and the sleep and pause flags of
+its profile."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from ...core.engines import VLLM_V1
+from ..render import SimEngine, render_vllm
+from .base import Served, SimFlavor
+
+
+class VllmSim(SimFlavor):
+    kind = "vllm"
+    profile = VLLM_V1
+
+    def make_engines(self, count: int, max_model_len: int) -> list[SimEngine]:
+        return [SimEngine(engine=str(i), max_model_len=max_model_len) for i in range(count)]
+
+    def payload(self, server: Served) -> str:
+        return render_vllm(server.engines, server.model, None if server.multiprocess else server.start_time)
+
+    async def models(self, server: Served, request: web.Request) -> web.Response:
+        if not server.authorised(request):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return web.json_response({"object": "list", "data": [{"id": server.model, "object": "model", "owned_by": "vllm", "max_model_len": 1024}]})
+
+    async def completion(self, server: Served, request: web.Request) -> web.Response:
+        if not server.authorised(request):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        body = await request.json()
+        if body.get("model") != server.model:
+            return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist."}}, status=404)
+        if server.probe_hangs or any(e.mode == "hung" for e in server.engines):
+            await asyncio.sleep(3600)
+        if server.running or server.waiting:
+            # A real engine would queue this behind the batch; the sim makes it wait as long.
+            await asyncio.sleep(3600)
+        engine = server.engines[0]
+        engine.finish(1, prompt_tokens=1, generation_tokens=1, seconds=0.01)
+        engine.hists["vllm:iteration_tokens_total"].observe(1)
+        return web.json_response(
+            {
+                "id": "cmpl-sim",
+                "object": "text_completion",
+                "model": server.model,
+                "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
