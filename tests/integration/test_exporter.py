@@ -77,7 +77,7 @@ async def test_fleet_states_and_series(sim_server, ticker, serve):
     assert exporter.slots["idle"].monitor.rounds > 1 and exporter.slots["idle"].monitor.stats.probe is None
     assert 0 < s[("llm_backend_probe_duration_seconds", (("backend", "idle"),))] < T.probe_timeout
     assert ("llm_backend_probe_duration_seconds", (("backend", "busy"),)) not in s
-    assert s[("llm_backend_info", (("backend", "busy"), ("kind", "vllm"), ("profile", "vllm_v1")))] == 1
+    assert s[("llm_backend_info", (("backend", "busy"), ("kind", "engine"), ("profile", "vllm_v1")))] == 1
     # a refused connection is the backend down (or restarting), not a failed round
     assert not any(k[0] == "llm_exporter_round_errors_total" and ("backend", "dead") in k[1] for k in s)
     assert ("llm_exporter_build_info", (("version", "0.1.0"),)) in s
@@ -335,10 +335,10 @@ async def test_llamacpp_fleet_states(sim_server, ticker, serve):
     for s in (idle, stuck, restarting):
         text = await wait_for(client, s.name, "idle")
     s = samples(text)
-    assert s[("llm_backend_info", (("backend", "busy"), ("kind", "vllm"), ("profile", "llamacpp")))] == 1
+    assert s[("llm_backend_info", (("backend", "busy"), ("kind", "engine"), ("profile", "llamacpp")))] == 1
     assert s[("llm_backend_requests_running", (("backend", "busy"), ("engine", ""), ("model_name", "")))] == 12
     assert s[("llm_backend_probes_total", (("backend", "idle"), ("result", "ok")))] == 1
-    assert len(idle.received) == 1 and idle.llamacpp.n_decode == 1 and idle.llamacpp.tokens_predicted == 1
+    assert len(idle.received) == 1 and idle.engines[0].n_decode == 1 and idle.engines[0].tokens_predicted == 1
     assert busy.received == [] and frozen.received == []
 
     sim.stuck(stuck)
@@ -353,8 +353,8 @@ async def test_llamacpp_fleet_states(sim_server, ticker, serve):
     # A new process that served two requests before the next read: its counters are already
     # past the old ones, only the new Process-Start-Time-Unix header shows the restart.
     restarting.restart()
-    restarting.llamacpp.probe()
-    restarting.llamacpp.probe()
+    restarting.engines[0].probe()
+    restarting.engines[0].probe()
     deadline = time.monotonic() + 10
     while (after := restarts(await (await client.get("/metrics")).text())) == before and time.monotonic() < deadline:
         await asyncio.sleep(0.1)

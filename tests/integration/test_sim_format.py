@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llm_health.core import engines
 from llm_health.probe.reading import read_fetched
-from llm_health.sim import render
 from llm_health.sim import servers as sim
+from llm_health.sim.engines import llamacpp as sim_llamacpp
 from tests.fixtures.paths import ARTIFACTS, REAL_LLAMACPP, REAL_METRICS, REAL_VLLM
 
 V1_REAL = REAL_METRICS / "vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom"
@@ -152,7 +152,7 @@ def test_sim_llamacpp_renders_each_live_payload_byte_for_byte(live):
     """Given the values a live payload holds, the renderer writes that payload's exact bytes:
     HELP and TYPE lines, names, order, float spelling, line ends, no `# EOF`."""
     text = live.read_text()
-    assert render.render_llamacpp(live_values(text)) == text
+    assert sim_llamacpp.render_llamacpp(live_values(text)) == text
 
 
 def test_sim_llamacpp_spells_numbers_as_llama_server():
@@ -160,8 +160,8 @@ def test_sim_llamacpp_spells_numbers_as_llama_server():
     digits: every live value reads back to the same text, and so do the simulator's."""
     for path in LLAMACPP_LIVE:
         for _, value in _SAMPLE.findall(path.read_text()):
-            assert render._g(float(value)) == value, (path.name, value)
-    assert [render._g(v) for v in (0.0, 19.0, 0.036336, 1.9187, 1e-06, 1234567.0, 4919179736.0)] == [
+            assert sim_llamacpp._g(float(value)) == value, (path.name, value)
+    assert [sim_llamacpp._g(v) for v in (0.0, 19.0, 0.036336, 1.9187, 1e-06, 1234567.0, 4919179736.0)] == [
         "0",
         "19",
         "0.036336",
@@ -180,7 +180,7 @@ def test_sim_llamacpp_scenarios_have_the_live_layout(scenario):
     live = (REAL_LLAMACPP / "busy.prom").read_text()
     assert skeleton(text) == skeleton(live)
     for _, value in _SAMPLE.findall(text):
-        assert render._g(float(value)) == value
+        assert sim_llamacpp._g(float(value)) == value
     reading = engines.read(text)
     assert reading.profile == "llamacpp" and reading.start_time is None
 
@@ -226,7 +226,7 @@ def test_sim_llamacpp_moves_its_series_as_the_live_server():
     b = live_values(long.payload())
     assert b["n_decode_total"] - a["n_decode_total"] == 2 and b["n_tokens_max"] - a["n_tokens_max"] == 2 * 512
     assert b["prompt_tokens_total"] == a["prompt_tokens_total"] and b["tokens_predicted_total"] == a["tokens_predicted_total"]
-    long.llamacpp.finish_prefill(4097)
+    long.engines[0].finish_prefill(4097)
     assert live_values(long.payload())["prompt_tokens_total"] == a["prompt_tokens_total"] + 4097
 
     frozen = llamacpp_server()
@@ -238,10 +238,10 @@ def test_sim_llamacpp_moves_its_series_as_the_live_server():
     assert frozen.payload() == before and live_values(before)["requests_processing"] == 2
 
     probed = llamacpp_server("idle")
-    probed.llamacpp.probe()
+    probed.engines[0].probe()
     values = live_values(probed.payload())
     assert (values["n_decode_total"], values["tokens_predicted_total"], values["prompt_tokens_total"]) == (1, 1, 2)
-    probed.llamacpp.probe()
+    probed.engines[0].probe()
     values = live_values(probed.payload())
     assert (values["prompt_tokens_total"], values["prompt_tokens_cached_total"]) == (3, 1)
 

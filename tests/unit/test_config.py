@@ -27,8 +27,16 @@ def test_good_config(tmp_path):
     cfg = config.load(f)
     assert cfg.timing.interval == 5 and cfg.timing.hung_after_seconds == 60
     gpu0, lb = cfg.backends
-    assert (gpu0.kind, gpu0.timing.interval) == ("vllm", 5)
+    assert (gpu0.kind, gpu0.timing.interval) == ("engine", 5)
     assert (lb.kind, lb.timing.interval, lb.timing.hung_after_seconds) == ("proxy", 0.5, 60)
+
+
+@pytest.mark.parametrize("spelling", ["engine", "vllm"])
+def test_kind_engine_and_its_old_spelling(tmp_path, spelling):
+    """`kind: engine` is any engine with /metrics, detected; `kind: vllm` is its old spelling, read as engine."""
+    f = tmp_path / "c.yml"
+    f.write_text(f"backends:\n  - {{name: a, url: 'http://x:1', kind: {spelling}}}\n")
+    assert config.load(f).backends[0].kind == "engine"
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ modern_only = pytest.mark.skipif(PROM_VERSION < (0, 23), reason="prometheus_clie
 METRICS_DIR = REAL_METRICS
 REAL_FILES = real_payloads()
 
-# Names of the kind the engine profiles ask for (see engines.py and bench/bench_parse.py).
+# Names of the kind the engine profiles ask for (see core/engines/ and bench/bench_parse.py).
 VLLM_SET = frozenset(
     {
         "vllm:num_requests_running",

@@ -51,7 +51,7 @@ def test_the_restarter_defaults_are_those_the_doc_lists(monkeypatch):
     assert minimal.output_dir is None and "default: a private temp dir" in RESTARTS_MD.read_text()
     # a backend's: `restart_timeout: 120s  # default 120s`; instance "default: host:port of url"
     gpu0 = documented.targets[0]
-    assert (minimal.targets[0].restart_timeout, minimal.targets[0].instance, minimal.targets[0].kind) == (gpu0.restart_timeout, gpu0.instance, "vllm")
+    assert (minimal.targets[0].restart_timeout, minimal.targets[0].instance, minimal.targets[0].kind) == (gpu0.restart_timeout, gpu0.instance, "engine")
 
 
 def test_the_default_listen_address_is_loopback_9120():

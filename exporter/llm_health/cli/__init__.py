@@ -1,6 +1,6 @@
 """The `llm-health` command: the parser, and one module per subcommand.
 
-llm-health check URL [--kind vllm|proxy] [--json] ...   one verdict, for watchdogs
+llm-health check URL [--kind engine|proxy] [--json] ...   one verdict, for watchdogs
 llm-health serve --config.file FILE                      the Prometheus exporter
 llm-health config check FILE                              validate a config
 llm-health gate --config.file FILE                       the age-first admission gate

@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any
 
+from ..core import kinds
 from ..core.states import ExitCode
 from ..probe.check import run_check
 from ..urls import BadTarget, parse_target
@@ -50,7 +51,7 @@ def cmd(args: argparse.Namespace) -> int:
     result = asyncio.run(
         run_check(
             url,
-            kind=args.kind,
+            kind=kinds.normalize(args.kind),
             interval=args.interval,
             rounds=args.rounds,
             hung_after=args.hung_after,
@@ -78,7 +79,12 @@ def add(sub: Any) -> None:
     c: Parser = sub.add_parser("check", help="one verdict for a watchdog: exit 0 healthy, 1 hung, 2 down, 3 undetermined, 4 cannot run")
     c.usage_error_code = ExitCode.CANNOT_RUN
     c.add_argument("url", help="the server's base URL (a trailing /v1 is accepted)")
-    c.add_argument("--kind", choices=["vllm", "proxy"], default="vllm", help="proxy: checked through /v1/models only")
+    c.add_argument(
+        "--kind",
+        choices=list(kinds.ACCEPTED),
+        default=kinds.ENGINE,
+        help="engine: any engine with /metrics (detected; vllm is its old spelling); proxy: checked through /v1/models only",
+    )
     c.add_argument("--interval", type=positive_seconds, default=10.0, help="seconds between reads (default 10)")
     c.add_argument("--rounds", type=positive_int, default=None, help="most reads to take (default: enough for --hung-after)")
     c.add_argument("--hung-after", type=positive_seconds, default=20.0, help="least seconds without progress before hung (default 20)")

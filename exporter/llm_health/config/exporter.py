@@ -21,7 +21,7 @@ probe:                       # the blackbox-style /probe endpoint
 backends:
   - name: gpu0               # the `backend` label
     url: http://10.0.0.5:8000
-    kind: vllm               # vllm (any engine with /metrics) or proxy (/v1/models only)
+    kind: engine             # engine (any engine with /metrics, detected) or proxy (/v1/models only); vllm: old spelling of engine
     interval: 10s            # optional, overrides global
     api_key_env: VLLM_API_KEY      # or api_key_file: /etc/llm-health/gpu0.key
 redis: {...}                 # optional: see docs/redis-schema.md
@@ -40,6 +40,7 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 
+from ..core import kinds
 from ..core.engines import Limits
 from ..core.health import Settings
 from ..core.shard import Shard
@@ -47,7 +48,7 @@ from .fields import NAME, Section
 from .load import load_yaml
 from .redis import RedisConfig, parse_redis_config
 
-KINDS = ("vllm", "proxy")
+KINDS = kinds.KINDS
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,12 @@ class ProbeConfig:
 class Backend:
     name: str
     url: str
-    kind: str = "vllm"
+    kind: str = kinds.ENGINE
     timing: Timing = field(default_factory=Timing)
     api_key: str | None = field(default=None, repr=False)  # never printed
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", kinds.normalize(self.kind))  # `vllm`: the old spelling of `engine`
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,7 @@ def parse(data: object, where: str = "<config>") -> Config:
             raise entry.error("name", f"duplicate backend name {name!r}")
         seen.add(name)
         url = entry.url("url")
-        kind = entry.choice("kind", KINDS, "vllm")
+        kind = kinds.normalize(entry.choice("kind", kinds.ACCEPTED, kinds.ENGINE))
         backend_timing = _timing(entry, timing, per_backend=True)
         api_key = entry.secret("api_key")
         entry.done()

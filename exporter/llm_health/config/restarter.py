@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from ..core import kinds
 from ..core.restart_policy import Budget
 from .capture import Capture, Incidents, parse_capture, parse_incidents
 from .errors import ConfigError
@@ -64,7 +65,7 @@ class Target:
     name: str
     url: str
     instance: str = ""
-    kind: str = "vllm"
+    kind: str = kinds.ENGINE
     restart: tuple[str, ...] = ()
     restart_timeout: float = 120.0
     api_key: str | None = field(default=None, repr=False)  # never printed
@@ -174,7 +175,7 @@ def parse_config(data: object, where: str = "<config>") -> RestarterConfig:
         if name in names:
             raise entry.error("name", f"duplicate backend name {name!r}")
         names.add(name)
-        kind = entry.choice("kind", ("vllm", "proxy"), "vllm")
+        kind = kinds.normalize(entry.choice("kind", kinds.ACCEPTED, kinds.ENGINE))
         instance = entry.string("instance", None) or default_instance(url)
         if instance in instances:
             raise entry.error("instance", f"{instance!r} is also backend {instances[instance]!r}: a VLLMEngineHung alert could not tell them apart")

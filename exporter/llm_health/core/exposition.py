@@ -28,8 +28,9 @@ UTF-8 name validation) line for line:
 Differences, deliberate:
 
 * Sample names are kept as written. prometheus_client renames the samples of a counter
-  family whose name lacks `_total` (`# TYPE tgi_request_success counter` gives samples named
-  `tgi_request_success_total`); here they stay `tgi_request_success`.
+  family whose name lacks `_total` (`# TYPE app_request_success counter` gives samples named
+  `app_request_success_total`, and some engines write such families); here they stay
+  `app_request_success`.
 * Only the lines of wanted samples are checked. A malformed line that starts with a wanted
   name raises `ParseError` (with its line number) where prometheus_client raises
   `ValueError`; malformed unwanted lines and malformed `# HELP`/`# TYPE` lines, on which

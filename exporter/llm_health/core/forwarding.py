@@ -1,8 +1,9 @@
 """Which requests a door forwards to an engine: its inference API, never its admin and
 dev endpoints. Pure; every door (the gate today) asks `check` before any other work.
 
-The default allowlist is the inference API of vLLM and llama.cpp's server (routes read
-from vLLM 0.32.0's and llama-server b11434's own code: tests/data/engine-routes/). A
+The default allowlist is the OpenAI-compatible API and each registered engine's own
+inference routes (its profile in core.engines; read from the engines' own code:
+tests/data/engine-routes/). A
 route may replace it (`allow:`, entries like ``"POST /v1/chat/completions"`` or
 ``"GET /v1/responses/*"``, where ``*`` is one path segment), but never with a path of
 `NEVER`: what can put an engine to sleep, drop its caches, load weights or adapters, run
@@ -19,10 +20,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from . import engines
+
 METHODS = ("GET", "POST")
 
-DEFAULT_ALLOW: tuple[str, ...] = (
-    # OpenAI-compatible, both engines
+# OpenAI-compatible: every engine's server.
+OPENAI_ROUTES: tuple[str, ...] = (
     "POST /v1/chat/completions",
     "POST /v1/completions",
     "POST /v1/embeddings",
@@ -33,77 +36,17 @@ DEFAULT_ALLOW: tuple[str, ...] = (
     "POST /v1/audio/translations",
     "POST /v1/rerank",
     "GET /v1/models",
-    # vLLM
-    "GET /v1/responses/*",
-    "POST /v1/responses/*/cancel",
-    "POST /v1/score",
-    "POST /v2/rerank",
-    "POST /v2/embed",
-    "POST /rerank",
-    "POST /score",
-    "POST /pooling",
-    "POST /classify",
-    "POST /invocations",
-    "POST /tokenize",
-    "POST /detokenize",
-    # llama.cpp's server
-    "POST /completion",
-    "POST /completions",
-    "POST /chat/completions",
-    "POST /infill",
-    "POST /embedding",
-    "POST /embeddings",
-    "POST /reranking",
-    "POST /v1/reranking",
-    "POST /apply-template",
 )
 
-# Never forwarded, whatever a route's `allow:` says (a path, or a path and what is under it).
-NEVER: tuple[str, ...] = (
-    # vLLM: sleep mode, caches, profiling, RPC on workers, weights and adapters, scaling
-    "/sleep",
-    "/wake_up",
-    "/is_sleeping",
-    "/pause",
-    "/resume",
-    "/is_paused",
-    "/reset_prefix_cache",
-    "/reset_mm_cache",
-    "/reset_encoder_cache",
-    "/release_kv_cache_memory",
-    "/start_profile",
-    "/stop_profile",
-    "/collective_rpc",
-    "/abort_requests",
-    "/inference/v1/abort_requests",
-    "/scale_elastic_ep",
-    "/is_scaling_elastic_ep",
-    "/update_weights",
-    "/update_weight_version",
-    "/start_weight_update",
-    "/start_draft_weight_update",
-    "/finish_weight_update",
-    "/init_weight_transfer_engine",
-    "/shutdown_weight_transfer_engine",
-    "/weight_checker",
-    "/weight_info",
-    "/v1/load_lora_adapter",
-    "/v1/unload_lora_adapter",
-    "/server_info",
-    "/get_world_size",
-    "/kv_event_sources",
-    "/fault_tolerance",
-    # llama.cpp's server: slots (save, restore, erase), adapters, settings, models
-    "/slots",
-    "/lora-adapters",
-    "/props",
-    "/models/load",
-    "/models/unload",
-    "/tools",  # runs the server's built-in tools
-    "/cors-proxy",  # fetches any URL for the web UI
-    # both: the engine's own metrics are the exporter's to read
-    "/metrics",
-)
+# The OpenAI-compatible API, then each registered engine's own routes (its profile's
+# `routes`, core.engines).
+DEFAULT_ALLOW: tuple[str, ...] = tuple(dict.fromkeys((*OPENAI_ROUTES, *engines.ROUTES)))
+
+# Never forwarded, whatever a route's `allow:` says (a path, or a path and what is under
+# it): each engine's admin and dev endpoints (its profile's `never`: what can put it to
+# sleep, drop its caches, load weights or adapters, run a profiler or an RPC on its
+# workers), and every engine's own metrics, the exporter's to read.
+NEVER: tuple[str, ...] = (*engines.NEVER, "/metrics")
 
 _SEGMENT = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
 _PATH = re.compile(rf"^(/(?:{_SEGMENT}|\*))+$")

@@ -22,10 +22,11 @@ The rules:
   `unknown`: never idle (so never probed), never hung on that count alone;
 * a proxy is judged by `/v1/models` alone: behind a least-connection proxy each
   `/metrics` read may come from another backend;
-* a slow or timed-out `/metrics` is load, not death, except on llama.cpp: its `/metrics`
-  is a task on the inference loop's own queue, answered within milliseconds under any
-  load, so a timeout while `/health` answers is a loop that takes no task: a failed
-  probe (`unresponsive`, then `hung` after two in a row spanning `hung_after_seconds`).
+* a slow or timed-out `/metrics` is load, not death, except on an engine whose profile
+  says `metrics_on_loop`: its `/metrics` is a task on the inference loop's own queue,
+  answered within milliseconds under any load, so a timeout while its health endpoint
+  answers is a loop that takes no task: a failed probe (`unresponsive`, then `hung` after
+  two in a row spanning `hung_after_seconds`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from .engines import EngineReading, Reading
+from .engines import BY_NAME, EngineReading, Reading
 from .evidence import progress_digest
 from .states import State, worst
 
@@ -241,7 +242,7 @@ def _restart_reason(prev: Memory, reading: Reading) -> str | None:
     return None
 
 
-def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "vllm") -> Verdict:
+def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "engine") -> Verdict:
     """One round: previous memory and this round's observation give the verdict."""
     prev = prev or Memory()
     if kind == "proxy":
@@ -252,8 +253,9 @@ def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "vllm
     reading = obs.reading
     if reading is None:
         if obs.models_ok:
-            if obs.metrics_timed_out and prev.profile == "llamacpp" and prev.engines:
-                # llama.cpp answers /metrics from its inference loop's own task queue (the
+            profile = BY_NAME.get(prev.profile or "")
+            if obs.metrics_timed_out and profile is not None and profile.metrics_on_loop and prev.engines:
+                # The engine answers /metrics from its inference loop's own task queue (the
                 # queue's worker answers during a decode, within milliseconds under any load):
                 # a /metrics that times out while /health answers is a loop that takes no
                 # task, a failed probe. Hung after `hung_probe_failures` in a row and at least
@@ -263,7 +265,7 @@ def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "vllm
                 silent = obs.now - max(e.at for e in prev.engines.values())
                 state = State.HUNG if failed >= s.hung_probe_failures and silent >= s.hung_after_seconds else State.UNRESPONSIVE
                 reason = (
-                    f"llama.cpp /metrics {obs.metrics_error} while its /health answers: the inference loop takes no task "
+                    f"{profile.title} /metrics {obs.metrics_error} while its {profile.health_path} answers: the inference loop takes no task "
                     f"({failed} failed read(s) in a row, {silent:.0f}s since /metrics last answered)"
                 )
                 return Verdict(state, reason, replace(prev, failed_probes=failed, last_probe_at=None, last_state=state))

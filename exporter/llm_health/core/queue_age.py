@@ -50,15 +50,12 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from .engines import BY_NAME, EngineReading, Reading
+from .engines import BY_NAME, PROFILES, EngineReading, Reading
 
-# The counter of finished requests per profile, where the method above applies. The
-# others (SGLang, TGI, llama.cpp, Triton: docs/engines.md says why) give 0 when nothing
-# waits and unknown otherwise.
-FINISHED: dict[str, str] = {
-    "vllm_v1": "vllm:request_success_total",
-    "vllm_v0": "vllm:request_success_total",
-}
+# The counter of finished requests per profile (its `finished` field), where the method
+# above applies. The others (docs/engines.md says why) give 0 when nothing waits and
+# unknown otherwise.
+FINISHED: dict[str, str] = {p.name: p.finished for p in PROFILES if p.finished}
 
 MAX_POINTS = 4096
 

@@ -2,7 +2,7 @@
 Pure: no I/O, time passed in.
 
 * only firing `LLMBackendHung` (by `backend`) and `VLLMEngineHung` (by `instance`) for a
-  configured backend of kind vllm are accepted;
+  configured backend of kind engine are accepted;
 * one action per backend at a time: any alert for a backend being acted on is a
   duplicate (two engines of one server, or both alerts for the same hang);
 * a (fingerprint, startsAt) that led to a restart (or a dry-run one) is a duplicate for
@@ -100,7 +100,7 @@ class Policy(Generic[T]):
     """Which alerts to act on, idempotency, and the restart budget. Pure: time is passed in.
 
     * only firing `LLMBackendHung` (by `backend`) and `VLLMEngineHung` (by `instance`) for a
-      configured backend of kind vllm are accepted;
+      configured backend of kind engine are accepted;
     * one action per backend at a time: any alert for a backend being acted on is a
       duplicate (two engines of one server, or both alerts for the same hang);
     * a (fingerprint, startsAt) that led to a restart (or a dry-run one) is a duplicate for

@@ -5,7 +5,7 @@ has its own task that reads, decides and stores a snapshot every `interval`, and
 its series as exposition text when the round ends (exporter.render); `/metrics` copies
 those pieces together, with no I/O. One slow or broken backend delays only its own task.
 
-Routes: `/metrics`, `/status` (JSON per backend), `/probe?target=URL&kind=vllm`
+Routes: `/metrics`, `/status` (JSON per backend), `/probe?target=URL&kind=engine`
 (multi-target, blackbox-exporter style, state kept per target, bounded), `/-/healthy`,
 `/-/live?backend=NAME` (a kubelet liveness probe: 503 only for a proven hang),
 `/-/ready?backend=NAME` (a readinessProbe or a load balancer's health check: 503 while the
@@ -32,8 +32,9 @@ from prometheus_client import CollectorRegistry
 
 from .. import __version__
 from ..config import exporter as config_mod
-from ..config.exporter import KINDS, Backend, Config, Timing
+from ..config.exporter import Backend, Config, Timing
 from ..config.web import WebConfig
+from ..core import kinds
 from ..core.states import State
 from ..tasks import cancel_and_wait
 from ..urls import BadTarget, parse_target
@@ -217,13 +218,15 @@ class Exporter:
         probe = self.config.probe
         if not probe.enabled:
             return web.Response(status=404, text="/probe is disabled in this exporter's configuration (probe.enabled: false)\n")
-        kind = request.query.get("kind", "vllm")
+        kind = request.query.get("kind", kinds.ENGINE)
         try:
             target = parse_target(request.query.get("target", ""))
         except BadTarget as exc:
             return web.Response(status=400, text=f"{exc}\n")
-        if kind not in KINDS:
-            return web.Response(status=400, text=f"kind must be one of {', '.join(KINDS)}, got {kind[:100]!r}\n")
+        try:
+            kind = kinds.normalize(kind)
+        except ValueError as exc:
+            return web.Response(status=400, text=f"{exc}\n")
         if not probe.allows(target):
             return web.Response(status=403, text=f"target {target!r} is not in this exporter's probe.allowed_targets\n")
         timing: Timing = self.config.timing

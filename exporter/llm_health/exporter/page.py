@@ -169,7 +169,7 @@ def render(data: PageData) -> str:
         f'<noscript><meta http-equiv="refresh" content="{refresh:g}"></noscript></head>\n<body>'
         f"<header><h1>llm-health exporter</h1>"
         '<nav><a href="/metrics">Metrics</a> · <a href="/status">Status (JSON)</a> · '
-        "<code>/probe?target=http://host:8000&amp;kind=vllm</code>"
+        "<code>/probe?target=http://host:8000&amp;kind=engine</code>"
         f"{' · version ' + esc(data.version) if data.version else ''}</nav>"
         f'<p id="refresh">Refreshed in place every {refresh:g} s (read-only).<span id="refresh-error"></span></p></header>\n'
         f'<main id="page" data-refresh-ms="{int(refresh * 1000)}" data-refreshes="0">'

@@ -1,5 +1,5 @@
 """`llm-health gate`: the age-first admission gate, a reverse proxy in front of
-OpenAI-compatible backends (vLLM, llama.cpp): the door for a deployment with no proxy of
+OpenAI-compatible backends (the engines of core.engines): the door for a deployment with no proxy of
 its own.
 
 For each request it asks `gate.decision` (the one decision every door uses: the

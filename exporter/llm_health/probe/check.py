@@ -27,7 +27,7 @@ def default_rounds(interval: float, hung_after: float) -> int:
 
 async def run_check(
     url: str,
-    kind: str = "vllm",
+    kind: str = "engine",
     interval: float = 10.0,
     rounds: int | None = None,
     hung_after: float = 20.0,
@@ -45,7 +45,7 @@ async def run_check(
 
 async def check_with(
     client: BackendClient,
-    kind: str = "vllm",
+    kind: str = "engine",
     interval: float = 10.0,
     rounds: int | None = None,
     hung_after: float = 20.0,

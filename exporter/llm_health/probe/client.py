@@ -19,15 +19,14 @@ each backend a session of its own for the rare calls, and `/metrics` uses no poo
 (a backend's kept connection is its own), so one backend's slow or trickling answers never
 hold a connection another backend waits for.
 
-llama.cpp's `llama-server` has no start-time series; it sends its start as the
-`Process-Start-Time-Unix` header of `/metrics` (CLOCK_MONOTONIC microseconds at start,
-despite the name). `Fetched.start_header` carries it (seconds) and the reader uses it
-where the payload has no start time (`probe.reading.read_fetched`), so a restart is seen
-even when the new process's counters are already past the old ones. It is compared for
-equality only, never read as a time. A llama.cpp `/metrics` is a task on the inference
-loop's own queue: when it times out, the monitor asks `/health` (`BackendClient.health`),
-which llama.cpp answers on its HTTP thread without touching that queue (`/v1/models`
-takes the queue's lock).
+An engine with no start-time series may send its start as a header of `/metrics` (its
+profile's `start_header`, integer microseconds; core.engines). `Fetched.start_header`
+carries it (seconds) and the reader uses it where the payload has no start time
+(`probe.reading.read_fetched`), so a restart is seen even when the new process's counters
+are already past the old ones. It is compared for equality only, never read as a time.
+Where the engine's `/metrics` is a task on its inference loop's own queue
+(`metrics_on_loop`), the monitor asks its health endpoint (`BackendClient.health`) when
+`/metrics` times out, which such an engine answers beside that queue.
 """
 
 from __future__ import annotations
@@ -41,18 +40,18 @@ from typing import Any
 
 import aiohttp
 
+from ..core import engines
 from ..urls import base_url
 from . import http
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 SMALL_BODY = 1024 * 1024  # /v1/models, the probe's answer, /is_sleeping: JSON of a few KB
 FLAG_TIMEOUT = 2.0  # seconds for `/is_sleeping` or `/is_paused`, connect included
-LLAMACPP_START_HEADER = "Process-Start-Time-Unix"
 _START_HEADER_VALUE = re.compile(r"[1-9][0-9]{0,18}")
 
 
 def _start_header(header: str | None) -> float | None:
-    """llama.cpp's start header (microseconds) in seconds, or None."""
+    """An engine's start header (integer microseconds) in seconds, or None."""
     if header is None or not _START_HEADER_VALUE.fullmatch(header.strip()):
         return None
     return int(header.strip()) / 1e6
@@ -84,11 +83,11 @@ class Fetched:
     error: str | None = None
     timed_out: bool = False
     refused: bool = False
-    unavailable: bool = False  # HTTP 503: the server says it cannot serve yet (llama.cpp loading its model)
+    unavailable: bool = False  # HTTP 503: the server says it cannot serve yet (loading its model)
     closed: bool = False  # the connection ended before any byte of the answer
     seconds: float = 0.0
     size: int = 0
-    start_header: float | None = None  # llama.cpp's Process-Start-Time-Unix, in seconds
+    start_header: float | None = None  # the engine's start header (its profile's start_header), in seconds
 
     @property
     def text(self) -> str | None:
@@ -182,11 +181,15 @@ class BackendClient:
             return Fetched(error=f"HTTP {resp.status}", unavailable=resp.status == 503, seconds=seconds)
         parts, size = resp.parts, resp.size
         ctype = resp.headers.get("content-type", "")
-        llama_start = resp.headers.get(LLAMACPP_START_HEADER.lower())
-        if llama_start is not None:
-            # llama-server holds one of its HTTP threads for a connection kept open: let go at once.
-            self._metrics_target.close()
-        start_header = _start_header(llama_start)
+        header_value: str | None = None
+        for header, profile in engines.BY_START_HEADER.items():
+            header_value = resp.headers.get(header)
+            if header_value is not None:
+                if not profile.metrics_keepalive:
+                    # The engine holds one of its HTTP threads for a connection kept open: let go at once.
+                    self._metrics_target.close()
+                break
+        start_header = _start_header(header_value)
         head = (parts[0] if parts else "")[:4096].lstrip()[:64].lower()
         if "html" in ctype or head.startswith("<"):
             return Fetched(error=f"HTML page, not Prometheus text (Content-Type {ctype or 'missing'})", seconds=seconds, size=size)
@@ -212,15 +215,15 @@ class BackendClient:
         # A model name goes into the probe's body only: a string of sane length, or none.
         return True, (model if isinstance(model, str) and 0 < len(model) <= 1024 else None), None
 
-    async def health(self) -> tuple[bool, str | None, str | None]:
-        """`/health` answered 200: (answered, None, error), the shape of `models()`."""
+    async def health(self, path: str = "/health") -> tuple[bool, str | None, str | None]:
+        """The engine's health endpoint answered 200: (answered, None, error), the shape of `models()`."""
         try:
-            async with self.session.get(self.url + "/health", headers=self._headers, timeout=self._timeout(self.models_timeout), allow_redirects=False) as resp:
+            async with self.session.get(self.url + path, headers=self._headers, timeout=self._timeout(self.models_timeout), allow_redirects=False) as resp:
                 await _body(resp, SMALL_BODY)
                 if resp.status != 200:
-                    return False, None, f"/health HTTP {resp.status}"
+                    return False, None, f"{path} HTTP {resp.status}"
         except Exception as exc:
-            return False, None, f"/health {_describe(exc, self.models_timeout)[0]}"
+            return False, None, f"{path} {_describe(exc, self.models_timeout)[0]}"
         return True, None, None
 
     async def probe(self, model: str | None) -> ProbeResult:
@@ -245,7 +248,7 @@ class BackendClient:
             return ProbeResult(False, time.monotonic() - start, detail, timed_out)
 
     async def flag(self, path: str) -> bool:
-        """vLLM's `/is_sleeping` and `/is_paused`: True only on a clear yes. Asked on the
+        """An engine's sleep or pause flag (vLLM's `/is_sleeping`, `/is_paused`): True only on a clear yes. Asked on the
         lean client (probe.http) too: a hung engine is asked both every round."""
         target = self._flag_targets.get(path)
         if target is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from ..core import engines
+from ..core import engines, kinds
 from ..core.engines import Limits, OverLimits, UnknownEngine
 from ..core.exposition import ParseError
 from ..core.health import Memory, Observation, Settings, Verdict, after_probe, decide, same_fingerprint
@@ -31,11 +31,9 @@ class RoundStats:
 
 
 class BackendMonitor:
-    def __init__(self, client: BackendClient, kind: str = "vllm", settings: Settings | None = None, limits: Limits | None = None):
-        if kind not in ("vllm", "proxy"):
-            raise ValueError(f"kind must be vllm or proxy, not {kind!r}")
+    def __init__(self, client: BackendClient, kind: str = kinds.ENGINE, settings: Settings | None = None, limits: Limits | None = None):
         self.client = client
-        self.kind = kind
+        self.kind = kinds.normalize(kind)
         self.settings = settings or Settings()
         self.limits = limits or Limits()
         self.memory: Memory | None = None
@@ -90,19 +88,20 @@ class BackendMonitor:
                 error = f"/metrics unusable: {exc}"
         obs = Observation(now=now, reading=reading, metrics_error=error, metrics_timed_out=fetched.timed_out, metrics_refused=fetched.refused)
         if reading is None:
-            if fetched.timed_out and self.memory is not None and self.memory.profile == "llamacpp":
-                # llama.cpp serves /metrics from its inference loop's queue; /health is
-                # answered beside it (/v1/models would wait on the same loop). The profile
-                # is the memory's, the same that `decide` judges the timeout by.
-                ok, model, merr = await self.client.health()
+            known = engines.BY_NAME.get(self.memory.profile or "") if self.memory is not None else None
+            if fetched.timed_out and known is not None and known.metrics_on_loop:
+                # The engine serves /metrics from its inference loop's queue; its health
+                # endpoint is answered beside it (/v1/models would wait on the same loop). The
+                # profile is the memory's, the same that `decide` judges the timeout by.
+                ok, model, merr = await self.client.health(known.health_path)
             else:
                 ok, model, merr = await self.client.models()
             self.model = model or self.model
             # A refused connection is the backend down (or restarting); so is one closed
             # before a byte of the answer when the follow-up answered nothing either (a
             # server killed with the read in flight, as a restart does); and a 503 is its
-            # own word that it cannot serve yet (llama-server answers /metrics and /health
-            # so while it loads its model after a restart): none is a failed round.
+            # own word that it cannot serve yet (a server loading its model after a restart
+            # may answer /metrics and /health so): none is a failed round.
             gone = fetched.refused or (fetched.closed and not ok)
             if stats.error is None and not gone and not fetched.unavailable:
                 stats.error = "timeout" if fetched.timed_out else "metrics"
@@ -111,7 +110,10 @@ class BackendMonitor:
             )
         elif self._stalling(reading) and engines.BY_NAME[reading.profile].has_sleep_endpoints:
             # Before calling it stalled, ask whether the engine sleeps or is paused on purpose.
-            obs = Observation(now=now, reading=reading, sleeping=await self.client.flag("/is_sleeping"), paused=await self.client.flag("/is_paused"))
+            profile = engines.BY_NAME[reading.profile]
+            sleeping = await self.client.flag(profile.sleep_path) if profile.sleep_path else False
+            paused = await self.client.flag(profile.pause_path) if profile.pause_path else False
+            obs = Observation(now=now, reading=reading, sleeping=sleeping, paused=paused)
         verdict = decide(self.memory, obs, self.settings, kind=self.kind)
         self.queue_ages.update(reading, read_at, restarted=verdict.restarted)
         if verdict.probe_wanted:

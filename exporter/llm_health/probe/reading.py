@@ -68,8 +68,8 @@ async def read_payload(parts: Sequence[str], limits: Limits, size: int = PIECE) 
 
 
 async def read_fetched(parts: Sequence[str], start_header: float | None, limits: Limits) -> Reading:
-    """`read_payload`, with the start time of the response header (llama.cpp's
-    Process-Start-Time-Unix) where the payload has none."""
+    """`read_payload`, with the start time of the response header (the engine profile's
+    `start_header`) where the payload has none."""
     reading = await read_payload(parts, limits)
     if reading.start_time is None and start_header is not None and math.isfinite(start_header) and start_header > 0:
         return replace(reading, start_time=start_header)

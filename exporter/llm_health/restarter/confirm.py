@@ -56,8 +56,12 @@ async def _parse(parts: tuple[str, ...] | None, start_header: Any, error: str | 
     except (OverLimits, ParseError, UnknownEngine) as exc:
         return ConfirmRead(None, f"/metrics unusable: {exc}")
     sleeping = paused = False
-    if engines.BY_NAME[reading.profile].has_sleep_endpoints:
-        sleeping, paused = await asyncio.gather(client.flag("/is_sleeping"), client.flag("/is_paused"))
+    profile = engines.BY_NAME[reading.profile]
+    if profile.sleep_path and profile.pause_path:
+        sleeping, paused = await asyncio.gather(client.flag(profile.sleep_path), client.flag(profile.pause_path))
+    elif profile.sleep_path or profile.pause_path:
+        flag = await client.flag(profile.sleep_path or profile.pause_path or "")
+        sleeping, paused = (flag, False) if profile.sleep_path else (False, flag)
     return ConfirmRead(reading, None, sleeping, paused)
 
 

@@ -1,10 +1,10 @@
-"""A simulated fleet of vLLM and llama.cpp servers on loopback, for tests and the demo.
+"""A simulated fleet of inference servers on loopback, for tests and the demo.
 
 Each `SimServer` is a real aiohttp server that answers like a vLLM V1 API server:
 `/metrics` (rendered by `sim.render`), `/v1/models`, `/v1/completions`, `/health`,
-`/is_sleeping`, `/is_paused`. `SimServer(name, kind="llamacpp")` answers like llama.cpp's
-`llama-server --metrics` instead: its `/metrics` (with the `Process-Start-Time-Unix`
-header), `/health`, `/v1/models`, `/v1/completions`, and no sleep endpoints. Engine state
+`/is_sleeping`, `/is_paused`; `SimServer(name, kind=...)` answers like another engine
+(sim.engines: one module per engine, its `/metrics` body and headers, its answers, the
+sleep endpoints of the profile it simulates). Engine state
 advances with `advance(seconds)`, driven by the test or by a ticker task (the demo), so
 every scenario is deterministic under test.
 
@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import json
 import socket
 import time
 from dataclasses import dataclass
 
 from aiohttp import web
 
-from .render import LlamaCppEngine, SimEngine, render_llamacpp, render_vllm
+from . import engines as sim_engines
+from .engines.base import ADMITTED_HEADER
+from .render import SimEngine
 
 
 @dataclass
@@ -76,32 +77,28 @@ class _Served:
 
 
 class SimServer(_Served):
-    """One simulated vLLM API server on 127.0.0.1, or with `kind="llamacpp"` one llama.cpp
-    `llama-server` (one inference loop: a single LlamaCppEngine; `model` is its alias).
+    """One simulated vLLM API server on 127.0.0.1, or with `kind` another engine's server
+    (sim.engines.FLAVORS; one whose flavor has `one_engine` runs one inference loop).
 
     `metrics_mode`: `ok`, `404`, `html`, `garbage`, `slow` (answers after `slow_seconds`),
     `huge` (a body past any sane cap). `multiprocess`: no `process_start_time_seconds`, as
     with `--api-server-count > 1`. `probe_hangs`: completions never answer (a hung engine
-    with nothing in flight: vLLM does not even count the request as waiting). `loading`
-    (llama.cpp): the model still loads, `/metrics`, `/health` and completions answer 503.
-    `loop_stuck` (llama.cpp): the inference loop stopped outside a decode: `/metrics` (a task
-    on that loop) and `/v1/models` (which takes the loop's queue lock) never answer,
-    `/health` does.
+    with nothing in flight: vLLM does not even count the request as waiting). `loading`:
+    the model still loads, `/metrics` answers 503 (and, where the flavor says so, `/health`
+    and completions). `loop_stuck`: the inference loop stopped outside a decode: `/metrics`
+    (a task on that loop) never answers, nor does what the flavor serves from the loop.
     """
 
     def __init__(self, name: str, engines: int = 1, model: str = "sim-model", api_key: str | None = None, max_model_len: int = 32768, kind: str = "vllm"):
-        if kind not in ("vllm", "llamacpp"):
-            raise ValueError(f"kind {kind!r}: vllm or llamacpp")
-        if kind == "llamacpp" and engines != 1:
-            raise ValueError("a llama-server has one inference loop: engines=1")
+        self.flavor = sim_engines.flavor(kind)
+        if self.flavor.one_engine and engines != 1:
+            raise ValueError(f"a {kind} server has one inference loop: engines=1")
         self.name = name
         self.kind = kind
         self.model = model
-        self.engines: list[SimEngine] = (
-            [LlamaCppEngine(engine="")] if kind == "llamacpp" else [SimEngine(engine=str(i), max_model_len=max_model_len) for i in range(engines)]
-        )
+        self.engines: list[SimEngine] = self.flavor.make_engines(engines, max_model_len)
         self.start_time: float = float(int(time.time()))
-        # llama-server's Process-Start-Time-Unix: CLOCK_MONOTONIC microseconds at start
+        # the start header of an engine that sends one: CLOCK_MONOTONIC microseconds at start
         self.start_us: int = time.monotonic_ns() // 1000
         self.loading = False
         self.loop_stuck = False
@@ -128,8 +125,8 @@ class SimServer(_Served):
             e.advance(seconds)
 
     def restart(self, keep_start_time: bool = False) -> None:
-        """A new process: counters reset; a new start time (llama.cpp: a new start header)
-        unless `keep_start_time`."""
+        """A new process: counters reset; a new start time (and start header) unless
+        `keep_start_time`."""
         for e in self.engines:
             e.reset()
         if not keep_start_time:
@@ -139,37 +136,26 @@ class SimServer(_Served):
     def completions_while_busy(self) -> list[Received]:
         return [r for r in self.received if r.path.endswith("completions") and r.while_busy and not r.admitted]
 
-    @property
-    def llamacpp(self) -> LlamaCppEngine:
-        engine = self.engines[0]
-        assert isinstance(engine, LlamaCppEngine), f"{self.name} is a {self.kind} server"
-        return engine
-
     def payload(self) -> str:
-        if self.kind == "llamacpp":
-            return render_llamacpp(self.llamacpp.values())
-        return render_vllm(self.engines, self.model, None if self.multiprocess else self.start_time)
+        return self.flavor.payload(self)
 
     def _metrics_headers(self) -> dict[str, str]:
-        if self.kind == "llamacpp":
-            return {"Content-Type": "text/plain; version=0.0.4", "Server": "llama.cpp", "Process-Start-Time-Unix": str(self.start_us)}
-        return {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+        return self.flavor.metrics_headers(self)
 
     def _metrics_body(self) -> bytes:
         body = self.payload().encode()
-        if self.kind == "llamacpp":
-            self.llamacpp.reset_bucket()  # every /metrics read resets the throughput gauges
+        self.flavor.after_metrics_read(self)
         return body
 
     # --- HTTP ------------------------------------------------------------------------
-    def _authorised(self, request: web.Request) -> bool:
+    def authorised(self, request: web.Request) -> bool:
         return self.api_key is None or request.headers.get("Authorization") == f"Bearer {self.api_key}"
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         self.metrics_reads += 1
         mode = self.metrics_mode
         if self.loading:
-            return _llamacpp_error(503, "Loading model", "unavailable_error")
+            return self.flavor.loading_response()
         if self.loop_stuck:
             await asyncio.sleep(3600)
         if mode == "404":
@@ -193,91 +179,14 @@ class SimServer(_Served):
         return web.Response(body=self._metrics_body(), headers=self._metrics_headers())
 
     async def _models(self, request: web.Request) -> web.Response:
-        if self.kind == "llamacpp":
-            if self.loop_stuck:
-                await asyncio.sleep(3600)
-            return _llamacpp_json(_llamacpp_models(self.model))
-        if not self._authorised(request):
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "vllm", "max_model_len": 1024}]})
+        return await self.flavor.models(self, request)
 
     async def _completions(self, request: web.Request) -> web.Response:
-        self.received.append(Received(request.path, self.running, self.waiting, admitted="X-LLM-Health-Decision" in request.headers))
-        if self.kind == "llamacpp":
-            return await self._llamacpp_completion(request)
-        if not self._authorised(request):
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        body = await request.json()
-        if body.get("model") != self.model:
-            return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist."}}, status=404)
-        if self.probe_hangs or any(e.mode == "hung" for e in self.engines):
-            await asyncio.sleep(3600)
-        if self.received[-1].admitted and await self._served_in_turn():
-            return web.json_response(
-                {"id": "cmpl-sim", "object": "text_completion", "model": self.model, "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}]}
-            )
-        if self.running or self.waiting:
-            # A real engine would queue this behind the batch; the sim makes it wait as long.
-            await asyncio.sleep(3600)
-        engine = self.engines[0]
-        engine.finish(1, prompt_tokens=1, generation_tokens=1, seconds=0.01)
-        engine.hists["vllm:iteration_tokens_total"].observe(1)
-        return web.json_response(
-            {
-                "id": "cmpl-sim",
-                "object": "text_completion",
-                "model": self.model,
-                "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            }
-        )
-
-    async def _served_in_turn(self, limit_s: float = 120.0) -> bool:
-        """A request an admission door let through joins a lifecycle engine's queue (the
-        `overloaded` scenario) as one more arrival, first come first served, and is
-        answered once the engine has finished it: True then. False: no such engine here
-        (or it was not served within `limit_s`, a restart in between)."""
-        engine = self.engines[0]
-        if not isinstance(engine, SimEngine) or engine.max_num_seqs <= 0:
-            return False
-        turn = engine.success + engine.running + engine.waiting + 1
-        engine.waiting += 1
-        deadline = time.monotonic() + limit_s
-        while engine.success < turn and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        return engine.success >= turn
-
-    async def _llamacpp_completion(self, request: web.Request) -> web.Response:
-        """llama-server serves its one model whatever name a request gives."""
-        if not self._authorised(request):
-            return _llamacpp_error(401, "Invalid API Key", "authentication_error")
-        if self.loading:
-            return _llamacpp_error(503, "Loading model", "unavailable_error")
-        await request.json()
-        if self.probe_hangs or self.loop_stuck or self.running or self.waiting or any(e.mode == "hung" for e in self.engines):
-            # The loop does not take it, or it waits behind the work in flight.
-            await asyncio.sleep(3600)
-        self.llamacpp.probe()
-        created = int(time.time())
-        return _llamacpp_json(
-            {
-                "choices": [{"text": " ok", "index": 0, "logprobs": None, "finish_reason": "length"}],
-                "created": created,
-                "model": self.model,
-                "system_fingerprint": "b11434-sim",
-                "object": "text_completion",
-                "usage": {"completion_tokens": 1, "prompt_tokens": 2, "total_tokens": 3, "prompt_tokens_details": {"cached_tokens": 0}},
-                "id": f"chatcmpl-sim{created}",
-            }
-        )
+        self.received.append(Received(request.path, self.running, self.waiting, admitted=ADMITTED_HEADER in request.headers))
+        return await self.flavor.completion(self, request)
 
     async def _health(self, request: web.Request) -> web.Response:
-        if self.kind == "llamacpp":
-            # answered by the HTTP thread, beside the inference loop
-            if self.loading:
-                return _llamacpp_error(503, "Loading model", "unavailable_error")
-            return _llamacpp_json({"status": "ok"})
-        return web.Response(status=200)
+        return await self.flavor.health(self, request)
 
     async def _is_sleeping(self, request: web.Request) -> web.Response:
         return web.json_response({"is_sleeping": any(e.mode == "sleeping" for e in self.engines)})
@@ -292,41 +201,12 @@ class SimServer(_Served):
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/health", self._health)
-        if self.kind == "vllm":  # llama-server has no sleep endpoints
-            app.router.add_get("/is_sleeping", self._is_sleeping)
-            app.router.add_get("/is_paused", self._is_paused)
+        profile = self.flavor.profile  # the sleep endpoints of the engine simulated, if any
+        if profile.sleep_path:
+            app.router.add_get(profile.sleep_path, self._is_sleeping)
+        if profile.pause_path:
+            app.router.add_get(profile.pause_path, self._is_paused)
         return app
-
-
-def _llamacpp_json(data: object, status: int = 200) -> web.Response:
-    """JSON as llama-server sends it: compact, `application/json; charset=utf-8`."""
-    return web.Response(
-        text=json.dumps(data, separators=(",", ":")), status=status, content_type="application/json", charset="utf-8", headers={"Server": "llama.cpp"}
-    )
-
-
-def _llamacpp_error(status: int, message: str, kind: str) -> web.Response:
-    return _llamacpp_json({"error": {"code": status, "message": message, "type": kind}}, status)
-
-
-def _llamacpp_models(alias: str) -> dict[str, object]:
-    """llama-server b11434's `/v1/models` for one model served under `alias` (trimmed: the
-    fields llama-server fills in for a GGUF without metadata)."""
-    return {
-        "models": [{"name": alias, "model": alias, "type": "model", "capabilities": ["completion"], "details": {"format": "gguf"}}],
-        "object": "list",
-        "data": [
-            {
-                "id": alias,
-                "aliases": [alias],
-                "tags": [],
-                "object": "model",
-                "created": int(time.time()),
-                "owned_by": "llamacpp",
-                "meta": {"vocab_type": 1, "n_vocab": 32000, "n_ctx": 8192, "n_ctx_train": 8192},
-            }
-        ],
-    }
 
 
 class SimProxy(_Served):
@@ -423,8 +303,8 @@ def idle(server: SimServer) -> None:
 
 
 def stuck(server: SimServer) -> None:
-    """llama.cpp's loop stopped outside a decode: `/metrics` and `/v1/models` never answer,
-    `/health` does. Nothing moves."""
+    """The inference loop stopped outside a decode (an engine whose `/metrics` is a task on
+    it): `/metrics` and what else the loop serves never answer, `/health` does. Nothing moves."""
     for e in server.engines:
         e.mode = "hung"
     server.loop_stuck = True

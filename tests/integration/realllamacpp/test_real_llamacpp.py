@@ -129,7 +129,7 @@ def test_idle_exactly_one_probe_counted_by_llamacpp(srv, llm_health, tmp_path):
     exp.wait_rounds(3)
     text = exp.metrics()
     assert 'llm_backend_state{backend="lcpp",state="idle"} 1.0' in text, text
-    assert 'llm_backend_info{backend="lcpp",kind="vllm",profile="llamacpp"} 1.0' in text, text
+    assert 'llm_backend_info{backend="lcpp",kind="engine",profile="llamacpp"} 1.0' in text, text
     assert 'llm_backend_probes_total{backend="lcpp",result="ok"} 1.0' in text, text  # one probe per probe_interval (60 s)
     assert srv.settled_launches() - launched_after == 1
     assert all(s == "idle" for rounds, s in exp.seen if rounds), exp.seen

@@ -1,6 +1,6 @@
-"""Engine profiles: which series of each inference engine mean running, waiting, progress,
-start time and sleep, how to tell the engines apart from a payload, and the `Reading`
-the state machine is fed.
+"""A payload reduced to the `Reading` the state machine is fed, by the registered engines'
+profiles (registry): how to tell the engines apart from a payload, and which series mean
+running, waiting, progress, start time and sleep.
 
 Pure: no I/O. A payload is parsed once with the targeted parser, asking for the series
 of every profile (`PAYLOAD_NAMES`); the profile is then told by the series present.
@@ -21,153 +21,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import cached_property
 
-from .exposition import Budget, Names, Samples, TooManySamples, compile_names, parse
-
-START_TIME = "process_start_time_seconds"
-
-
-@dataclass(frozen=True)
-class Profile:
-    """How one engine exposes its work and its progress.
-
-    `unit_labels` name the labels that tell one engine unit from another in one payload
-    (vLLM's data-parallel `engine` rank and `model_name`); series are summed over every
-    other label (e.g. `finished_reason`). `counters` only ever rise in one process, so a
-    fall means a restart. `steps` is the counter of engine steps; `gauges` are the
-    engine-side gauges whose change also shows the engine took a step (KV usage rises
-    during a long prefill even when no step is counted).
-    """
-
-    name: str
-    marker: str  # a sample name only this profile's engine exposes
-    running: tuple[str, ...]
-    waiting: tuple[str, ...]
-    steps: str | None
-    generation_tokens: str | None
-    counters: tuple[str, ...]
-    gauges: tuple[str, ...] = ()
-    unit_labels: tuple[str, ...] = ()
-    sleep_awake: str | None = None  # gauge with sleep_state="awake": 0 means sleeping
-    has_sleep_endpoints: bool = False
-
-    @cached_property
-    def wanted(self) -> frozenset[str]:
-        names = {START_TIME, *self.running, *self.waiting, *self.counters, *self.gauges}
-        for name in (self.steps, self.generation_tokens, self.sleep_awake):
-            if name:
-                names.add(name)
-        return frozenset(names)
-
-
-_VLLM_COUNTERS = (
-    "vllm:iteration_tokens_total_count",
-    "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm:request_success_total",
-    "vllm:num_preemptions_total",
-)
-
-VLLM_V1 = Profile(
-    name="vllm_v1",
-    marker="vllm:kv_cache_usage_perc",
-    running=("vllm:num_requests_running",),
-    waiting=("vllm:num_requests_waiting",),
-    steps="vllm:iteration_tokens_total_count",
-    generation_tokens="vllm:generation_tokens_total",
-    counters=(*_VLLM_COUNTERS, "vllm:prefix_cache_queries_total"),
-    gauges=("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"),
-    unit_labels=("model_name", "engine"),
-    sleep_awake="vllm:engine_sleep_state",
-    has_sleep_endpoints=True,
-)
-
-VLLM_V0 = Profile(
-    name="vllm_v0",
-    marker="vllm:gpu_cache_usage_perc",
-    running=("vllm:num_requests_running",),
-    waiting=("vllm:num_requests_waiting", "vllm:num_requests_swapped"),
-    steps="vllm:iteration_tokens_total_count",
-    generation_tokens="vllm:generation_tokens_total",
-    counters=_VLLM_COUNTERS,
-    gauges=(
-        "vllm:gpu_cache_usage_perc",
-        "vllm:cpu_cache_usage_perc",
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
-        "vllm:num_requests_swapped",
-    ),
-    unit_labels=("model_name", "engine"),
-    has_sleep_endpoints=True,
-)
-
-SGLANG = Profile(
-    name="sglang",
-    marker="sglang:num_running_reqs",
-    running=("sglang:num_running_reqs",),
-    waiting=("sglang:num_queue_reqs",),
-    steps="sglang:cuda_graph_passes_total",
-    generation_tokens="sglang:generation_tokens_total",
-    counters=(
-        "sglang:cuda_graph_passes_total",
-        "sglang:prompt_tokens_total",
-        "sglang:generation_tokens_total",
-        "sglang:num_requests_total",
-    ),
-    gauges=("sglang:num_used_tokens", "sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs"),
-    unit_labels=("model_name", "engine"),
-)
-
-TGI = Profile(
-    name="tgi",
-    marker="tgi_batch_current_size",
-    running=("tgi_batch_current_size",),
-    waiting=("tgi_queue_size",),
-    steps="tgi_batch_inference_count",
-    generation_tokens="tgi_request_generated_tokens_sum",
-    counters=(
-        "tgi_batch_inference_count",
-        "tgi_batch_inference_success",
-        "tgi_request_success",
-        "tgi_request_generated_tokens_sum",
-    ),
-    gauges=("tgi_batch_current_size", "tgi_queue_size", "tgi_batch_current_max_tokens"),
-)
-
-LLAMACPP = Profile(
-    name="llamacpp",
-    marker="llamacpp:requests_processing",
-    running=("llamacpp:requests_processing",),
-    waiting=("llamacpp:requests_deferred",),
-    steps="llamacpp:n_decode_total",
-    generation_tokens="llamacpp:tokens_predicted_total",
-    counters=("llamacpp:n_decode_total", "llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total"),
-    gauges=("llamacpp:requests_processing", "llamacpp:requests_deferred"),
-)
-
-# Triton has no "running" gauge: pending requests are the work in flight, and executions
-# the progress. One unit per model and version.
-TRITON = Profile(
-    name="triton",
-    marker="nv_inference_pending_request_count",
-    running=(),
-    waiting=("nv_inference_pending_request_count",),
-    steps="nv_inference_exec_count",
-    generation_tokens=None,
-    counters=("nv_inference_exec_count", "nv_inference_count", "nv_inference_request_success"),
-    gauges=("nv_inference_pending_request_count",),
-    unit_labels=("model", "version"),
-)
-
-# Order matters only where a payload could carry two markers: V1 before V0 (a V1 engine
-# of some versions still lists the deprecated gauge).
-PROFILES: tuple[Profile, ...] = (VLLM_V1, VLLM_V0, SGLANG, TGI, LLAMACPP, TRITON)
-BY_NAME = {p.name: p for p in PROFILES}
-_MARKERS = frozenset(p.marker for p in PROFILES) | {
-    "vllm:num_requests_running",
-    "vllm:iteration_tokens_total_count",
-}
+from ..exposition import Budget, Names, Samples, TooManySamples, compile_names, parse
+from .profile import START_TIME, Profile
+from .registry import PROFILES
 
 
 @dataclass(frozen=True)
@@ -230,18 +87,21 @@ class UnknownEngine(ValueError):
     """The payload is text exposition but no profile's series are in it."""
 
 
+_MARKERS = frozenset(name for p in PROFILES for name in (p.marker, *p.fallback_markers))
 PAYLOAD_NAMES: Names = compile_names(frozenset().union(*(p.wanted for p in PROFILES), _MARKERS))
+_PREFIXES = ", ".join(dict.fromkeys(p.prefix for p in PROFILES))
 
 
 def detect(samples: Samples) -> Profile:
-    """Choose the profile from the series present in the payload."""
+    """Choose the profile from the series present in the payload: a marker first, then
+    the fallback markers (an older or partial payload)."""
     for profile in PROFILES:
         if profile.marker in samples:
             return profile
-    if "vllm:num_requests_running" in samples or "vllm:iteration_tokens_total_count" in samples:
-        # Older or partial vLLM payloads without a cache-usage gauge.
-        return VLLM_V0
-    raise UnknownEngine("no known engine series (vllm:, sglang:, tgi_, llamacpp:, nv_inference_) in /metrics")
+    for profile in PROFILES:
+        if any(name in samples for name in profile.fallback_markers):
+            return profile
+    raise UnknownEngine(f"no known engine series ({_PREFIXES}) in /metrics")
 
 
 def _unit(labels: dict[str, str], unit_labels: tuple[str, ...]) -> tuple[str, str]:

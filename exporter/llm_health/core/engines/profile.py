@@ -1,0 +1,79 @@
+"""What an engine is to the product: `Profile`, the one record each engine module fills.
+
+Everything the rest of the product asks of an engine is a field here, never a comparison
+of its name: the series and how they reduce, how a restart shows, what a timed-out
+`/metrics` means, its health and sleep endpoints, the routes a door forwards to it and
+those it never does, its queue-age method. Pure data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+START_TIME = "process_start_time_seconds"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How one engine exposes its work and its progress, and how the product talks to it.
+
+    `unit_labels` name the labels that tell one engine unit from another in one payload
+    (vLLM's data-parallel `engine` rank and `model_name`); series are summed over every
+    other label (e.g. `finished_reason`). `counters` only ever rise in one process, so a
+    fall means a restart. `steps` is the counter of engine steps; `gauges` are the
+    engine-side gauges whose change also shows the engine took a step (KV usage rises
+    during a long prefill even when no step is counted).
+    """
+
+    name: str  # the `profile` label and the name in `Reading.profile`
+    title: str  # the engine's name in reasons and messages
+    prefix: str  # what its series' names start with (named when no engine is recognised)
+    marker: str  # a sample name only this profile's engine exposes
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    steps: str | None
+    generation_tokens: str | None
+    counters: tuple[str, ...]
+    gauges: tuple[str, ...] = ()
+    unit_labels: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()  # other names the engine goes by (its server's binary)
+    # Series that tell this engine where no profile's marker is present (an older or
+    # partial payload); asked after every marker.
+    fallback_markers: tuple[str, ...] = ()
+    sleep_awake: str | None = None  # gauge with sleep_state="awake": 0 means sleeping
+    # Endpoints answering {"is_sleeping": true} and {"is_paused": true}, asked before a
+    # stalled engine is called stalled (None: the engine has none).
+    sleep_path: str | None = None
+    pause_path: str | None = None
+    # The response header of `/metrics` carrying the process start (integer microseconds),
+    # for an engine with no start-time series: compared for equality only.
+    start_header: str | None = None
+    # Whether the exporter may keep its `/metrics` connection open between rounds.
+    metrics_keepalive: bool = True
+    # `/metrics` is a task on the inference loop's own queue, answered within milliseconds
+    # under any load: a timeout while `health_path` answers is a loop that takes no task
+    # (a failed probe), not load.
+    metrics_on_loop: bool = False
+    # Asked in place of `/v1/models` after a timed-out `/metrics` of a `metrics_on_loop`
+    # engine (answered beside the inference loop).
+    health_path: str = "/health"
+    # The counter of finished requests for the engine queue age (core.queue_age), where
+    # the engine's counts allow the method; None: 0 when nothing waits, unknown otherwise.
+    finished: str | None = None
+    # The door's default allowlist beyond the OpenAI-compatible API (core.forwarding),
+    # and the paths never forwarded whatever a route allows.
+    routes: tuple[str, ...] = ()
+    never: tuple[str, ...] = ()
+
+    @property
+    def has_sleep_endpoints(self) -> bool:
+        return self.sleep_path is not None or self.pause_path is not None
+
+    @cached_property
+    def wanted(self) -> frozenset[str]:
+        names = {START_TIME, *self.running, *self.waiting, *self.counters, *self.gauges}
+        for name in (self.steps, self.generation_tokens, self.sleep_awake):
+            if name:
+                names.add(name)
+        return frozenset(names)

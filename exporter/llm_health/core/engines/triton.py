@@ -1,0 +1,21 @@
+"""Triton Inference Server: no "running" gauge; pending requests are the work in flight,
+and executions the progress. One unit per model and version."""
+
+from __future__ import annotations
+
+from .profile import Profile
+
+TRITON = Profile(
+    name="triton",
+    title="Triton",
+    prefix="nv_inference_",
+    marker="nv_inference_pending_request_count",
+    running=(),
+    waiting=("nv_inference_pending_request_count",),
+    steps="nv_inference_exec_count",
+    generation_tokens=None,
+    counters=("nv_inference_exec_count", "nv_inference_count", "nv_inference_request_success"),
+    gauges=("nv_inference_pending_request_count",),
+    unit_labels=("model", "version"),
+    aliases=("tritonserver",),
+)

@@ -1,0 +1,107 @@
+"""vLLM, V1 and V0 engines: the series, sleep and pause endpoints, the routes of its API
+server (read from vLLM 0.32.0's own code: tests/data/engine-routes/) and its admin
+endpoints, never forwarded."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .profile import Profile
+
+_COUNTERS = (
+    "vllm:iteration_tokens_total_count",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:num_preemptions_total",
+)
+
+ROUTES = (
+    "GET /v1/responses/*",
+    "POST /v1/responses/*/cancel",
+    "POST /v1/score",
+    "POST /v2/rerank",
+    "POST /v2/embed",
+    "POST /rerank",
+    "POST /score",
+    "POST /pooling",
+    "POST /classify",
+    "POST /invocations",
+    "POST /tokenize",
+    "POST /detokenize",
+)
+
+# Sleep mode, caches, profiling, RPC on workers, weights and adapters, scaling.
+NEVER = (
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/reset_prefix_cache",
+    "/reset_mm_cache",
+    "/reset_encoder_cache",
+    "/release_kv_cache_memory",
+    "/start_profile",
+    "/stop_profile",
+    "/collective_rpc",
+    "/abort_requests",
+    "/inference/v1/abort_requests",
+    "/scale_elastic_ep",
+    "/is_scaling_elastic_ep",
+    "/update_weights",
+    "/update_weight_version",
+    "/start_weight_update",
+    "/start_draft_weight_update",
+    "/finish_weight_update",
+    "/init_weight_transfer_engine",
+    "/shutdown_weight_transfer_engine",
+    "/weight_checker",
+    "/weight_info",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/server_info",
+    "/get_world_size",
+    "/kv_event_sources",
+    "/fault_tolerance",
+)
+
+VLLM_V1 = Profile(
+    name="vllm_v1",
+    title="vLLM",
+    prefix="vllm:",
+    marker="vllm:kv_cache_usage_perc",
+    running=("vllm:num_requests_running",),
+    waiting=("vllm:num_requests_waiting",),
+    steps="vllm:iteration_tokens_total_count",
+    generation_tokens="vllm:generation_tokens_total",
+    counters=(*_COUNTERS, "vllm:prefix_cache_queries_total"),
+    gauges=("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"),
+    unit_labels=("model_name", "engine"),
+    sleep_awake="vllm:engine_sleep_state",
+    sleep_path="/is_sleeping",
+    pause_path="/is_paused",
+    # Finished requests per unit: the queue age's arrival curve (core.queue_age).
+    finished="vllm:request_success_total",
+    routes=ROUTES,
+    never=NEVER,
+)
+
+VLLM_V0 = replace(
+    VLLM_V1,
+    name="vllm_v0",
+    marker="vllm:gpu_cache_usage_perc",
+    waiting=("vllm:num_requests_waiting", "vllm:num_requests_swapped"),
+    counters=_COUNTERS,
+    gauges=(
+        "vllm:gpu_cache_usage_perc",
+        "vllm:cpu_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_swapped",
+    ),
+    sleep_awake=None,
+    # Older or partial vLLM payloads without a cache-usage gauge.
+    fallback_markers=("vllm:num_requests_running", "vllm:iteration_tokens_total_count"),
+)
