@@ -71,6 +71,7 @@ ALLOWLIST = {
     "exporter/llm_health/restarter/capture.py": "which stack reader fits a native engine's process: restarter/capture.py was changed beside this work",
     "bench/bench_parse.py": "the parse benchmark's engine columns: bench/ was changed beside this work",
     "bench/engines_measure.py": "the per-engine measurements of docs/engines.md: bench/ was changed beside this work",
+    "bench/sections.py": "the benchmark snapshot's section titles (the real-engine section names both engines): bench/ was changed beside this work",
     # the deployments' examples and the test machinery
     "compose/prometheus.yml": "the compose example scrapes each engine in its rules section's job",
     "compose/alertmanager.yml": "the compose example's routing names the raw layers' alerts",
