@@ -88,9 +88,7 @@ def document(found: dict[str, summary.Block]) -> str:
     ordered = [found.get(s.name) or not_run(s) for s in SECTIONS]
     parts.append(summary.render(ordered) + "\n")
     for s, b in zip(SECTIONS, ordered, strict=True):
-        parts.append(
-            f"## {s.title}\n\n`{s.command}`. {s.about}\n\n<!-- bench {b.name} {b.fields()} -->\n{b.body.strip(chr(10))}\n<!-- end bench {b.name} -->\n"
-        )
+        parts.append(f"## {s.title}\n`{s.command}`. {s.about}\n<!-- bench {b.name} {b.fields()} -->\n{b.body.strip(chr(10))}\n<!-- end bench {b.name} -->\n")
     return "\n".join(parts)
 
 
