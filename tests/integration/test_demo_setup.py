@@ -51,7 +51,10 @@ def venv(tmp_path_factory) -> str:
 
 
 def _clean_env(**more: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "LLM_HEALTH_DEMO_SYSTEM", "LLM_HEALTH_CACHE")}
+    # As a user's shell has it: not inside `make test` (whose MAKEFLAGS and MAKELEVEL make a
+    # sub-make print "Entering/Leaving directory" lines around the demo's output).
+    dropped = ("PYTHONPATH", "VIRTUAL_ENV", "LLM_HEALTH_DEMO_SYSTEM", "LLM_HEALTH_CACHE", "MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     return env | more
 
 

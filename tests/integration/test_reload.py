@@ -60,7 +60,9 @@ def gate_case(tmp_path: Path, llm_health: type[LlmHealth], redis_url: str) -> Ca
     async def routes() -> object:
         closed = metric_lines((await call(proc.url + "/metrics")).text, "llm_gate_route_closed")
         # a request routed to `batch`: unknown (400) before the reload, refused as closed (503) after
-        answer = await call(proc.url + "/v1/completions", "POST", headers={"X-Route": "batch", "X-Request-Id": "reload-probe"}, body={"model": "m"})
+        # (90 s to live: a closed route's Retry-After of 30 s still lands before its deadline)
+        headers = {"X-Route": "batch", "X-Request-Id": "reload-probe", "X-Request-Timeout-Ms": "90000"}
+        answer = await call(proc.url + "/v1/completions", "POST", headers=headers, body={"model": "m"})
         return closed, answer.status
 
     return Case(

@@ -65,6 +65,7 @@ def test_sim_families_match_real_vllm(real, max_model_len):
     check_against(real, max_model_len)
 
 
+@pytest.mark.xdist_group("engines")  # after tests/integration/realvllm, on its worker (tests/fixtures/parallel.py)
 def test_sim_matches_payloads_of_this_run():
     """The payloads the real-vLLM tests saved in this run (tests/integration/realvllm runs first), found
     at run time, so the simulator stays true to the engine as it is now. In CI their absence

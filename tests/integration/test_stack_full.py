@@ -62,6 +62,9 @@ async def test_every_panel_has_data_and_only_the_hung_backend_alerts(tmp_path, r
     dead = sim.dead_url()
     broken = await sim_server("broken", scenario="idle")  # answers /metrics with an HTML error page
     broken.metrics_mode = "html"
+    # The shipped rules' example route `chat` sends to `gpu0` (rules/config.yaml): an idle
+    # engine, its queue age a known 0, for the engine-queue-age panel.
+    gpu0 = await sim_server("gpu0", scenario="idle")
 
     # --- Redis: leases (drift both ways, an expiry, a release, a waiter) -----------------
     leases = LeaseClient.from_url(redis_url, fallback_interval_s=0.5)
@@ -91,6 +94,7 @@ async def test_every_panel_has_data_and_only_the_hung_backend_alerts(tmp_path, r
     backends = [Backend(n, s.url, "vllm", timing) for n, s in (("idle", idle), ("busy", busy), ("hung", hung), ("restarting", restarting))]
     backends.append(Backend("dead", dead, "vllm", timing))
     backends.append(Backend("broken", broken.url, "vllm", timing))  # round errors: /metrics unusable
+    backends.append(Backend("gpu0", gpu0.url, "vllm", timing))
     redis_cfg = {
         "url": redis_url,
         "pools": [

@@ -139,8 +139,9 @@ async def test_the_doors_refuse_on_the_engines_real_queue_and_the_alert_fires(id
                 assert refused == dict.fromkeys(("gate", "nginx"), (422, "reject_age_beats_slack", "false")), refused
                 assert recorder.seen["late-gate"] == 0 and recorder.seen["late-nginx"] == 0, recorder.seen
                 await asyncio.to_thread(wait_until, firing, 60, 0.5, f"{ALERT} firing in Prometheus")
-                for t in threads:
-                    await asyncio.to_thread(t.join, 300)
+            # The engine at full speed again: the queue drains.
+            for t in threads:
+                await asyncio.to_thread(t.join, 300)
             await asyncio.to_thread(wait_until, lambda: age_ms() == 0, 120, 0.25, "the drained queue's age, 0")
             for door, url in (("gate", gurl), ("nginx", nginx.url)):
                 status, body, headers = await ask(url, f"fresh-{door}")
