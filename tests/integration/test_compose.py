@@ -167,7 +167,7 @@ def test_alertmanager_credentials_file_is_mounted():
 
 def test_llm_health_config_loads_with_the_exporters_parser():
     config = exporter_config.load(COMPOSE_DIR / "llm-health.yml")
-    assert [(b.name, b.url, b.kind) for b in config.backends] == [("gpu0", "http://vllm-a:8000", "vllm")]
+    assert [(b.name, b.url, b.kind) for b in config.backends] == [("gpu0", "http://vllm-a:8000", "engine")]
     assert config.redis is not None and config.redis.url == "redis://redis:6379/0"
 
 
