@@ -58,7 +58,7 @@ def read(srv: harness.VLLMServer) -> dict:
 
 def send(srv: harness.VLLMServer, record: dict, give_up_after: float | None) -> None:
     conn = http.client.HTTPConnection(srv.host, srv.port, timeout=600)
-    body = json.dumps({"model": harness.SERVED_MODEL_NAME, "prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True})
+    body = json.dumps({"model": harness.SERVED_MODEL_NAME, "prompt": "Hello", "max_tokens": 100, "ignore_eos": True, "stream": True})
     record["sent"] = time.time()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     if give_up_after is not None:
