@@ -34,17 +34,32 @@ from tests.integration.test_restarter_evidence import evidence_of, hung_alert
 
 API_KEY = "sk-incident-test-4b7e19c2d0"
 # A Python "engine": a named thread in a loop, the API key on its command line (as `vllm serve --api-key` has it).
-ENGINE = "import threading, time, sys\ndef decode_loop():\n    while True: time.sleep(0.05)\nthreading.Thread(target=decode_loop, name='decode-thread', daemon=True).start()\nwhile True: time.sleep(0.05)\n"
+# A Python engine with a named decode thread. It says "ready" once that thread runs its
+# loop: its OS thread appears before Python has it in decode_loop, and a process stopped
+# in between shows py-spy no decode_loop frame.
+ENGINE = (
+    "import threading, time, sys\n"
+    "running = threading.Event()\n"
+    "def decode_loop():\n"
+    "    running.set()\n"
+    "    while True: time.sleep(0.05)\n"
+    "threading.Thread(target=decode_loop, name='decode-thread', daemon=True).start()\n"
+    "running.wait()\n"
+    "print('ready', flush=True)\n"
+    "while True: time.sleep(0.05)\n"
+)
 
 
 @contextlib.contextmanager
 def engine_process(argv: list[str]):
-    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    python = argv[0] == sys.executable
+    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if python else subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        if python:  # ENGINE: its decode thread in decode_loop
+            assert p.stdout is not None and p.stdout.readline() == b"ready\n", "the engine process did not start its thread"
         deadline = time.monotonic() + 30
-        # Python: its second thread started; native (sleep): in its sleep.
-        while len(os.listdir(f"/proc/{p.pid}/task")) < 2 if argv[0] == sys.executable else proc_state(p.pid) != "S":
-            assert time.monotonic() < deadline, "the engine process did not start its thread"
+        while not python and proc_state(p.pid) != "S":  # native (sleep): in its sleep
+            assert time.monotonic() < deadline, "the engine process did not reach its sleep"
             time.sleep(0.05)
         yield p
     finally:

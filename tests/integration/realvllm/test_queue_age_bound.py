@@ -15,7 +15,12 @@ not yet streaming, nor given up.
 * The count does say so while the queue is old.
 * What the bound cannot see (rules/README.md): vLLM counts a request given up while it
   waits nowhere: `waiting` falls by the two, `request_success_total` (every
-  finished_reason, `abort` included) does not move for them.
+  finished_reason, `abort` included) does not move for them. So a window is judged only
+  where no give-up can be in it: before the first client gives up, or from a sample on
+  which vLLM's arrivals (waiting + finished + running + preemptions) already stand at the
+  burst less the two, every give-up past. Between the two (a client gone, vLLM not yet
+  told, or told within the window) the count may be too high by the documented amount:
+  those windows are counted and printed, not judged.
 
 It prints the margins and the samples' timeline.
 """
@@ -105,7 +110,16 @@ def test_queue_age_bound_on_a_real_vllm(vllm_server_factory):
     sampler.join(10)
     assert all("done" in r for r in requests[:BURST]) and all("given_up" in r for r in requests[BURST:]), requests
 
-    margins, claims_while_old = [], 0
+    first_give_up = min(r["given_up"] for r in requests[BURST:])
+    last_give_up = max(r["given_up"] for r in requests[BURST:])
+    settled = samples[0]["waiting"] + samples[0]["moved"] + BURST  # every request in, the two aborts seen
+
+    def judged(old: dict, new: dict) -> bool:
+        before_any = new["after"] < first_give_up
+        after_all = old["before"] > last_give_up and old["waiting"] + old["moved"] == settled
+        return before_any or after_all
+
+    margins, claims_while_old, not_judged = [], 0, 0
     for i, new in enumerate(samples):
         older = [s for s in samples[:i] if s["before"] <= new["before"] - W]
         if not older:
@@ -114,6 +128,9 @@ def test_queue_age_bound_on_a_real_vllm(vllm_server_factory):
         count = old["waiting"] - (new["moved"] - old["moved"])
         between = [s for s in samples if old["before"] <= s["before"] <= new["before"]]
         if count > 0 and all(s["waiting"] > 0 for s in between):
+            if not judged(old, new):
+                not_judged += 1
+                continue
             truth = oldest_waiting(requests, new["after"])
             span = new["before"] - old["after"]
             assert truth is not None and truth >= span, (new, old, truth, span)
@@ -122,8 +139,9 @@ def test_queue_age_bound_on_a_real_vllm(vllm_server_factory):
     first = samples[0]["before"]
     for s in samples:
         print(f"{s['before'] - first:6.2f}s waiting {s['waiting']:.0f} finished+running+preemptions {s['moved']:.0f}")
-    print(f"claims {claims_while_old}; oldest waiting minus the claimed age: {min(margins):.2f} to {max(margins):.2f} s")
+    print(f"claims judged {claims_while_old}, not judged (a give-up in or around the window) {not_judged}")
     assert claims_while_old >= 5, "the burst must build a queue older than 3 s"
+    print(f"oldest waiting minus the claimed age: {min(margins):.2f} to {max(margins):.2f} s")
 
     # The two requests given up while waiting: counted nowhere.
     end = samples[-1]
