@@ -9,12 +9,8 @@ resolves."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-from tests.fixtures.paths import ROOT
-from tests.fixtures.stack import free_port, render_rules, wait_until
+from tests.fixtures.stack import render_rules, wait_until
+from tests.fixtures.vllm_payload import vllm_text
 
 RULES_FOR_1S = {
     "scrape_intervals.vllm": "1s",
@@ -23,7 +19,6 @@ RULES_FOR_1S = {
     "vllm.queue_age_deadline": "3s",
     "routes.chat.deadline": "3s",
 }
-LABELS = 'engine="0",model_name="Qwen/Qwen1.5-0.5B-Chat"'
 MODELS = '{"object": "list", "data": [{"id": "Qwen/Qwen1.5-0.5B-Chat", "object": "model"}]}'
 
 
@@ -37,74 +32,30 @@ class Engine:
         waiting, running, success = {"idle": (0, 0, 10), "burst": (6, 1, 10), "drained": (0, 0, 17)}[self.phase]
         if self.phase == "idle":
             self.steps -= 7
-        return (
-            "\n".join(
-                [
-                    "# TYPE process_start_time_seconds gauge",
-                    "process_start_time_seconds 1.7e9",
-                    "# TYPE vllm:num_requests_running gauge",
-                    f"vllm:num_requests_running{{{LABELS}}} {running}",
-                    "# TYPE vllm:num_requests_waiting gauge",
-                    f"vllm:num_requests_waiting{{{LABELS}}} {waiting}",
-                    "# TYPE vllm:kv_cache_usage_perc gauge",
-                    f"vllm:kv_cache_usage_perc{{{LABELS}}} {0.1 + (self.steps % 50) / 100 if running else 0}",
-                    "# TYPE vllm:iteration_tokens_total histogram",
-                    f'vllm:iteration_tokens_total_bucket{{{LABELS},le="+Inf"}} {self.steps}',
-                    f"vllm:iteration_tokens_total_count{{{LABELS}}} {self.steps}",
-                    f"vllm:iteration_tokens_total_sum{{{LABELS}}} {self.steps * 3}",
-                    "# TYPE vllm:generation_tokens counter",
-                    f"vllm:generation_tokens_total{{{LABELS}}} {self.steps * 3}",
-                    "# TYPE vllm:prompt_tokens counter",
-                    f"vllm:prompt_tokens_total{{{LABELS}}} 9000",
-                    "# TYPE vllm:request_success counter",
-                    f'vllm:request_success_total{{{LABELS},finished_reason="stop"}} {success}',
-                    f'vllm:request_success_total{{{LABELS},finished_reason="length"}} 0',
-                    f'vllm:request_success_total{{{LABELS},finished_reason="abort"}} 0',
-                    "# TYPE vllm:num_preemptions counter",
-                    f"vllm:num_preemptions_total{{{LABELS}}} 0",
-                ]
-            )
-            + "\n"
-        )
+        kv = 0.1 + (self.steps % 50) / 100 if running else 0
+        return vllm_text(running=running, waiting=waiting, steps=self.steps, tokens=self.steps * 3, kv=kv, finished=success)
 
 
-def test_exporter_queue_age_alert_fires_and_resolves_in_prometheus(tmp_path, prometheus_factory, target_factory):
+def test_exporter_queue_age_alert_fires_and_resolves_in_prometheus(exporter_factory, tmp_path, prometheus_factory, target_factory):
     engine = Engine()
     vllm = target_factory({"/metrics": engine.metrics, "/v1/models": MODELS})
     config = tmp_path / "llm-health.yml"
     config.write_text(f"global: {{interval: 1s, hung_after_seconds: 30}}\nbackends:\n  - {{name: gpu0, url: 'http://{vllm.address}', kind: vllm}}\n")
-    port = free_port()
-    log = open(tmp_path / "exporter.log", "w")
-    exporter = subprocess.Popen(
-        [sys.executable, "-m", "llm_health", "serve", "--config.file", str(config), "--web.listen-address", f"127.0.0.1:{port}"],
-        cwd=ROOT,
-        env=dict(os.environ),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        prom = prometheus_factory({"llm-health": [f"127.0.0.1:{port}"]}, render_rules(tmp_path / "rules", RULES_FOR_1S))
+    exporter = exporter_factory(config)
+    prom = prometheus_factory({"llm-health": [exporter.address]}, render_rules(tmp_path / "rules", RULES_FOR_1S))
 
-        def route_alert() -> dict | None:
-            return next((a for a in prom.alerts() if a["labels"]["alertname"] == "LLMEngineQueueAgeOverDeadline" and a["state"] == "firing"), None)
+    def route_alert() -> dict | None:
+        return next((a for a in prom.alerts() if a["labels"]["alertname"] == "LLMEngineQueueAgeOverDeadline" and a["state"] == "firing"), None)
 
-        # Idle, the exporter's 1-token probe meets this target's 404 (it serves GETs only):
-        # the state is not read here, only that the exporter watches gpu0.
-        wait_until(lambda: prom.query('llm_backend_up{backend="gpu0"} == 1'), timeout=60, what="gpu0 watched, in Prometheus")
-        assert route_alert() is None
-        engine.phase = "burst"
-        wait_until(lambda: prom.query('llm_backend_queue_age_seconds{backend="gpu0"}'), timeout=60, what="the exporter's queue age of gpu0")
-        alert = wait_until(route_alert, timeout=60, interval=0.5, what="LLMEngineQueueAgeOverDeadline firing on the exporter's figure")
-        assert (alert["labels"]["route"], alert["labels"]["backends"]) == ("chat", "gpu0"), alert["labels"]
-        states = {r["metric"]["state"] for r in prom.query('llm_backend_state{backend="gpu0"} == 1')}
-        assert states == {"busy"}, states  # a queue that does not move behind a running request is busy, not hung
-        engine.phase = "drained"
-        wait_until(lambda: route_alert() is None, timeout=60, interval=0.5, what="LLMEngineQueueAgeOverDeadline resolved after the drain")
-    finally:
-        exporter.terminate()
-        try:
-            exporter.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            exporter.kill()
-            exporter.wait()
-        log.close()
+    # Idle, the exporter's 1-token probe meets this target's 404 (it serves GETs only):
+    # the state is not read here, only that the exporter watches gpu0.
+    wait_until(lambda: prom.query('llm_backend_up{backend="gpu0"} == 1'), timeout=60, what="gpu0 watched, in Prometheus")
+    assert route_alert() is None
+    engine.phase = "burst"
+    wait_until(lambda: prom.query('llm_backend_queue_age_seconds{backend="gpu0"}'), timeout=60, what="the exporter's queue age of gpu0")
+    alert = wait_until(route_alert, timeout=60, interval=0.5, what="LLMEngineQueueAgeOverDeadline firing on the exporter's figure")
+    assert (alert["labels"]["route"], alert["labels"]["backends"]) == ("chat", "gpu0"), alert["labels"]
+    states = {r["metric"]["state"] for r in prom.query('llm_backend_state{backend="gpu0"} == 1')}
+    assert states == {"busy"}, states  # a queue that does not move behind a running request is busy, not hung
+    engine.phase = "drained"
+    wait_until(lambda: route_alert() is None, timeout=60, interval=0.5, what="LLMEngineQueueAgeOverDeadline resolved after the drain")

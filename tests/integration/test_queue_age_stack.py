@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 from tests.fixtures.stack import render_rules, wait_until
+from tests.fixtures.vllm_payload import vllm_text
 
 RULES_FOR_1S = {
     "scrape_intervals.vllm": "1s",
@@ -21,7 +22,6 @@ RULES_FOR_1S = {
     "vllm.queue_age_deadline": "3s",
     "routes.chat.deadline": "3s",
 }
-LABELS = 'engine="0",model_name="Qwen/Qwen1.5-0.5B-Chat"'
 
 
 class Queue:
@@ -46,31 +46,7 @@ class Queue:
         if self.phase == "young":
             self.finished += 20  # more leave the queue at every scrape than wait in it: young, even with scrapes missed
         waiting, running = {"unknown": (0, 0), "young": (8, 4), "old": (8, 1), "drained": (0, 9)}[self.phase]  # old: nothing leaves
-        finished = self.finished
-        return (
-            "\n".join(
-                [
-                    "# TYPE process_start_time_seconds gauge",
-                    "process_start_time_seconds 1.7e9",
-                    "# TYPE vllm:num_requests_running gauge",
-                    f"vllm:num_requests_running{{{LABELS}}} {running}",
-                    "# TYPE vllm:num_requests_waiting gauge",
-                    f"vllm:num_requests_waiting{{{LABELS}}} {waiting}",
-                    "# TYPE vllm:request_success counter",
-                    f'vllm:request_success_total{{{LABELS},finished_reason="stop"}} {finished}',
-                    f'vllm:request_success_total{{{LABELS},finished_reason="length"}} 7',
-                    "# TYPE vllm:num_preemptions counter",
-                    f"vllm:num_preemptions_total{{{LABELS}}} 0",
-                    "# TYPE vllm:iteration_tokens_total histogram",
-                    f'vllm:iteration_tokens_total_bucket{{{LABELS},le="+Inf"}} 1000',
-                    f"vllm:iteration_tokens_total_count{{{LABELS}}} 1000",
-                    f"vllm:iteration_tokens_total_sum{{{LABELS}}} 5000",
-                    "# TYPE vllm:generation_tokens counter",
-                    f"vllm:generation_tokens_total{{{LABELS}}} 5000",
-                ]
-            )
-            + "\n"
-        )
+        return vllm_text(running=running, waiting=waiting, steps=1000, tokens=5000, kv=0.0, finished=self.finished + 7)
 
 
 def queue_alerts(prom) -> dict[str, dict]:

@@ -9,12 +9,10 @@ rules/generate.py with windows and for: clauses of seconds, so a run takes secon
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 
-from tests.fixtures.paths import REAL_LLAMACPP, REAL_METRICS, ROOT, RULES
-from tests.fixtures.stack import free_port, render_rules, rewrite_alertmanager_config, wait_until
+from tests.fixtures.paths import REAL_LLAMACPP, REAL_METRICS, RULES
+from tests.fixtures.stack import render_rules, rewrite_alertmanager_config, wait_until
+from tests.fixtures.vllm_payload import vllm_text
 
 # Short windows for a 1s scrape and evaluation interval; the order of the for: clauses
 # (inhibiting alerts never slower than their targets) is kept.
@@ -62,40 +60,6 @@ def exporter_text(backends: dict[str, str], probe_seconds: dict[str, float]) -> 
     lines += [f'llm_backend_probe_duration_seconds{{backend="{b}"}} {v}' for b, v in probe_seconds.items()]
     lines += ["# TYPE llm_redis_up gauge", "llm_redis_up 1", "# TYPE llm_exporter_build_info gauge", 'llm_exporter_build_info{version="test"} 1']
     return "\n".join(lines) + "\n"
-
-
-def vllm_text(running: int, waiting: int, steps: int, tokens: int, kv: float, start: float = 1.7e9) -> str:
-    """A V1 vLLM payload reduced to the fingerprint families, with vLLM's label layout."""
-    labels = 'engine="0",model_name="Qwen/Qwen1.5-0.5B-Chat"'
-    return (
-        "\n".join(
-            [
-                "# TYPE process_start_time_seconds gauge",
-                f"process_start_time_seconds {start}",
-                "# TYPE vllm:num_requests_running gauge",
-                f"vllm:num_requests_running{{{labels}}} {running}",
-                "# TYPE vllm:num_requests_waiting gauge",
-                f"vllm:num_requests_waiting{{{labels}}} {waiting}",
-                "# TYPE vllm:kv_cache_usage_perc gauge",
-                f"vllm:kv_cache_usage_perc{{{labels}}} {kv}",
-                "# TYPE vllm:iteration_tokens_total histogram",
-                f'vllm:iteration_tokens_total_bucket{{{labels},le="+Inf"}} {steps}',
-                f"vllm:iteration_tokens_total_count{{{labels}}} {steps}",
-                f"vllm:iteration_tokens_total_sum{{{labels}}} {tokens}",
-                "# TYPE vllm:generation_tokens counter",
-                f"vllm:generation_tokens_total{{{labels}}} {tokens}",
-                "# TYPE vllm:prompt_tokens counter",
-                f"vllm:prompt_tokens_total{{{labels}}} {tokens * 3}",
-                "# TYPE vllm:request_success counter",
-                f'vllm:request_success_total{{{labels},finished_reason="stop"}} {steps // 10}',
-                "# TYPE vllm:num_preemptions counter",
-                f"vllm:num_preemptions_total{{{labels}}} 0",
-                "# TYPE vllm:engine_sleep_state gauge",
-                f'vllm:engine_sleep_state{{{labels},sleep_state="awake"}} 1',
-            ]
-        )
-        + "\n"
-    )
 
 
 def progressing_vllm():
@@ -228,7 +192,7 @@ def test_llamacpp_rules_on_live_payloads(tmp_path, prometheus_factory, target_fa
             assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
 
 
-def test_real_exporter_hung_backend_reaches_restarter(tmp_path, prometheus_factory, alertmanager_factory, sink, target_factory):
+def test_real_exporter_hung_backend_reaches_restarter(exporter_factory, tmp_path, prometheus_factory, alertmanager_factory, sink, target_factory):
     """The same fixtures with the real exporter (`python -m llm_health serve`) between the
     fake vLLM servers and Prometheus: a frozen engine with work in flight is reported hung
     by the exporter, LLMBackendHung reaches the restarter; the progressing one stays busy."""
@@ -242,35 +206,18 @@ def test_real_exporter_hung_backend_reaches_restarter(tmp_path, prometheus_facto
         f"  - {{name: frozen, url: 'http://{frozen.address}', kind: vllm}}\n"
         f"  - {{name: moving, url: 'http://{moving.address}', kind: vllm}}\n"
     )
-    port = free_port()
-    log = open(tmp_path / "exporter.log", "w")
-    exporter = subprocess.Popen(
-        [sys.executable, "-m", "llm_health", "serve", "--config.file", str(config), "--web.listen-address", f"127.0.0.1:{port}"],
-        cwd=ROOT,
-        env=dict(os.environ),
-        stdout=log,
-        stderr=subprocess.STDOUT,
+    exporter = exporter_factory(config)
+    token = tmp_path / "token"
+    token.write_text("t\n")
+    am = alertmanager_factory(rewrite_alertmanager_config((RULES / "alertmanager.example.yml").read_text(), sink.url, token))
+    prom = prometheus_factory({"llm-health": [exporter.address]}, render_rules(tmp_path / "rules", FAST), alertmanagers=[am.url])
+    wait_until(
+        lambda: {a["labels"].get("backend") for a in sink.alerts("/restarter")} >= {"frozen"},
+        timeout=90,
+        interval=0.5,
+        what="LLMBackendHung from the real exporter at the restarter",
     )
-    try:
-        token = tmp_path / "token"
-        token.write_text("t\n")
-        am = alertmanager_factory(rewrite_alertmanager_config((RULES / "alertmanager.example.yml").read_text(), sink.url, token))
-        prom = prometheus_factory({"llm-health": [f"127.0.0.1:{port}"]}, render_rules(tmp_path / "rules", FAST), alertmanagers=[am.url])
-        wait_until(
-            lambda: {a["labels"].get("backend") for a in sink.alerts("/restarter")} >= {"frozen"},
-            timeout=90,
-            interval=0.5,
-            what="LLMBackendHung from the real exporter at the restarter",
-        )
-        assert {a["labels"]["alertname"] for a in sink.alerts("/restarter")} == {"LLMBackendHung"}
-        states = {r["metric"]["backend"]: r["metric"]["state"] for r in prom.query("llm_backend_state == 1")}
-        assert states == {"frozen": "hung", "moving": "busy"}
-        assert not [a for a in sink.alerts() if a["labels"].get("backend") == "moving"]
-    finally:
-        exporter.terminate()
-        try:
-            exporter.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            exporter.kill()
-            exporter.wait()
-        log.close()
+    assert {a["labels"]["alertname"] for a in sink.alerts("/restarter")} == {"LLMBackendHung"}
+    states = {r["metric"]["backend"]: r["metric"]["state"] for r in prom.query("llm_backend_state == 1")}
+    assert states == {"frozen": "hung", "moving": "busy"}
+    assert not [a for a in sink.alerts() if a["labels"].get("backend") == "moving"]

@@ -10,8 +10,6 @@ calls adds nothing beyond the exporter's own rounds.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +17,7 @@ import urllib.request
 import pytest
 import yaml
 
-from tests.fixtures.stack import free_port, wait_until
+from tests.fixtures.stack import wait_until
 from tests.harness import vllm as harness
 
 pytestmark = pytest.mark.realvllm
@@ -35,19 +33,12 @@ def live(url: str) -> int:
         return exc.code
 
 
-def test_live_endpoint_on_a_real_vllm(idle_vllm_server, tmp_path):
+def test_live_endpoint_on_a_real_vllm(exporter_factory, idle_vllm_server, tmp_path):
     srv = idle_vllm_server
-    port = free_port()
     cfg = tmp_path / "llm-health.yml"
     with harness.LeastConnProxy([srv.url]) as proxy:
         cfg.write_text(yaml.safe_dump({"global": {"interval": f"{INTERVAL}s", "hung_after_seconds": 3}, "backends": [{"name": "cpu0", "url": proxy.url}]}))
-        log = open(tmp_path / "exporter.log", "wb")
-        exporter = subprocess.Popen(
-            [sys.executable, "-m", "llm_health", "serve", "--config.file", str(cfg), "--web.listen-address", f"127.0.0.1:{port}"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        base = f"http://127.0.0.1:{port}"
+        base = exporter_factory(cfg).url
         url = base + "/-/live?backend=cpu0"
         ready = base + "/-/ready?backend=cpu0"
         load = None
@@ -88,8 +79,5 @@ def test_live_endpoint_on_a_real_vllm(idle_vllm_server, tmp_path):
             wait_until(lambda: live(url) == 200 and live(ready) == 200, timeout=120, what="200 again once the engine moves")
         finally:
             srv.cont_engine("both")
-            exporter.terminate()
-            exporter.wait(10)
-            log.close()
             if load is not None:
                 load.wait(180)

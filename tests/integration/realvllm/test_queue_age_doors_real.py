@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import threading
 from collections import Counter
 from typing import Any
@@ -32,7 +30,7 @@ from llm_health.gate.app import Gate
 from llm_health.gate.doors import Doors
 from llm_health.store.keys import QueueKeys
 from tests.fixtures.nginx import Nginx
-from tests.fixtures.stack import free_port, http_json, render_rules, wait_until
+from tests.fixtures.stack import http_json, render_rules, wait_until
 from tests.harness import vllm as harness
 from tests.integration.realvllm.test_queue_age_real import PERIOD_MS, RUN_MS, burst
 from tests.integration.test_door_nginx import free_udp_port
@@ -71,11 +69,12 @@ async def ask(url: str, prompt: str) -> tuple[int, dict[str, Any], dict[str, str
         return r.status, json.loads(await r.read()), dict(r.headers)
 
 
-async def test_the_doors_refuse_on_the_engines_real_queue_and_the_alert_fires(idle_vllm_server, own_redis_server, prometheus_factory, tmp_path):
+async def test_the_doors_refuse_on_the_engines_real_queue_and_the_alert_fires(
+    exporter_factory, idle_vllm_server, own_redis_server, prometheus_factory, tmp_path
+):
     srv = idle_vllm_server
     # The exporter first, up before anything else takes a port: the backend named as the
     # shipped rules' route `chat` names it.
-    port = free_port()
     cfg = tmp_path / "llm-health.yml"
     cfg.write_text(
         yaml.safe_dump(
@@ -86,12 +85,8 @@ async def test_the_doors_refuse_on_the_engines_real_queue_and_the_alert_fires(id
             }
         )
     )
-    log = open(tmp_path / "exporter.log", "wb")
-    exporter = subprocess.Popen(
-        [sys.executable, "-m", "llm_health", "serve", "--config.file", str(cfg), "--web.listen-address", f"127.0.0.1:{port}"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    exporter = exporter_factory(cfg)
+    port = exporter.port
     key = QueueKeys().engine_age("gpu0")
     threads: list[threading.Thread] = []
     runners: list[web.AppRunner] = []
@@ -151,12 +146,5 @@ async def test_the_doors_refuse_on_the_engines_real_queue_and_the_alert_fires(id
     finally:
         for t in threads:
             t.join(timeout=60)
-        exporter.terminate()
-        try:
-            exporter.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            exporter.kill()
-            exporter.wait()
-        log.close()
         for runner in reversed(runners):
             await runner.cleanup()

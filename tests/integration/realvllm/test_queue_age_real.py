@@ -22,8 +22,6 @@ import http.client
 import itertools
 import json
 import math
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -32,7 +30,7 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
-from tests.fixtures.stack import free_port, wait_until
+from tests.fixtures.stack import wait_until
 from tests.harness import vllm as harness
 
 pytestmark = pytest.mark.realvllm
@@ -208,18 +206,11 @@ def check(
     return worst, raw, gap, lag, intake, checked
 
 
-def test_engine_queue_age_on_a_real_vllm_across_a_restart(idle_vllm_server, tmp_path):
+def test_engine_queue_age_on_a_real_vllm_across_a_restart(exporter_factory, idle_vllm_server, tmp_path):
     srv = idle_vllm_server
-    port = free_port()
     cfg = tmp_path / "llm-health.yml"
     cfg.write_text(yaml.safe_dump({"global": {"interval": f"{INTERVAL}s", "hung_after_seconds": 60}, "backends": [{"name": "cpu0", "url": srv.url}]}))
-    log = open(tmp_path / "exporter.log", "wb")
-    exporter = subprocess.Popen(
-        [sys.executable, "-m", "llm_health", "serve", "--config.file", str(cfg), "--web.listen-address", f"127.0.0.1:{port}"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
+    base = exporter_factory(cfg).url
     sampler = Sampler(base, srv.url)
     threads: list[threading.Thread] = []
     try:
@@ -261,29 +252,19 @@ def test_engine_queue_age_on_a_real_vllm_across_a_restart(idle_vllm_server, tmp_
     finally:
         sampler.stop.set()
         srv.cont_engine("both")
-        exporter.terminate()
-        exporter.wait(10)
-        log.close()
         for t in threads:
             t.join(60)
 
 
-def test_engine_queue_age_on_a_real_vllm_across_preemptions(vllm_server_factory, tmp_path):
+def test_engine_queue_age_on_a_real_vllm_across_preemptions(exporter_factory, vllm_server_factory, tmp_path):
     """A KV cache of 9 blocks of 128 tokens for 4 places and requests of 600 tokens: vLLM
     preempts running requests back to the head of its queue. The figure stays under the
     age of the oldest unfinished request (a preempted one waits again, counted from its
     arrival) and within a round of the oldest surely queued."""
     srv = vllm_server_factory(extra_args=["--num-gpu-blocks-override", "9"])
-    port = free_port()
     cfg = tmp_path / "llm-health.yml"
     cfg.write_text(yaml.safe_dump({"global": {"interval": f"{INTERVAL}s", "hung_after_seconds": 60}, "backends": [{"name": "cpu0", "url": srv.url}]}))
-    log = open(tmp_path / "exporter.log", "wb")
-    exporter = subprocess.Popen(
-        [sys.executable, "-m", "llm_health", "serve", "--config.file", str(cfg), "--web.listen-address", f"127.0.0.1:{port}"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
+    base = exporter_factory(cfg).url
     sampler = Sampler(base)
     threads: list[threading.Thread] = []
     try:
@@ -310,8 +291,5 @@ def test_engine_queue_age_on_a_real_vllm_across_preemptions(vllm_server_factory,
         )
     finally:
         sampler.stop.set()
-        exporter.terminate()
-        exporter.wait(10)
-        log.close()
         for t in threads:
             t.join(60)
