@@ -150,3 +150,23 @@ def test_no_module_over_500_lines_without_a_reason():
         if text.count("\n") > MAX_LINES and SIZE_REASON not in text[:2500]:
             long.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
     assert not long, f"over {MAX_LINES} lines without '{SIZE_REASON} ...' at the top: {long}"
+
+
+def test_only_store_asks_which_redis_kind_it_has():
+    """One server, Sentinel and Cluster differ in store/ and nowhere else (docs/architecture.md):
+    no module outside it reads a deployment's `cluster`, compares its `kind` (reporting it,
+    as the `llm_redis_deployment_info` label does, is not a branch), or names RedisCluster."""
+    found = []
+    for name, path in modules().items():
+        if name.startswith("llm_health.store"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in {"cluster", "RedisCluster"}:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+            elif isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    if isinstance(side, ast.Attribute) and side.attr == "kind" and isinstance(side.value, ast.Attribute) and side.value.attr in {"deployment", "target"}:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} compares .{side.value.attr}.kind")
+            elif isinstance(node, ast.alias) and node.name.split(".")[-1] == "RedisCluster":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports RedisCluster")
+    assert not found, found

@@ -24,7 +24,6 @@ from redis.exceptions import ResponseError
 
 from ..config.redis import RedisConfig
 from ..core.drift import Identity, PoolSnapshot, pool_snapshot
-from ..store.bulk import add_cluster_reads, add_read_leases, parse_cluster_reads, parse_read_leases, read_leases_chunks
 from ..store.connection import text
 from ..store.deployment import connect, wrap
 from ..store.errors import ERRORS
@@ -56,8 +55,8 @@ class RedisView:
         # that is down fails the refresh fast.
         self.deployment = wrap(redis) if redis is not None else connect(config.url, socket_timeout=config.timeout_s, retries=1)
         self.redis = self.deployment.client
-        self.cluster = self.deployment.cluster
         self.keys = self.deployment.lease_keys(config.lease_keys)
+        self.bulk = self.deployment.bulk_reads(self.keys)  # the kind's batch reads (store.bulk)
         self.qkeys = self.deployment.queue_keys(config.queue_prefix)
         self._owns_redis = redis is None
         self.db = self.deployment.db
@@ -71,7 +70,6 @@ class RedisView:
 
         self._pool_gpus: dict[str, tuple[str, ...]] = {p.name: p.gpus for p in config.pools}
         self._indexed: dict[str, tuple[str, ...]] = {}
-        self._chunk_cache: dict[str, tuple[tuple[str, ...], list[tuple[Any, str]]]] = {}
         self._gpu_pools: dict[str, list[str]] = {}
         self._rebuild_gpu_index()
         self._discover_due = 0.0
@@ -169,13 +167,6 @@ class RedisView:
             log.exception("redis view: refresh failed")
         self.last_duration_s = time.perf_counter() - started
 
-    def _chunks(self, pool: str, gpus: tuple[str, ...]) -> list[tuple[Any, str]]:
-        cached = self._chunk_cache.get(pool)
-        if cached is None or cached[0] is not gpus:
-            cached = (gpus, read_leases_chunks(gpus))
-            self._chunk_cache[pool] = cached
-        return cached[1]
-
     def _rebuild_gpu_index(self) -> None:
         self._indexed = dict(self._pool_gpus)
         index: dict[str, list[str]] = {}
@@ -207,24 +198,10 @@ class RedisView:
                 self._routes = tuple(sorted(text(r) for r in replies[-1]))
         discover = [p for p in self.config.pools if p.discover]
         if discover and time.monotonic() >= self._discover_due:
-            found: set[str] = set()
-            if self.cluster:  # every primary, bounded the same way
-                async for k in self.redis.scan_iter(match=self.keys.lease_prefix + "*", count=1000):
-                    gpu = self.keys.gpu_of(text(k))
-                    if gpu is not None:
-                        found.add(gpu)
-                    if len(found) >= self.config.discover_max_keys:
-                        break
-                round_trips += 1
-                self.commands_last += 1
-            cursor = 0
-            while not self.cluster:  # bounded: stops after discover_max_keys keys
-                cursor, batch = await self.redis.scan(cursor, match=self.keys.lease_prefix + "*", count=1000)
-                round_trips += 1
-                self.commands_last += 1
-                found.update(g for g in (self.keys.gpu_of(text(k)) for k in batch) if g is not None)
-                if not cursor or len(found) >= self.config.discover_max_keys:
-                    break
+            # bounded: stops after discover_max_keys keys (Cluster: over every primary)
+            found, trips = await self.bulk.scan_ids(self.keys.lease_prefix + "*", self.keys.gpu_of, self.config.discover_max_keys)
+            round_trips += trips
+            self.commands_last += trips
             for p in discover:
                 known = set(self._pool_gpus.get(p.name, ())) | found
                 self._pool_gpus[p.name] = tuple(sorted(known)[: self.config.discover_max_keys])
@@ -244,19 +221,12 @@ class RedisView:
         feed_live_before = self.subscriber.connected
 
         wall = now_ms()  # queue and waiter times are the writers' clocks (Unix ms)
-        if self.cluster:
-            await self.redis.initialize()  # the slot map (once; again after a failover)
+        await self.bulk.prepare()
         pipe = self.redis.pipeline(transaction=False)
-        if self.cluster:  # TIME has no key to route by: sent to one primary, in the same batch
-            pipe.execute_command("TIME", target_nodes=self.redis.get_primaries()[0])
-        else:
-            pipe.time()  # lease times are the Redis clock (written by the claim script)
+        self.bulk.add_time(pipe)  # lease times are the Redis clock (written by the claim script)
+        lease_replies = []
         for p, gpus in pools:
-            if self.cluster:  # scripts cannot read other slots: plain commands, per node
-                add_cluster_reads(pipe, self.keys, gpus)
-            else:
-                for _chunk, joined in self._chunks(p.name, gpus):
-                    add_read_leases(pipe, self.keys, joined)
+            lease_replies.append(self.bulk.add_leases(pipe, p.name, gpus))
             pipe.zcount(self.keys.waiters(p.name), wall, "+inf")
         gc_cutoff = wall - self.config.queue_retention_ms
         for route in routes:
@@ -295,14 +265,8 @@ class RedisView:
         pool_snaps: dict[str, PoolSnapshot] = {}
         held_now: dict[str, dict[str, Identity]] = {}
         baseline: dict[str, tuple[str, int | None, float]] = {}
-        for p, gpus in pools:
-            leased: dict[str, Any] = {}
-            if self.cluster:
-                leased.update(parse_cluster_reads(gpus, take(3 * len(gpus))))
-            else:
-                chunks = self._chunks(p.name, gpus)
-                for (chunk, _joined), reply in zip(chunks, take(len(chunks))):
-                    leased.update(parse_read_leases(chunk, reply))
+        for (p, gpus), n in zip(pools, lease_replies):
+            leased = self.bulk.parse_leases(p.name, gpus, take(n))
             (waiters,) = take(1)
             found = pool_snapshot(gpus, leased, int(waiters), p.backends, backend_states, self._prev_states, self._prev_held.get(p.name, {}), server_ms)
             pool_snaps[p.name] = found.snapshot

@@ -1,9 +1,13 @@
-"""Reading many leases at once, for the exporter's view of a pool: one short script per
-chunk of GPUs (scripts.READ_LEASES_LUA), queued on one pipeline, whatever the pool size."""
+"""Reading many leases at once, for the exporter's view of a pool, in one batch whatever
+the pool size: on one server (or Sentinel's primary) one short script per chunk of GPUs
+(scripts.READ_LEASES_LUA); on Cluster, where a script may only touch its own slot, plain
+commands per GPU on the cluster pipeline. `BulkReads` is the one interface the view uses;
+`Deployment.bulk_reads` picks the kind's, so nothing outside store/ asks which kind it is.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .connection import text
@@ -68,3 +72,81 @@ def parse_cluster_reads(gpus: Sequence[str], replies: Sequence[Any]) -> dict[str
         else:
             out[g] = LeaseState(g, holder, ttl_ms, int(token) if token else None, int(claimed) if claimed else None)
     return out
+
+
+class BulkReads:
+    """The reads of the exporter's Redis view, for one server or Sentinel's primary."""
+
+    def __init__(self, keys: LeaseKeys, client: Any):
+        self.keys = keys
+        self.client = client
+        self._chunks: dict[str, tuple[Sequence[str], list[tuple[Sequence[str], str]]]] = {}
+
+    async def prepare(self) -> None:
+        """Before a batch is queued (Cluster: the slot map)."""
+
+    def add_time(self, pipe: Any) -> None:
+        """Queue TIME: lease times are the Redis clock (written by the claim script)."""
+        pipe.time()
+
+    def _chunked(self, pool: str, gpus: Sequence[str]) -> list[tuple[Sequence[str], str]]:
+        cached = self._chunks.get(pool)
+        if cached is None or cached[0] is not gpus:  # rebuilt only when the pool's list changes
+            cached = (gpus, read_leases_chunks(gpus))
+            self._chunks[pool] = cached
+        return cached[1]
+
+    def add_leases(self, pipe: Any, pool: str, gpus: Sequence[str]) -> int:
+        """Queue the read of a pool's leases; returns how many replies it adds."""
+        chunks = self._chunked(pool, gpus)
+        for _chunk, joined in chunks:
+            add_read_leases(pipe, self.keys, joined)
+        return len(chunks)
+
+    def parse_leases(self, pool: str, gpus: Sequence[str], replies: Sequence[Any]) -> dict[str, LeaseState]:
+        """The held leases of a pool, from the replies add_leases queued."""
+        out: dict[str, LeaseState] = {}
+        for (chunk, _joined), reply in zip(self._chunked(pool, gpus), replies):
+            out.update(parse_read_leases(chunk, reply))
+        return out
+
+    async def scan_ids(self, match: str, to_id: Callable[[str], str | None], limit: int) -> tuple[set[str], int]:
+        """The ids of the keys matching `match` (to_id: a key's id, or None to skip it),
+        at most about `limit`; and how many round trips that took."""
+        found: set[str] = set()
+        cursor, trips = 0, 0
+        while True:
+            cursor, batch = await self.client.scan(cursor, match=match, count=1000)
+            trips += 1
+            found.update(i for i in (to_id(text(k)) for k in batch) if i is not None)
+            if not cursor or len(found) >= limit:
+                return found, trips
+
+
+class ClusterBulkReads(BulkReads):
+    """Redis Cluster: per-GPU commands (one batch per node, sent in parallel by the cluster
+    pipeline), TIME sent to one primary, SCAN over every primary."""
+
+    async def prepare(self) -> None:
+        await self.client.initialize()  # the slot map (once; again after a failover)
+
+    def add_time(self, pipe: Any) -> None:
+        # TIME has no key to route by: sent to one primary, in the same batch
+        pipe.execute_command("TIME", target_nodes=self.client.get_primaries()[0])
+
+    def add_leases(self, pipe: Any, pool: str, gpus: Sequence[str]) -> int:
+        add_cluster_reads(pipe, self.keys, gpus)
+        return 3 * len(gpus)
+
+    def parse_leases(self, pool: str, gpus: Sequence[str], replies: Sequence[Any]) -> dict[str, LeaseState]:
+        return parse_cluster_reads(gpus, replies)
+
+    async def scan_ids(self, match: str, to_id: Callable[[str], str | None], limit: int) -> tuple[set[str], int]:
+        found: set[str] = set()
+        async for k in self.client.scan_iter(match=match, count=1000):  # every primary, bounded the same way
+            i = to_id(text(k))
+            if i is not None:
+                found.add(i)
+            if len(found) >= limit:
+                break
+        return found, 1

@@ -36,6 +36,7 @@ from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, ResponseError, SlotNotCoveredError, TryAgainError
 
+from .bulk import BulkReads, ClusterBulkReads
 from .cluster_events import ClusterKeyevents
 from .connection import FEED_CLIENT_NAME, TRANSIENT, text
 from .errors import ERRORS, NotReplicated, retryable
@@ -83,6 +84,10 @@ class Deployment:
     def lease_keys(self, keys: LeaseKeys | None = None) -> LeaseKeys:
         keys = keys or LeaseKeys()
         return keys.tagged() if self.cluster else keys
+
+    def bulk_reads(self, keys: LeaseKeys) -> BulkReads:
+        """The exporter view's batch reads of leases, TIME and key scans, as this kind needs."""
+        return (ClusterBulkReads if self.cluster else BulkReads)(keys, self.client)
 
     def queue_keys(self, prefix: str) -> QueueKeys:
         keys = QueueKeys(prefix)
