@@ -9,12 +9,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .errors import ERRORS
-from .feed import KeyeventSubscriber
+from .feed import FeedBase, KeyeventSubscriber
 
 TOPOLOGY_CHECK_S = 1.0  # how often the feed asks where the primaries are
 
 
-class ClusterKeyevents:
+class ClusterKeyevents(FeedBase):
     """Keyevents on Redis Cluster: one :class:`KeyeventSubscriber` per primary (keyspace
     notifications are node-local), re-made as primaries change. Same interface as a
     KeyeventSubscriber for its owner: ``connected`` only while every primary's feed is;
@@ -34,33 +34,18 @@ class ClusterKeyevents:
         confirm_timeout_s: float = 5.0,
         idle_ping_s: float | None = None,
     ):
+        super().__init__(on_event, name=name, on_subscribed=on_subscribed, on_lost=on_lost, before_subscribe=before_subscribe)
         self.deployment = deployment
-        self.on_event = on_event
-        self.on_subscribed = on_subscribed
-        self.on_lost = on_lost
-        self.before_subscribe = before_subscribe
-        self.name = name
         self._kw: dict[str, Any] = {"reconnect_max_s": reconnect_max_s, "confirm_timeout_s": confirm_timeout_s}
         if idle_ping_s is not None:
             self._kw["idle_ping_s"] = idle_ping_s
         self.subs: dict[tuple[str, int], KeyeventSubscriber] = {}
         self._ever_all = False
-        self._pending_change = False
-        self._task: asyncio.Task[None] | None = None
-        self._stopping = False
         self._hook_lock = asyncio.Lock()
 
     @property
     def connected(self) -> bool:
         return bool(self.subs) and all(s.connected for s in self.subs.values())
-
-    @property
-    def running(self) -> bool:
-        return self._task is not None and not self._task.done()
-
-    def start(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name=self.name)
 
     async def stop(self) -> None:
         task, self._task = self._task, None

@@ -67,7 +67,41 @@ async def subscribe_confirmed(pubsub: Any, channels: Sequence[str], deadline: fl
             confirmed += 1
 
 
-class KeyeventSubscriber:
+class FeedBase:
+    """What every keyevent feed's owner sees, whatever the Redis kind: the hooks (below),
+    a name for its task, `start()` and `running`. KeyeventSubscriber is one connection;
+    cluster_events.ClusterKeyevents one KeyeventSubscriber per primary."""
+
+    def __init__(
+        self,
+        on_event: Callable[[str, str], None],
+        *,
+        name: str,
+        on_subscribed: Callable[[bool], None] | None,
+        on_lost: Callable[[BaseException], None] | None,
+        before_subscribe: Callable[[], Awaitable[None]] | None,
+    ):
+        self.on_event = on_event
+        self.on_subscribed = on_subscribed
+        self.on_lost = on_lost
+        self.before_subscribe = before_subscribe
+        self.name = name
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name=self.name)
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+
+class KeyeventSubscriber(FeedBase):
     """One pub/sub connection on the `del` and `expired` keyevent channels of a database,
     kept subscribed until `stop()`.
 
@@ -93,6 +127,7 @@ class KeyeventSubscriber:
         still_valid: Callable[[Any], Awaitable[bool]] | None = None,
         check_interval_s: float = 1.0,
     ):
+        super().__init__(on_event, name=name, on_subscribed=on_subscribed, on_lost=on_lost, before_subscribe=before_subscribe)
         self.redis = redis  # publishes the liveness messages
         # The subscription must SEE every broken connection: no retries on it.
         self._sub_redis = sub_redis if sub_redis is not None else without_retries(redis)
@@ -102,25 +137,10 @@ class KeyeventSubscriber:
         self.check_interval_s = check_interval_s
         self.liveness_channel = f"llm-health:feed:{uuid.uuid4().hex}"
         self.channels = (*keyevent_channels(db), self.liveness_channel)
-        self.on_event = on_event
-        self.on_subscribed = on_subscribed
-        self.on_lost = on_lost
-        self.before_subscribe = before_subscribe
         self.reconnect_max_s = reconnect_max_s
         self.confirm_timeout_s = confirm_timeout_s
         self.idle_ping_s = idle_ping_s
-        self.name = name
         self.connected = False
-        self._stopping = False
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name=self.name)
-
-    @property
-    def running(self) -> bool:
-        return self._task is not None and not self._task.done()
 
     async def stop(self) -> None:
         task, self._task = self._task, None
