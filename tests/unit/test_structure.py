@@ -165,7 +165,12 @@ def test_only_store_asks_which_redis_kind_it_has():
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
             elif isinstance(node, ast.Compare):
                 for side in (node.left, *node.comparators):
-                    if isinstance(side, ast.Attribute) and side.attr == "kind" and isinstance(side.value, ast.Attribute) and side.value.attr in {"deployment", "target"}:
+                    if (
+                        isinstance(side, ast.Attribute)
+                        and side.attr == "kind"
+                        and isinstance(side.value, ast.Attribute)
+                        and side.value.attr in {"deployment", "target"}
+                    ):
                         found.append(f"{path.relative_to(ROOT)}:{node.lineno} compares .{side.value.attr}.kind")
             elif isinstance(node, ast.alias) and node.name.split(".")[-1] == "RedisCluster":
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports RedisCluster")

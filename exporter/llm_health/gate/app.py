@@ -20,6 +20,7 @@ import gc
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -50,6 +51,31 @@ def tune_gc() -> None:
     the tail latency that collections add (measured in bench/bench_gate.py); run_app also
     keeps what start-up allocated out of every collection."""
     gc.set_threshold(100_000, 50, 50)
+
+
+class Tail:
+    """The last `size` bytes of a streamed answer (where a dropped stream's `usage` is), kept
+    as the chunks that hold them: no copy of the answer per chunk."""
+
+    def __init__(self, size: int = 16384):
+        self.size = size
+        self.chunks: deque[bytes] = deque()
+        self.length = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+        self.length += len(chunk)
+        while self.length - len(self.chunks[0]) >= self.size:
+            self.length -= len(self.chunks.popleft())
+
+    def units(self) -> int:
+        """The token units the answer's tail reports (`usage`), 0 if none."""
+        return token_units(b"".join(self.chunks)[-self.size :])
+
+
+def tail_units(request: web.Request) -> int:
+    tail = request.get("llm_health_tail")
+    return tail.units() if tail is not None else 0
 
 
 def answer(outcome: Outcome) -> web.Response:
@@ -120,13 +146,13 @@ class Gate:
             # Record the attempt (status 499, as nginx names it) with the token units the
             # engine reported so far, without holding up the cancellation.
             self.m_upstream.labels(route.name, "499").inc()
-            self.admission.finish_later(attempt, 499, token_units(request.get("llm_health_tail", b"")))
+            self.admission.finish_later(attempt, 499, tail_units(request))
             raise
         except UpstreamBroke as exc:
             # The upstream reset or spoke no HTTP after the answer began: the client's
             # connection is cut (a truncated answer must not look whole), the attempt is 502.
             self.m_upstream.labels(route.name, "502").inc()
-            self.admission.finish_later(attempt, 502, token_units(request.get("llm_health_tail", b"")))
+            self.admission.finish_later(attempt, 502, tail_units(request))
             log.warning("upstream of route %s broke mid-answer: %s", route.name, exc)
             if request.transport is not None:
                 request.transport.close()
@@ -144,13 +170,13 @@ class Gate:
 
     async def _forward(self, request: web.Request, route: Route, body: bytes, outcome: Outcome) -> tuple[int, int]:
         """Stream the upstream response through, chunk by chunk; (status, token units). The
-        response's last 16 KiB stay in ``request["llm_health_tail"]`` (the usage a dropped
-        stream had reported)."""
+        response's last 16 KiB stay in ``request["llm_health_tail"]`` (a Tail: the usage a
+        dropped stream had reported)."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         headers.update(outcome.headers)  # X-Request-Id, the decision, x-queue-age-ms, x-deadline-slack-ms
         request_id = outcome.headers["X-Request-Id"]
         url = route.upstream + request.raw_path  # the path checked by core.forwarding, as sent
-        tail = b""
+        tail = request["llm_health_tail"] = Tail()
         assert self.session is not None  # started
         try:
             async with self.session.request(request.method, url, data=body, headers=headers, allow_redirects=False) as up:
@@ -159,11 +185,10 @@ class Gate:
                 request["llm_health_response"] = out
                 await out.prepare(request)
                 async for chunk in up.content.iter_any():
-                    tail = (tail + chunk)[-16384:]
-                    request["llm_health_tail"] = tail
+                    tail.add(chunk)
                     await out.write(chunk)  # raises if the client went away: the upstream is closed below
                 # write_eof is left to the caller, which then records the attempt.
-                return up.status, token_units(tail)
+                return up.status, tail.units()
         except (TimeoutError, aiohttp.ClientError) as exc:
             if isinstance(exc, aiohttp.ClientConnectionResetError):
                 raise  # the client went away (a write to it failed), not the upstream
