@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from .base import OpenAIFlavor, Served, SimFlavor, StepEngine
 from .llamacpp import LlamaCppSim
+from .sglang import SGLangSim
+from .tgi import TgiSim
+from .triton import TritonSim
 from .vllm import VllmSim
 
-FLAVORS: dict[str, type[SimFlavor]] = {f.kind: f for f in (VllmSim, LlamaCppSim)}
+FLAVORS: dict[str, type[SimFlavor]] = {f.kind: f for f in (VllmSim, LlamaCppSim, SGLangSim, TgiSim, TritonSim)}
 
 
 def flavor(kind: str) -> SimFlavor:
