@@ -24,6 +24,7 @@ import pytest
 from llm_health.core import engines
 from llm_health.core.engines import Profile
 from llm_health.sim import engines as sim_engines
+from tests.fixtures.paths import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
@@ -150,6 +151,15 @@ def test_a_name_outside_the_places_is_found(tmp_path):
     pattern = re.compile("|".join(rf"(?<![a-z0-9]){re.escape(s)}" for s in sorted(names)), re.I)
     assert pattern.search('if prev.profile == "llamacpp":') and pattern.search("class LlamaCppEngine")
     assert not pattern.search("xllamacpp")
+
+
+def test_every_engine_section_of_the_rules_is_a_registered_engine():
+    """The rule pack's engine sections (a scrape job with a template of its name) are
+    engines of the registry, by name or by their series' prefix (vllm: both vLLM profiles)."""
+    generate = load_script(ROOT / "rules" / "generate.py", "rules_generate_names")
+    sections = generate.engine_sections(generate.load_config())
+    known = {p.name for p in engines.PROFILES} | {p.prefix.rstrip(":_") for p in engines.PROFILES}
+    assert sections and set(sections) <= known, sections
 
 
 def test_every_simulated_engine_simulates_a_registered_profile():

@@ -1,18 +1,52 @@
-"""The llama.cpp raw layer (rules/llamacpp.rules.yml): its fingerprint reads every
-counter and gauge a live llama-server moves, and its rule tests start from values a live
+"""The engines' raw layers: an engine's rules section is its template and its config
+(the generator names no engine); the llama.cpp layer's fingerprint reads every counter
+and gauge a live llama-server moves, and its rule tests start from values a live
 llama-server answered. The rest of the rule pack: test_rules.py."""
 
 from __future__ import annotations
 
 import re
 
+import pytest
+import yaml
+
 from tests.fixtures.paths import REAL_LLAMACPP, RULES
 from tests.fixtures.stack import metric_names, payload_series
-from tests.integration.test_rules import alerts, all_rules, llamacpp_payloads, load
+from tests.integration.test_rules import alerts, all_rules, generate, llamacpp_payloads, load
 
 # llama-server series the llama.cpp rules leave out on purpose: every /metrics read resets
 # the two throughput gauges, and n_busy_slots_per_decode is a lifetime average.
 LLAMACPP_NOT_PROGRESS = {"llamacpp:prompt_tokens_seconds", "llamacpp:predicted_tokens_seconds", "llamacpp:n_busy_slots_per_decode"}
+
+
+TICKER_TEMPLATE = """groups:
+  - name: ticker.raw
+    rules:
+      - record: instance:ticker_passes:changes
+        expr: changes(ticker_passes_total{${selectors.ticker}}[${ticker.progress_window}])
+      - record: instance:ticker_passes:rate
+        expr: rate(ticker_passes_total{${selectors.ticker}}[${ticker.rate_window}])
+"""
+
+
+def test_an_engine_section_is_its_template_and_its_config(tmp_path, monkeypatch):
+    """An engine's rules section is its template and its values in the config: the
+    generator, which names no engine, derives its windows from its scrape interval."""
+    for template in generate.TEMPLATES.glob("*.rules.yml.tmpl"):
+        (tmp_path / template.name).write_text(template.read_text())
+    (tmp_path / "ticker.rules.yml.tmpl").write_text(TICKER_TEMPLATE)
+    monkeypatch.setattr(generate, "TEMPLATES", tmp_path)
+    raw = yaml.safe_load((RULES / "config.yaml").read_text())
+    raw["scrape_intervals"]["ticker"], raw["selectors"]["ticker"] = "60s", 'job="ticker"'
+    raw["ticker"] = {"progress_window": "45s", "rate_window": "1m"}
+    config = generate.derive(yaml.safe_load(yaml.safe_dump(raw, sort_keys=False)))
+    assert generate.engine_sections(config) == ["vllm", "llamacpp", "ticker"]
+    assert (config["ticker"]["progress_window"], config["ticker"]["rate_window"], config["ticker"]["evidence_samples"]) == ("3m", "4m", 2)
+    rendered = generate.render_all(config)["ticker.rules.yml"]
+    assert "For these scrape intervals: ticker 60s.\n" in rendered and "[3m]" in rendered and "[4m]" in rendered
+    del raw["ticker"]["rate_window"]
+    with pytest.raises(SystemExit, match=r"`ticker:`.*needs rate_window"):
+        generate.derive(raw)
 
 
 def test_llamacpp_fingerprint_reads_every_counter_and_gauge():
