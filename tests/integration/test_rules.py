@@ -35,9 +35,6 @@ NEWER_THAN_PAYLOADS = {
 }
 # The V0 name kept as a fallback for KV usage; every other vllm: name must be in the V1 payload.
 V0_ONLY = {"vllm:gpu_cache_usage_perc"}
-# llama-server series the llama.cpp rules leave out on purpose: every /metrics read resets
-# the two throughput gauges, and n_busy_slots_per_decode is a lifetime average.
-LLAMACPP_NOT_PROGRESS = {"llamacpp:prompt_tokens_seconds", "llamacpp:predicted_tokens_seconds", "llamacpp:n_busy_slots_per_decode"}
 
 needs_promtool = pytest.mark.skipif(not PROMTOOL, reason="promtool is not installed (apt-get install prometheus)")
 
@@ -120,8 +117,11 @@ def test_generator_refuses_durations_that_are_not(tmp_path, bad):
 
 
 def test_committed_files_say_their_scrape_intervals():
-    assert "For these scrape intervals: vllm 30s, llamacpp 30s, exporter 30s." in (RULES / "vllm.rules.yml").read_text()
-    assert "For these scrape intervals: vllm 15s, llamacpp 15s, exporter 5s." in (RULES / "fast" / "vllm.rules.yml").read_text()
+    """Each rule file names the intervals of the jobs whose values it reads; the manifest, every one."""
+    assert "For these scrape intervals: vllm 30s.\n" in (RULES / "vllm.rules.yml").read_text()
+    assert "For these scrape intervals: vllm 15s.\n" in (RULES / "fast" / "vllm.rules.yml").read_text()
+    assert "For these scrape intervals: exporter 5s.\n" in (RULES / "fast" / "llm-health.rules.yml").read_text()
+    assert "Scrape intervals: vllm 15s, llamacpp 15s, exporter 5s.\n" in (RULES / "fast" / "prometheusrule.yaml").read_text()
 
 
 def test_generator_refuses_unknown_keys(tmp_path):
@@ -429,38 +429,3 @@ def test_fingerprint_reads_every_progress_signal():
     }
     hung = next(r for r in alerts() if r["alert"] == "VLLMEngineHung")["expr"]
     assert "vllm:engine_sleep_state" in hung and "process_restarts" in hung and "counter_resets" in hung
-
-
-def test_llamacpp_fingerprint_reads_every_counter_and_gauge():
-    """llama-server moves nothing but its counters and two gauges while it works: the
-    progress count reads every one of them, the resets every counter, and nothing else."""
-    live = payload_series(REAL_LLAMACPP / "busy.prom")
-    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", (REAL_LLAMACPP / "busy.prom").read_text(), re.M))
-    rules = {r.get("record"): r["expr"] for r in all_rules() if "record" in r}
-    progress = next(expr for name, expr in rules.items() if name.startswith("instance:llamacpp_progress_signals:"))
-    resets = next(expr for name, expr in rules.items() if name.startswith("instance:llamacpp_counter_resets:"))
-    assert metric_names(progress) == live - LLAMACPP_NOT_PROGRESS
-    assert metric_names(resets) == {n for n in live - LLAMACPP_NOT_PROGRESS if types[n] == "counter"}
-    hung = next(r for r in alerts() if r["alert"] == "LlamaCppServerHung")["expr"]
-    assert "progress_signals" in hung and "counter_resets" in hung and "min_over_time(up{" in hung and " offset " in hung
-
-
-def test_llamacpp_cases_come_from_the_live_payloads():
-    """Each llama.cpp series in the unit tests starts from a value a live llama-server
-    answered (tests/data/llamacpp/). What the alerts do on those cases:
-    test_promtool_unit_tests[llamacpp.test.yml], and busy, slow, long prompt, idle,
-    restarted and hung at every scrape interval: tests/integration/test_rule_intervals.py."""
-    values: dict[str, set[float]] = {}
-    for path in llamacpp_payloads():
-        for name, value in re.findall(r"^(llamacpp:\S+) (\S+)$", path.read_text(), re.M):
-            values.setdefault(name, set()).add(float(value))
-    test_file = RULES / "tests" / "llamacpp.test.yml"
-    checked = 0
-    for case in load(test_file)["tests"]:
-        for series in case["input_series"]:
-            name = series["series"].split("{")[0]
-            if name.startswith("llamacpp:"):
-                first = float(re.match(r"[-0-9.e]+", series["values"]).group())
-                assert first in values[name], f"{name} starts at {first}: in no live payload"
-                checked += 1
-    assert checked >= 50

@@ -24,6 +24,7 @@ import pytest
 from llm_health.core import engines
 from llm_health.core.engines import Profile
 from llm_health.sim import engines as sim_engines
+from tests.fixtures.paths import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
@@ -40,45 +41,27 @@ PLACES = (
     "exporter/llm_health/sim/engines/{sim}.py",  # its simulation
     "exporter/llm_health/sim/engines/__init__.py",  # one line: the simulations' registry
     "rules/templates/{name}.rules.yml.tmpl",  # its rules section
+    "rules/config.yaml",  # its rules section's values: scrape interval, selector, windows
     "rules/{name}.rules.yml",  # generated from the template
     "rules/fast/{name}.rules.yml",  # generated from the template
     "rules/tests/{name}.test.yml",  # its rule tests
     "rules/prometheusrule.yaml",  # generated: every rules section in one PrometheusRule
     "rules/fast/prometheusrule.yaml",
     "deploy/kubernetes/prometheusrule.yaml",
-    ".ci/install-{name}.sh",  # its installer
+    "compose/prometheus.yml",  # the compose example's scrape job for its rules section
+    ".ci/install-{name}.sh",  # its installer, for its real-engine tests
+    "scripts/install-test-deps.sh",  # one line: runs its installer
+    "pyproject.toml",  # one line: the pytest marker of its real-engine tests
+    "bench/engines_measure.py",  # its real-engine measurement (docs/engines.md)
     "tests/*",  # its tests, harness subclass, fixture and captured payloads
     "docs/*",
     "*README.md",
     "CHANGELOG.md",
 )
 
-# Files that still name engines outside those places, each with its reason. Short and
-# honest: each is a place the engine's room does not reach yet.
-ALLOWLIST = {
-    # the rule pack: rules/ was changed beside issue 41 (part A); its engine sections are
-    # to be listed from the registry at the merge
-    "rules/generate.py": "the rule generator's engine sections (DERIVED_WINDOWS): issue 41, left for the merge",
-    "rules/config.yaml": "the rule pack's per-engine scrape intervals, selectors and windows: issue 41, left for the merge",
-    "rules/alertmanager.example.yml": "the example routing inhibits the raw layers' alerts by name: issue 41, left for the merge",
-    "rules/dcgm.rules.yml": "a GPU fault mutes each raw layer's alerts by name: issue 41, left for the merge",
-    "rules/fast/dcgm.rules.yml": "generated from rules/dcgm.rules.yml's template",
-    "rules/llm-health.rules.yml": "the exporter's alerts name the raw layers they stand beside: issue 41, left for the merge",
-    "rules/fast/llm-health.rules.yml": "generated, as rules/llm-health.rules.yml",
-    "rules/vllm.rules.yml": "the vLLM layer names the llama.cpp layer it mirrors: issue 41, left for the merge",
-    "rules/fast/vllm.rules.yml": "generated, as rules/vllm.rules.yml",
-    # other rooms changed beside this work
-    "exporter/llm_health/restarter/capture.py": "which stack reader fits a native engine's process: restarter/capture.py was changed beside this work",
-    "bench/bench_parse.py": "the parse benchmark's engine columns: bench/ was changed beside this work",
-    "bench/engines_measure.py": "the per-engine measurements of docs/engines.md: bench/ was changed beside this work",
-    "bench/sections.py": "the benchmark snapshot's section titles (the real-engine section names both engines): bench/ was changed beside this work",
-    # the deployments' examples and the test machinery
-    "compose/prometheus.yml": "the compose example scrapes each engine in its rules section's job",
-    "compose/alertmanager.yml": "the compose example's routing names the raw layers' alerts",
-    "scripts/install-test-deps.sh": "installs each real engine the tests run (.ci/install-*.sh)",
-    "Makefile": "the targets that run the real-engine tests",
-    "pyproject.toml": "the pytest markers of the real-engine test folders",
-}
+# Files that name engines outside those places, each with its reason (none today: a
+# file added here needs a reason docs/architecture.md's "Adding an engine" gives).
+ALLOWLIST: dict[str, str] = {}
 
 
 def _module_of(profile: Profile, package: str, skip: set[str]) -> str | None:
@@ -168,6 +151,15 @@ def test_a_name_outside_the_places_is_found(tmp_path):
     pattern = re.compile("|".join(rf"(?<![a-z0-9]){re.escape(s)}" for s in sorted(names)), re.I)
     assert pattern.search('if prev.profile == "llamacpp":') and pattern.search("class LlamaCppEngine")
     assert not pattern.search("xllamacpp")
+
+
+def test_every_engine_section_of_the_rules_is_a_registered_engine():
+    """The rule pack's engine sections (a scrape job with a template of its name) are
+    engines of the registry, by name or by their series' prefix (vllm: both vLLM profiles)."""
+    generate = load_script(ROOT / "rules" / "generate.py", "rules_generate_names")
+    sections = generate.engine_sections(generate.load_config())
+    known = {p.name for p in engines.PROFILES} | {p.prefix.rstrip(":_") for p in engines.PROFILES}
+    assert sections and set(sections) <= known, sections
 
 
 def test_every_simulated_engine_simulates_a_registered_profile():

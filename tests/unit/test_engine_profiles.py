@@ -24,11 +24,12 @@ ids = [p.name for p in PROFILES]
 def test_the_fields_hold_together(profile: Profile):
     assert engines.BY_NAME[profile.name] is profile
     assert profile.title and profile.prefix and all(n.startswith(profile.prefix) for n in (*profile.running, *profile.waiting, *profile.counters))
+    unit = engines.EngineReading("m", "0", 1.0, 2.0, None, None, tuple(float(i) for i in range(len(profile.counters))), ())
     if profile.finished is not None:
         assert profile.finished in profile.counters  # the queue age reads it from the counters
-        assert queue_age.FINISHED[profile.name] == profile.finished
+        assert queue_age.counts(profile.name, unit) == (float(profile.counters.index(profile.finished)), 1.0, 2.0)
     else:
-        assert profile.name not in queue_age.FINISHED
+        assert queue_age.counts(profile.name, unit) is None
     for path in (profile.sleep_path, profile.pause_path, profile.health_path):
         assert path is None or path.startswith("/")
     if profile.start_header:

@@ -45,7 +45,7 @@ def _reference(text: str, profile: engines.Profile, name: str) -> dict:
 @pytest.mark.parametrize("path", real_payloads(), ids=lambda p: p.name)
 def test_detect_and_read(path):
     text = path.read_text()
-    profile = engines.detect(parse(text, engines.PAYLOAD_NAMES))
+    profile = engines.detect(parse(text, engines.payload_names()))
     assert profile.name == EXPECTED_PROFILE[path.name]
     r = engines.read(text)
     assert r.engines, "at least one engine unit"

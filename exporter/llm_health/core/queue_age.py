@@ -50,23 +50,19 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from .engines import BY_NAME, PROFILES, EngineReading, Reading
-
-# The counter of finished requests per profile (its `finished` field), where the method
-# above applies. The others (docs/engines.md says why) give 0 when nothing waits and
-# unknown otherwise.
-FINISHED: dict[str, str] = {p.name: p.finished for p in PROFILES if p.finished}
+from .engines import BY_NAME, EngineReading, Reading
 
 MAX_POINTS = 4096
 
 
 def counts(profile: str, e: EngineReading) -> tuple[float, float, float] | None:
     """(finished, running, waiting) of a unit whose profile counts finished requests;
-    None for a profile that does not. Values may be NaN (no evidence)."""
-    name = FINISHED.get(profile)
-    if name is None:
+    None for a profile that does not (its `finished` field: docs/engines.md says why those
+    give 0 when nothing waits and unknown otherwise). Values may be NaN (no evidence)."""
+    p = BY_NAME.get(profile)
+    if p is None or p.finished is None:
         return None
-    finished = e.counters[BY_NAME[profile].counters.index(name)]
+    finished = e.counters[p.counters.index(p.finished)]
     return finished, e.running, e.waiting
 
 

@@ -53,16 +53,17 @@ async def read_payload(parts: Sequence[str], limits: Limits, size: int = PIECE) 
     its first line's number)."""
     samples: Samples = {}
     budget = Budget(limits.max_samples)
+    names = engines.payload_names()
     for n, piece in enumerate(_cut(parts, size)):
         if n:
             await asyncio.sleep(0)
         try:
-            parse(piece, engines.PAYLOAD_NAMES, budget=budget, into=samples)
+            parse(piece, names, budget=budget, into=samples)
         except TooManySamples as exc:
             raise engines.OverLimits(f"{exc}, more than max_samples") from None
         except ParseError:
             first_line = next(line for k, (_, line) in enumerate(pieces(parts, size)) if k == n)
-            parse(piece, engines.PAYLOAD_NAMES, first_line=first_line)
+            parse(piece, names, first_line=first_line)
             raise
     return engines.reduce(samples, limits)
 

@@ -16,7 +16,7 @@ Reading them, argv only, never a shell:
   stopped one (a SIGSTOPped EngineCore stays stopped). `--native` needs py-spy to pause
   the process (it refuses it with `--nonblocking`): only with `capture.native`, and never
   on a stopped process. No `--locals` (they can hold prompts and keys).
-* native (llama.cpp): `gdb -batch` (`thread apply all bt`), or `eu-stack` when gdb is
+* native (an engine that is a compiled binary, no Python): `gdb -batch` (`thread apply all bt`), or `eu-stack` when gdb is
   missing or fails; both attach with ptrace for the length of the dump.
 
 What could not be read is recorded with a bounded reason (FAILURES).

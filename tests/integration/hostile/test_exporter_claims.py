@@ -125,7 +125,7 @@ def padded(lines: int, line: str) -> str:
     """An idle one-engine vLLM payload whose counted lines (wanted samples and lines
     starting with `{`) are `lines` in all: its own five, then copies of `line` ({i} numbered)."""
     base = vllm_payload(running=0)
-    own = sum(len(v) for v in parse(base, engines.PAYLOAD_NAMES).values())
+    own = sum(len(v) for v in parse(base, engines.payload_names()).values())
     return base + "".join(line.format(i=i) + "\n" for i in range(lines - own))
 
 
@@ -136,9 +136,9 @@ BRACED = '{{"some_other_series",i="{i}"}} 1'  # a line starting with `{`, of a s
 def test_the_sample_payloads_hold_what_they_say():
     for line in (WANTED, BRACED):
         for n in (MAX_SAMPLES, MAX_SAMPLES + 1):
-            parse(padded(n, line), engines.PAYLOAD_NAMES, budget=Budget(n))
+            parse(padded(n, line), engines.payload_names(), budget=Budget(n))
             try:
-                parse(padded(n, line), engines.PAYLOAD_NAMES, budget=Budget(n - 1))
+                parse(padded(n, line), engines.payload_names(), budget=Budget(n - 1))
             except TooManySamples:
                 continue
             raise AssertionError(f"{n} lines of {line!r} fit a budget of {n - 1}")

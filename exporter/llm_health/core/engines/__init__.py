@@ -12,17 +12,17 @@ from __future__ import annotations
 from .llamacpp import LLAMACPP
 from .profile import START_TIME, Profile
 from .reading import (
-    PAYLOAD_NAMES,
     EngineReading,
     Limits,
     OverLimits,
     Reading,
     UnknownEngine,
     detect,
+    payload_names,
     read,
     reduce,
 )
-from .registry import BY_NAME, BY_START_HEADER, NEVER, PROFILES, ROUTES
+from .registry import BY_NAME, BY_START_HEADER, NEVER, PROFILES, ROUTES, register, unregister
 from .sglang import SGLANG
 from .tgi import TGI
 from .triton import TRITON
@@ -33,7 +33,6 @@ __all__ = [
     "BY_START_HEADER",
     "LLAMACPP",
     "NEVER",
-    "PAYLOAD_NAMES",
     "PROFILES",
     "ROUTES",
     "SGLANG",
@@ -49,6 +48,9 @@ __all__ = [
     "Reading",
     "UnknownEngine",
     "detect",
+    "payload_names",
     "read",
     "reduce",
+    "register",
+    "unregister",
 ]

@@ -3,7 +3,7 @@ profiles (registry): how to tell the engines apart from a payload, and which ser
 running, waiting, progress, start time and sleep.
 
 Pure: no I/O. A payload is parsed once with the targeted parser, asking for the series
-of every profile (`PAYLOAD_NAMES`); the profile is then told by the series present.
+of every profile (`payload_names()`); the profile is then told by the series present.
 
 Numbers from an engine are evidence only when they can be: a running or waiting count
 that is NaN, infinite or negative, a counter or gauge that is not a finite non-negative
@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..exposition import Budget, Names, Samples, TooManySamples, compile_names, parse
+from . import registry
 from .profile import START_TIME, Profile
 from .registry import PROFILES
 
@@ -87,9 +88,17 @@ class UnknownEngine(ValueError):
     """The payload is text exposition but no profile's series are in it."""
 
 
-_MARKERS = frozenset(name for p in PROFILES for name in (p.marker, *p.fallback_markers))
-PAYLOAD_NAMES: Names = compile_names(frozenset().union(*(p.wanted for p in PROFILES), _MARKERS))
-_PREFIXES = ", ".join(dict.fromkeys(p.prefix for p in PROFILES))
+_names: tuple[int, Names] | None = None
+
+
+def payload_names() -> Names:
+    """The series a payload is parsed for: every registered profile's wanted series and
+    markers (made again when the registered engines change)."""
+    global _names
+    if _names is None or _names[0] != registry.version():
+        markers = (name for p in PROFILES for name in (p.marker, *p.fallback_markers))
+        _names = (registry.version(), compile_names(frozenset().union(*(p.wanted for p in PROFILES), markers)))
+    return _names[1]
 
 
 def detect(samples: Samples) -> Profile:
@@ -101,7 +110,8 @@ def detect(samples: Samples) -> Profile:
     for profile in PROFILES:
         if any(name in samples for name in profile.fallback_markers):
             return profile
-    raise UnknownEngine(f"no known engine series ({_PREFIXES}) in /metrics")
+    prefixes = ", ".join(dict.fromkeys(p.prefix for p in PROFILES))
+    raise UnknownEngine(f"no known engine series ({prefixes}) in /metrics")
 
 
 def _unit(labels: dict[str, str], unit_labels: tuple[str, ...]) -> tuple[str, str]:
@@ -126,14 +136,14 @@ def read(text: str, limits: Limits | None = None) -> Reading:
     exporter parses in pieces, see probe.reading)."""
     limits = limits or Limits()
     try:
-        samples = parse(text, PAYLOAD_NAMES, budget=Budget(limits.max_samples))
+        samples = parse(text, payload_names(), budget=Budget(limits.max_samples))
     except TooManySamples as exc:
         raise OverLimits(f"{exc}, more than max_samples") from None
     return reduce(samples, limits)
 
 
 def reduce(samples: Samples, limits: Limits | None = None) -> Reading:
-    """A payload's samples (of PAYLOAD_NAMES) reduced to a `Reading`, one `EngineReading`
+    """A payload's samples (of payload_names()) reduced to a `Reading`, one `EngineReading`
     per engine unit. Raises UnknownEngine, or OverLimits."""
     limits = limits or Limits()
     profile = detect(samples)

@@ -1,13 +1,17 @@
 """The simulated engines: one module per engine (its `SimFlavor`), listed here by the
-kind `SimServer(kind=...)` takes. Adding one: a module beside these and a line below."""
+kind `SimServer(kind=...)` takes. Adding one: a module beside these and a line below;
+at run time (a test engine), `register`."""
 
 from __future__ import annotations
 
-from .base import Served, SimFlavor
+from .base import OpenAIFlavor, Served, SimFlavor, StepEngine
 from .llamacpp import LlamaCppSim
+from .sglang import SGLangSim
+from .tgi import TgiSim
+from .triton import TritonSim
 from .vllm import VllmSim
 
-FLAVORS: dict[str, type[SimFlavor]] = {f.kind: f for f in (VllmSim, LlamaCppSim)}
+FLAVORS: dict[str, type[SimFlavor]] = {f.kind: f for f in (VllmSim, LlamaCppSim, SGLangSim, TgiSim, TritonSim)}
 
 
 def flavor(kind: str) -> SimFlavor:
@@ -18,4 +22,16 @@ def flavor(kind: str) -> SimFlavor:
         raise ValueError(f"kind {kind!r}: one of {', '.join(FLAVORS)}") from None
 
 
-__all__ = ["FLAVORS", "Served", "SimFlavor", "flavor"]
+def register(simulation: type[SimFlavor]) -> None:
+    """Add a simulation at run time; ValueError where its kind is taken."""
+    if simulation.kind in FLAVORS:
+        raise ValueError(f"simulated kind {simulation.kind!r} is registered already")
+    FLAVORS[simulation.kind] = simulation
+
+
+def unregister(kind: str) -> type[SimFlavor]:
+    """Remove a simulation (a test's, at its end); KeyError where none has the kind."""
+    return FLAVORS.pop(kind)
+
+
+__all__ = ["FLAVORS", "OpenAIFlavor", "Served", "SimFlavor", "StepEngine", "flavor", "register", "unregister"]

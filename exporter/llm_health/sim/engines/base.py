@@ -5,12 +5,15 @@ base each engine's simulation fills (its engines, its `/metrics` body and header
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass, fields
+from decimal import Decimal
 from typing import Protocol
 
 from aiohttp import web
 
 from ...core.engines import Profile
-from ..render import SimEngine
+from ..render import SimEngine, _Hist
 
 # An admission door's stamp on a request it forwards (gate.decision.DECISION_HEADER): the
 # demo's traffic, not a health check; a lifecycle engine serves it in its turn.
@@ -70,3 +73,127 @@ class SimFlavor:
 
     async def health(self, server: Served, request: web.Request) -> web.Response:
         return web.Response(status=200)
+
+
+# What a StepEngine's histograms observe per finished request, by these keys; each flavor
+# gives their bounds and renders them under its engine's own names.
+REQUEST_HISTS = ("prompt_tokens", "generation_tokens", "seconds", "queue_seconds", "first_token_seconds", "token_seconds")
+
+
+@dataclass
+class StepEngine(SimEngine):
+    """An engine unit whose progress is forward passes and tokens, without vLLM's
+    histograms: the simulation of an engine whose series are counts, gauges and plain histograms.
+
+    `mode`: `idle`, `decode` (each running request makes a token per step,
+    `tokens_per_second` steps a second), `prefill` (one long prompt: a prefill pass per
+    `seconds_per_prefill`, no token counted before its end), `hung` (nothing moves, the
+    counts stay), `sleeping`. With `max_num_seqs` the request lifecycle of SimEngine
+    (arrivals, first come first served, `request_tokens` steps a request) runs in decode.
+    `hist_bounds` gives the flavor's bucket bounds for each key of REQUEST_HISTS.
+    """
+
+    model: str = ""
+    prefill_steps: float = 0.0
+    decode_steps: float = 0.0
+    seconds_per_prefill: float = 1.0
+    hist_bounds: dict[str, tuple[float, ...]] | None = None
+
+    def __post_init__(self) -> None:
+        bounds = self.hist_bounds or {}
+        self.hists = {key: _Hist(bounds.get(key, (1.0,))) for key in REQUEST_HISTS}
+
+    @property
+    def steps(self) -> int:
+        return int(self.prefill_steps + self.decode_steps)
+
+    def advance(self, seconds: float) -> None:
+        if self.max_num_seqs > 0 and self.mode == "decode":
+            self._lifecycle(seconds)
+        if self.mode == "decode" and self.running > 0:
+            steps = self._whole(seconds * self.tokens_per_second)
+            if steps and self.max_num_seqs > 0:
+                self._left = [left - steps for left in self._left]
+                done = sum(1 for left in self._left if left <= 0)
+                if done:
+                    self.finish(done, generation_tokens=self.request_tokens, seconds=self.request_tokens / self.tokens_per_second)
+                    self._left = [left for left in self._left if left > 0]
+                    self._schedule()
+            self.decode_steps += steps
+            self.generation_tokens += steps * self.running
+            self.kv_usage = min(0.95, self.kv_usage + 0.0001 * steps)
+        elif self.mode == "prefill" and (self.running > 0 or self.waiting > 0):
+            self.prefill_steps += self._whole(seconds / self.seconds_per_prefill)
+            self.kv_usage = min(0.95, self.kv_usage + 0.01 * seconds)
+
+    def finish_prefill(self, prompt_tokens: int) -> None:
+        """The long prompt read to its end: its tokens are counted, decoding begins."""
+        self.prompt_tokens += prompt_tokens
+        self.prefill_steps += 1
+        self.mode = "decode"
+
+    def finish(self, n: int = 1, prompt_tokens: int = 256, generation_tokens: int = 256, seconds: float = 30.0) -> None:
+        """`n` requests ended: counted, and observed in the request histograms."""
+        for key, value in (
+            ("prompt_tokens", prompt_tokens),
+            ("generation_tokens", generation_tokens),
+            ("seconds", seconds),
+            ("queue_seconds", 0.01),
+            ("first_token_seconds", 0.05),
+            ("token_seconds", seconds / max(generation_tokens, 1)),
+        ):
+            self.hists[key].observe(value, n)
+        self.success += n
+        self.prompt_tokens += prompt_tokens * n
+
+    def reset(self) -> None:
+        """A new process: every count from 0, nothing in flight; the unit's shape kept."""
+        shape = {"engine", "model", "tokens_per_second", "max_model_len", "seconds_per_prefill", "hist_bounds"}
+        fresh = type(self)(**{name: getattr(self, name) for name in shape})
+        for f in fields(self):
+            if f.name not in shape:
+                setattr(self, f.name, getattr(fresh, f.name))
+
+
+def plain(value: float) -> str:
+    """A number as Rust's and prometheus-cpp's exposition write it: a whole number without
+    a decimal point (`109`), others in their shortest round-trip digits, never an exponent."""
+    value = float(value)
+    if value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    text = repr(value)
+    return format(Decimal(text), "f") if "e" in text else text
+
+
+class OpenAIFlavor(SimFlavor):
+    """A simulation whose server speaks the OpenAI-compatible API (`/v1/models`,
+    completions) over StepEngine units: a completion waits behind the work in flight, as
+    on a real engine, and an idle server answers it in one step."""
+
+    owned_by = "sim"
+
+    async def models(self, server: Served, request: web.Request) -> web.Response:
+        if not server.authorised(request):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return web.json_response({"object": "list", "data": [{"id": server.model, "object": "model", "owned_by": self.owned_by}]})
+
+    async def completion(self, server: Served, request: web.Request) -> web.Response:
+        if not server.authorised(request):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        await request.json()
+        if server.probe_hangs or server.running or server.waiting or any(e.mode == "hung" for e in server.engines):
+            await asyncio.sleep(3600)
+        engine = server.engines[0]
+        engine.finish(1, prompt_tokens=1, generation_tokens=1, seconds=0.01)
+        if isinstance(engine, StepEngine):
+            engine.decode_steps += 1
+            engine.generation_tokens += 1
+        return web.json_response(
+            {
+                "id": "cmpl-sim",
+                "object": "text_completion",
+                "model": server.model,
+                "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
