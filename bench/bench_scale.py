@@ -35,7 +35,8 @@ Goals: a backend round at most 1.5x the floor measured in the same run (a minima
 GET of a backend's payload on a new connection plus the targeted parse, in this process
 after the rounds); 10,000 backends at 10 s rounds on new connections in under one core
 (judged at 10,000 backends only, else NOT RUN); a scrape under 1 s, and at least 10x
-cheaper than the old path (side by side).
+cheaper than the old path (side by side); and what 100,000 backends take in shards, projected
+from the cost of a round measured here (bench/_shards.py, which states that goal).
 `--profile N` prints the N functions of the exporter that cost most over the measured
 rounds (cProfile; the CPU figures are then inflated by the profiler).
 """
@@ -60,6 +61,7 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
+from bench import _shards
 from bench._goal import goal_line, not_run
 from bench._machine import machine_line, parse_calibration_ms, prometheus_parse_ms
 from llm_health.config.exporter import Backend, Config, Timing
@@ -421,6 +423,8 @@ def main() -> None:
         f"floor ({FLOOR_READS} reads after the run, same process and loop): a minimal asyncio GET on a new connection plus the targeted parse, "
         f"{floor_ms:.3f} ms CPU a read; a backend round {r['per_round_ms']:.3f} ms = {floor_ratio:.2f}x the floor"
     )
+    shard_table, shard_goal = _shards.report(n, r["per_round_ms"], GOAL_CORE_PERCENT / 100 * 10_000 / GOAL_BACKENDS)
+    print("\n".join(shard_table))
     share = float(f"{100 * r['share_at_10s']:.1f}")
     core_goal = f"{GOAL_BACKENDS} backends at 10 s rounds on new connections in under one core"
     if n != GOAL_BACKENDS or args.server_keepalive >= 10:
@@ -434,6 +438,7 @@ def main() -> None:
             floor_ratio <= GOAL_FLOOR_RATIO,
         )
     )
+    print(shard_goal)
     print(goal_line(f"{n} backends: a scrape under {GOAL_SCRAPE_MS:g} ms", f"{r['new_ms']:.0f} ms", r["new_ms"] < GOAL_SCRAPE_MS))
     print(
         goal_line(

@@ -47,9 +47,17 @@ SECTIONS: tuple[Section, ...] = (
         "bench_scale",
         "Scale: one exporter, 10,000 backends",
         ("--backends", "10000", "--interval", "60", "--scrapes", "1"),
-        (CORE, "exporter/llm_health/exporter", "exporter/llm_health/probe", "exporter/llm_health/web.py", "exporter/llm_health/sim/servers.py"),
+        (
+            "bench/_shards.py",
+            CORE,
+            "exporter/llm_health/exporter",
+            "exporter/llm_health/probe",
+            "exporter/llm_health/web.py",
+            "exporter/llm_health/sim/servers.py",
+        ),
         "One exporter process against 10,000 simulated backends in others (60 s rounds, the share of a core computed "
-        "at 10 s rounds from the cost of a round); a round against the floor measured in the same run, and the scrape.",
+        "at 10 s rounds from the cost of a round); a round against the floor measured in the same run, the scrape, and "
+        "what 100,000 backends take in shards (hashmod of the names, each shard's share projected from that round's cost).",
     ),
     Section(
         "bench_client",

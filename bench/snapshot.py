@@ -37,15 +37,16 @@ with the same calibration) and the load average at its start. These machines are
 most goals compare side by side in one run (a ratio, a difference of interleaved runs, or
 against the run's own calibration); the rest are counts and a few absolute times of the
 machine the section names. Earlier snapshots are in git (`git log -p docs/benchmarks.md`), not here; the
-outputs pasted before this file became one snapshot, which other docs still quote until
-these sections run again, are `git show ceeb71b:docs/benchmarks.md`.
+outputs pasted before this file became one snapshot are `git show ceeb71b:docs/benchmarks.md`
+(the other docs point at the sections here; the few older figures they keep name their
+commit and say they may be stale).
 
 The summary marks a section **stale** when a path it measures changed since its commit
 (`python -m bench.summary`); `tests/unit/test_benchmarks_doc.py` fails when the marks below
 do not match git. `tests/integration/test_bench_smoke.py` runs every benchmark at a tiny
 size in CI and checks that every figure a goal line prints is one the benchmark's own
-output shows (bench_parse: also the exact row and the verdict; bench_hostile: the row); the
-verdicts at that size mean nothing, and no test asserts a time.
+output shows (bench_parse and bench_scale's shards: also the exact row and the verdict;
+bench_hostile: the row); the verdicts at that size mean nothing, and no test asserts a time.
 
 ```sh
 make bench                          # every section below but the long ones

@@ -1,6 +1,7 @@
 """Every benchmark in bench/ still runs against the code as it is: each is started the way
 docs/benchmarks.md says, at a tiny size, and must exit 0, and every figure its goal lines
-print must be one its own output shows (bench_parse and bench_hostile: the exact row).
+print must be one its own output shows (bench_parse, bench_hostile and bench_scale's shard
+projection: the exact row).
 Nothing here looks at a time; the figures come from `make bench` (docs/benchmarks.md).
 (The real-engine benchmarks, engines_measure and loop_recovery, run the same code as the
 real-engine tests.) `make bench` itself (bench/snapshot.py) is run here on one quick
@@ -14,7 +15,9 @@ import sys
 from collections.abc import Callable
 
 import pytest
+from bench import _shards
 
+from llm_health.core.shard import Shard
 from tests.fixtures.paths import ROOT
 
 SMALL = {
@@ -62,6 +65,32 @@ def hostile_goal_is_its_table(out: str) -> None:
     assert f"longest interval {row.split()[-2]} s" in m["measured"], out
 
 
+def scale_shards_goal_is_its_row(out: str) -> None:
+    """bench_scale: the shard goal's count, largest shard and share are that count's row of
+    the shard table, each row's share is its largest shard times the round cost the table's
+    first line states (at 10 s rounds, to its printed digit), and the verdict is the count
+    against the goal's own "at most" (bench/_shards.py)."""
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("shards for "))
+    round_ms = float(re.search(r"the (\d+\.\d{3}) ms a backend round", lines[head])[1])
+    rows = {}
+    for line in lines[head + 2 :]:
+        if not re.match(r"^ +\d+ ", line):
+            break
+        shards, largest, _smallest, percent = line.split()
+        rows[int(shards)] = (largest, percent.rstrip("%"))
+        assert abs(100 * int(largest.replace(",", "")) * round_ms / 10_000 - float(percent.rstrip("%"))) <= 0.05 + 1e-9, line
+    assert {10, 16, 20, 32} <= set(rows), out
+    (m,) = [m for m in GOAL.finditer(out) if "split by hashmod" in m["goal"]]
+    measured = re.fullmatch(r"(\d+) shards, the largest ([\d,]+) backends at (\d+\.\d)% of one core", m["measured"])
+    assert measured, m[0]
+    shards, largest, percent = int(measured[1]), measured[2], measured[3]
+    assert rows.get(shards) == (largest, percent), (m[0], rows)
+    assert float(percent) < 70 and all(float(p) >= 70 for n, (_, p) in rows.items() if n < shards), (m[0], rows)
+    at_most = int(re.search(r"in at most (\d+) shards", m["goal"])[1])
+    assert (m["verdict"] == "met") == (shards <= at_most), m[0]
+
+
 FIGURE = re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?")
 
 
@@ -79,7 +108,11 @@ def goal_figures_are_in_the_table(out: str) -> None:
             assert figure in shown or figure.lstrip("+") in shown, f"goal line figure {figure!r} is in no table:\n{m[0]}\n\n{out[-3000:]}"
 
 
-CONSISTENT: dict[str, Callable[[str], None]] = {"bench_parse": parse_goals_are_its_rows, "bench_hostile": hostile_goal_is_its_table}
+CONSISTENT: dict[str, Callable[[str], None]] = {
+    "bench_parse": parse_goals_are_its_rows,
+    "bench_hostile": hostile_goal_is_its_table,
+    "bench_scale": scale_shards_goal_is_its_row,
+}
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
@@ -93,6 +126,23 @@ def test_benchmark_runs(name):
     goal_figures_are_in_the_table(out.stdout)
     if name in CONSISTENT:
         CONSISTENT[name](out.stdout)
+
+
+def test_the_shard_projection_splits_as_the_exporter_does():
+    """bench_scale's shard table (bench/_shards.py) counts each shard's backends as the
+    exporter's `shard:` setting assigns them (core.shard.Shard.owns), and its fewest-shards
+    search, which starts where an even split would fit, finds what trying every count finds."""
+    fleet = _shards.fleet_hashes(500)
+    for total in (1, 7, 16):
+        sizes = [sum(1 for i in range(500) if Shard(index, total).owns(f"b{i}")) for index in range(total)]
+        split = _shards.split(fleet, total, 10.0)
+        assert (split.largest, split.smallest) == (max(sizes), min(sizes))
+        assert split.percent == round(100 * max(sizes) * 10.0 / 10_000, 1)
+    for round_ms, under in ((10.0, 10.0), (10.0, 7.0), (3.0, 1.0)):
+        found = _shards.fewest(fleet, round_ms, under)
+        tried = next(n for n in range(1, _shards.MAX_SHARDS + 1) if _shards.split(fleet, n, round_ms).percent < under)
+        assert found is not None and found.shards == tried, (round_ms, under)
+    assert _shards.fewest(fleet, 8000.0, 70.0) is None  # one backend alone is 80% of a core: no count fits
 
 
 def test_snapshot_writes_a_section_at_this_commit(tmp_path):
