@@ -7,12 +7,14 @@ the upstream and the client, or refused, with the status, the JSON body and the 
 of the decision.
 
 What it does, in order: the route's allowlist (`core.forwarding`: 404/405), the headers
-(`gate.headers`: 400 naming the header), one Redis round trip (the request enqueued or a
-resent id recognised, the route's queue age, the tenant's spend), the policy
+(`gate.headers`: 400 naming the header), one Redis round trip, one script
+(`store.scripts.DECIDE_LUA`: the request enqueued or a resent id recognised, the route's
+queue age, the tenant's spend), the policy
 (`core.admission.decide`). A refusal is marked done at once. An admitted request comes
 with an `Attempt` the door finishes when it knows the upstream's answer (`finish`): the
 attempt's status and token units, the id done, the tenant charged, in one idempotent
-script, sent again (bounded) while Redis does not answer, counted when given up.
+script, the finishes of one short tick in one round trip (`store.batch`), sent again
+(bounded) while Redis does not answer, counted when given up.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from redis.exceptions import RedisError
 
 from ..config.gate import GateConfig, Route
 from ..core import admission, forwarding
+from ..store.batch import WriteBatch
 from ..store.deployment import connect, wrap
 from ..store.errors import ERRORS, REDIS_DOWN, as_down, may_run_late, retryable
-from ..store.queue import ROUTE_STATS_COMMANDS, AdmissionQueue, QueueRecord, RouteStats, add_route_stats_commands, engine_queue_age, now_ms, parse_route_stats
+from ..store.queue import AdmissionQueue, QueueRecord, RouteStats, engine_queue_age, now_ms, parse_decide
 from ..tasks import cancel_and_wait
 from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant, retry_fingerprint
 
@@ -59,6 +62,7 @@ FINISH_RETRY_S = (0.1, 0.3, 1.0, 2.0, 4.0)
 # the enqueue it sent before the stall (in Redis' buffer, run as soon as Redis resumed)
 # has surely run, whichever connection Redis read first.
 LATE_RESEND_S = 1.0
+FINISH_TICK_S = 0.01  # finishes gathered this long go to Redis in one round trip (store.batch)
 LATE_PENDING_MAX = 4096  # background writes pending past which a late attempt is not followed
 
 
@@ -110,6 +114,7 @@ class Admission:
         self.redis_up = True
         self._pending: set[asyncio.Task[None]] = set()  # attempts being recorded after their response
         self._sampler: asyncio.Task[None] | None = None
+        self._finishes = WriteBatch(self._pipeline, self._execute, FINISH_TICK_S)
         self._index_routes()
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -366,32 +371,24 @@ class Admission:
         retry fingerprint of a request without an id, and the id taken off the waiting set."""
         q = self.queue
         pipe = await self._pipeline()
-        # The queue as this request finds it (the others waiting), before it joins.
-        add_route_stats_commands(pipe, q.keys, route.name, now)
-        q.pipe_enqueue(pipe, request_id, route.name, tenant, deadline_ms, now, now)
         limit = self.cfg.tenants.get(tenant)
-        if limit is not None:
-            pipe.get(self._tenant_key(tenant))
-        if route.backends:
-            pipe.mget([q.keys.engine_age(b) for b in route.backends])
-        if fingerprint is not None:
-            # Until the deadline plus the window in which the client may still retry.
-            ttl = max(0, deadline_ms - now) + int(route.policy.retry_match_window_ms)
-            pipe.set(q.keys.retry_match(fingerprint), request_id.split("/", 1)[1], px=max(1, ttl))
-        # Leave the waiting set at once (state running): an admitted request saves a round
-        # trip; a rejected one is marked done right after.
-        q.pipe_leave(pipe, request_id, route.name, "running", None, now)
-        replies = await self._execute(pipe)
-        stats = parse_route_stats(replies[:ROUTE_STATS_COMMANDS], now)
-        i = ROUTE_STATS_COMMANDS
-        record = QueueRecord.from_hash(request_id, replies[i])
-        assert record is not None  # the enqueue script returns the record it wrote
-        i += 1
-        budget = None
-        if limit is not None:
-            budget = limit - float(replies[i] or 0)
-            i += 1
-        engine_age = engine_queue_age(replies[i]) if route.backends else None
+        # Until the deadline plus the window in which the client may still retry.
+        ttl = max(0, deadline_ms - now) + int(route.policy.retry_match_window_ms)
+        fp = (q.keys.retry_match(fingerprint), request_id.split("/", 1)[1], ttl) if fingerprint is not None else None
+        q.pipe_decide(
+            pipe,
+            request_id,
+            route.name,
+            tenant,
+            deadline_ms,
+            now,
+            tenant_key=self._tenant_key(tenant) if limit is not None else None,
+            fingerprint=fp,
+            backends=route.backends,
+        )
+        record, stats, spent, ages = parse_decide(request_id, (await self._execute(pipe))[0], now)
+        budget = limit - spent if limit is not None else None
+        engine_age = engine_queue_age(ages) if route.backends else None
         return record, stats, budget, engine_age
 
     # --- finishing an attempt -------------------------------------------------------------
@@ -427,13 +424,16 @@ class Admission:
         return False  # not reached
 
     async def _finish_once(self, attempt: Attempt, status: int | None, units: int) -> None:
+        """One try, in the batch of finishes open now (store.batch: one round trip per tick)."""
         q = self.queue
         now = now_ms()
-        pipe = await self._pipeline()
         tenant_key = self._tenant_key(attempt.tenant) if attempt.tenant in self.cfg.tenants and units else None
-        q.pipe_attempt(pipe, attempt.queue_id, attempt.route, units, status, attempt.retry_count, now, attempt.attempt_id, tenant_key)
-        q.pipe_leave(pipe, attempt.queue_id, attempt.route, "done", status, now)
-        await self._execute(pipe)
+
+        def add(pipe: Any) -> None:
+            q.pipe_attempt(pipe, attempt.queue_id, attempt.route, units, status, attempt.retry_count, now, attempt.attempt_id, tenant_key)
+            q.pipe_leave(pipe, attempt.queue_id, attempt.route, "done", status, now)
+
+        await self._finishes.run(add)
 
     async def _complete_late(self, queue_id: str, status: int, route: str) -> None:
         """A refusal whose enqueue may run late (`may_run_late`): marked done once Redis
