@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
 import uuid
 from collections.abc import Coroutine, Mapping
@@ -32,13 +33,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis import asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from ..config.gate import GateConfig, Route
 from ..core import admission, forwarding
 from ..store.batch import WriteBatch
 from ..store.deployment import connect, wrap
 from ..store.errors import ERRORS, REDIS_DOWN, as_down, may_run_late, retryable
+from ..store.lean import Commands, LeanRedis
 from ..store.queue import AdmissionQueue, QueueRecord, RouteStats, engine_queue_age, now_ms, parse_decide
 from ..tasks import cancel_and_wait
 from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant, retry_fingerprint
@@ -63,7 +65,8 @@ FINISH_RETRY_S = (0.1, 0.3, 1.0, 2.0, 4.0)
 # has surely run, whichever connection Redis read first.
 LATE_RESEND_S = 1.0
 FINISH_TICK_S = 0.01  # finishes gathered this long go to Redis in one round trip (store.batch)
-LATE_PENDING_MAX = 4096  # background writes pending past which a late attempt is not followed
+LATE_PENDING_MAX = 4096
+FORWARDED_CACHE = 1024  # (method, path) pairs remembered as forwarded (`not_forwarded`)  # background writes pending past which a late attempt is not followed
 
 
 @dataclass
@@ -76,7 +79,7 @@ class Attempt:
     tenant: str
     retry_count: int | None
     recorded: bool  # False: admitted while Redis was down, nothing to finish (unless late)
-    attempt_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    attempt_id: str = field(default_factory=lambda: os.urandom(8).hex())
     # Admitted unrecorded because the enqueue timed out: it was sent, and a stalled Redis
     # may run it when it resumes, after the answer. Finished like a recorded attempt, and
     # once more after Redis answered again (`finish`): no record is left `running`.
@@ -111,6 +114,7 @@ class Admission:
         self.deployment = wrap(redis) if redis is not None else connect(cfg.redis_url, socket_timeout=1.0, max_connections=64, blocking_timeout=1.0)
         self.redis = self.deployment.client
         self.queue = AdmissionQueue(self.deployment, prefix=cfg.queue_prefix)
+        self.lean = LeanRedis.for_deployment(self.deployment)  # one server: the hot path's own connection
         self.redis_up = True
         self._pending: set[asyncio.Task[None]] = set()  # attempts being recorded after their response
         self._sampler: asyncio.Task[None] | None = None
@@ -119,6 +123,7 @@ class Admission:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         self.m_decisions = Counter("llm_gate_decisions", "Admission decisions by route.", ["route", "decision"], registry=r)
+        self._decision_children: dict[tuple[str, str], Any] = {}
         why = "Requests refused before admission: 404 (an endpoint not forwarded, an engine admin or dev one), 405 (a method not forwarded)."
         self.m_not_forwarded = Counter("llm_gate_not_forwarded", why, ["code"], registry=r)
         for code in ("404", "405"):
@@ -133,6 +138,7 @@ class Admission:
         self._label_routes()
 
     def _index_routes(self) -> None:
+        self._forwarded: set[tuple[str, str, int]] = set()  # (method, path, rules) found forwarded
         routes = self.cfg.routes.values()
         self._by_model = any(r.models for r in routes)
         self._any_rules = tuple(rule for r in routes for rule in r.allow)  # before a route is chosen
@@ -169,6 +175,8 @@ class Admission:
             await asyncio.gather(*self._pending, return_exceptions=True)
         if self._sampler:
             await cancel_and_wait(self._sampler)  # its Redis read may swallow one cancellation
+        if self.lean is not None:
+            self.lean.close()
         await self.deployment.aclose()
 
     async def _sample(self) -> None:
@@ -196,6 +204,13 @@ class Admission:
                 deadline = route.policy.default_deadline_ms or route.policy.reject_if_queue_age_ms_gte
                 route.guard.observe(age, deadline)
 
+    def _counted(self, route: str, decision: str) -> Any:
+        """The decisions counter's child (prometheus_client's `labels` looks it up under a lock)."""
+        child = self._decision_children.get((route, decision))
+        if child is None:
+            child = self._decision_children[(route, decision)] = self.m_decisions.labels(route, decision)
+        return child
+
     def _redis(self, ok: bool) -> None:
         self.redis_up = ok
         self.m_redis.set(1 if ok else 0)
@@ -204,8 +219,13 @@ class Admission:
     def not_forwarded(self, method: str, raw_path: str, route: Route | None = None) -> Outcome | None:
         """404/405 for what the route (or, with no route yet, any route) does not forward."""
         rules = route.allow if route is not None else self._any_rules
-        verdict = forwarding.check(method, raw_path.split("?", 1)[0], rules)
+        path = raw_path.split("?", 1)[0]
+        if (method, path, id(rules)) in self._forwarded:
+            return None
+        verdict = forwarding.check(method, path, rules)
         if verdict.forward:
+            if len(self._forwarded) < FORWARDED_CACHE:  # the few endpoints a door sees, not every path a client invents
+                self._forwarded.add((method, path, id(rules)))
             return None
         self.m_not_forwarded.labels(str(verdict.status)).inc()
         headers = {"Allow": ", ".join(verdict.allow)} if verdict.allow else None
@@ -313,7 +333,7 @@ class Admission:
             log.error("redis refused the request record for route %s: %s", route.name, exc)
             return _error(500, "internal", "the request could not be recorded", request_id=request_id)
 
-        self.m_decisions.labels(route.name, decision.decision).inc()
+        self._counted(route.name, decision.decision).inc()
         out = {"X-Request-Id": request_id, DECISION_HEADER: decision.decision}
         if fields.get("queue_age_ms") is not None:
             out[QUEUE_AGE_HEADER] = str(int(fields["queue_age_ms"]))
@@ -486,13 +506,20 @@ class Admission:
 
     # --- Redis ---------------------------------------------------------------------------
     async def _pipeline(self) -> Any:
-        return await self.queue.pipeline()
+        return Commands() if self.lean is not None else await self.queue.pipeline()
 
     async def _execute(self, pipe: Any) -> list[Any]:
-        """`AdmissionQueue.execute` (scripts reloaded, a Cluster's MOVED followed); Redis
-        down or failing over refreshes the topology for the next request and raises."""
+        """`AdmissionQueue.execute` (scripts reloaded, a Cluster's MOVED followed), or on one
+        server the lean connection's (`store.lean`); Redis down or failing over refreshes
+        the topology for the next request and raises."""
         try:
-            return await self.queue.execute(pipe)
+            if self.lean is None:
+                return await self.queue.execute(pipe)
+            try:
+                return await self.lean.execute(pipe)
+            except NoScriptError:  # a restarted Redis: the scripts loaded, the commands sent again
+                await self.queue.load_scripts()
+                return await self.lean.execute(pipe)
         except REDIS_DOWN:
             await self.deployment.refresh_topology()  # Cluster: the next request finds the new primary
             raise

@@ -431,6 +431,18 @@ def parse_decide(request_id: str, reply: Sequence[Any], now: int) -> tuple[Queue
         retried=int(stats[4]),
         token_duplication_ratio_max=float(dup) if dup not in (b"", "", None) else None,
     )
-    record = QueueRecord.from_hash(request_id, flat)
-    assert record is not None  # the script returns the record it wrote
+    route, tenant, enqueued, deadline, retries, attempts, units, most, status, state = flat
+    record = QueueRecord(
+        request_id,
+        text(route),
+        text(tenant),
+        int(enqueued),
+        int(deadline),
+        int(retries),
+        int(attempts),
+        int(units),
+        int(most),
+        int(status) if status else None,
+        text(state),
+    )
     return record, route_stats, float(spent or 0), list(ages or [])

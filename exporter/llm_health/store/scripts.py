@@ -220,7 +220,8 @@ return redis.call('HGETALL', KEYS[1])
 # ARGV: ENQUEUE_LUA's eight, then '1' with a tenant key, the fingerprint's value ('' none),
 #       its TTL in ms
 # Returns {stats (depth, oldest score, tightest score, past deadline, retried, max dup
-# score; '' where none), the record as enqueued (HGETALL), the tenant's spend or false,
+# score; '' where none), the record as enqueued (its ten fields, queue.parse_decide's order),
+# the tenant's spend or false,
 # {the engine ages, false where absent}}.
 DECIDE_LUA = (
     _GC_FN
@@ -237,7 +238,8 @@ local stats = {
   score(redis.call('ZRANGE', KEYS[6], -1, -1, 'WITHSCORES')),
 }
 enqueue()
-local record = redis.call('HGETALL', KEYS[1])
+local record = redis.call('HMGET', KEYS[1], 'route', 'tenant', 'enqueued_ms', 'deadline_ms', 'retry_count',
+                          'attempts', 'token_units', 'attempt_units_max', 'http_status', 'state')
 local k = 8
 local spent = false
 if ARGV[9] == '1' then
