@@ -24,11 +24,10 @@ import contextlib
 import json
 import logging
 import math
-import os
 import time
 import uuid
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -44,6 +43,7 @@ from ..store.lean import Commands, LeanRedis
 from ..store.queue import AdmissionQueue, QueueRecord, RouteStats, engine_queue_age, now_ms, parse_decide
 from ..tasks import cancel_and_wait
 from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant, retry_fingerprint
+from .outcome import Attempt, Outcome, error_outcome
 
 log = logging.getLogger("llm_health.gate")
 
@@ -65,43 +65,8 @@ FINISH_RETRY_S = (0.1, 0.3, 1.0, 2.0, 4.0)
 # has surely run, whichever connection Redis read first.
 LATE_RESEND_S = 1.0
 FINISH_TICK_S = 0.01  # finishes gathered this long go to Redis in one round trip (store.batch)
-LATE_PENDING_MAX = 4096
-FORWARDED_CACHE = 1024  # (method, path) pairs remembered as forwarded (`not_forwarded`)  # background writes pending past which a late attempt is not followed
-
-
-@dataclass
-class Attempt:
-    """An admitted request, to be finished once its upstream answered."""
-
-    request_id: str
-    queue_id: str  # `<tenant>/<request id>`
-    route: str
-    tenant: str
-    retry_count: int | None
-    recorded: bool  # False: admitted while Redis was down, nothing to finish (unless late)
-    attempt_id: str = field(default_factory=lambda: os.urandom(8).hex())
-    # Admitted unrecorded because the enqueue timed out: it was sent, and a stalled Redis
-    # may run it when it resumes, after the answer. Finished like a recorded attempt, and
-    # once more after Redis answered again (`finish`): no record is left `running`.
-    late: bool = False
-
-
-@dataclass
-class Outcome:
-    admitted: bool
-    status: int  # 200 when admitted
-    decision: str  # core.admission's vocabulary, or bad_request / not_forwarded / internal
-    headers: dict[str, str]  # to the client; when admitted, to the upstream too
-    body: dict[str, Any] | None = None  # the refusal's JSON body
-    route: Route | None = None
-    attempt: Attempt | None = None
-
-    def body_bytes(self) -> bytes:
-        return json.dumps(self.body, separators=(",", ":")).encode() if self.body is not None else b""
-
-
-def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None, **extra: Any) -> Outcome:
-    return Outcome(False, status, kind, headers or {}, {"error": {"type": kind, "message": message, **extra}})
+LATE_PENDING_MAX = 4096  # background writes pending past which a late attempt is not followed
+FORWARDED_CACHE = 1024  # (method, path) pairs remembered as forwarded (`not_forwarded`)
 
 
 class Admission:
@@ -229,7 +194,7 @@ class Admission:
             return None
         self.m_not_forwarded.labels(str(verdict.status)).inc()
         headers = {"Allow": ", ".join(verdict.allow)} if verdict.allow else None
-        return _error(verdict.status, "not_forwarded", verdict.reason, headers)
+        return error_outcome(verdict.status, "not_forwarded", verdict.reason, headers)
 
     def route_for(self, headers: Mapping[str, str], body: bytes | None) -> Route:
         name = headers.get("X-Route")
@@ -261,7 +226,7 @@ class Admission:
             deadline_ms = read_deadline_ms(headers, now, route.policy.default_deadline_ms)
             header_retries = read_retry_count(headers)
         except BadRequest as exc:
-            return _error(400, "bad_request", str(exc))
+            return error_outcome(400, "bad_request", str(exc))
         # A request without an id is remembered by what its retries re-send (the OpenAI SDK
         # sends no id): a retry (count >= 1) finds its first copy's id, and with it the
         # first copy's deadline and retry count. A fresh request is never matched.
@@ -331,7 +296,7 @@ class Admission:
         except RedisError as exc:
             # Redis answered, and refused: a value of this request, or a bug; Redis is up.
             log.error("redis refused the request record for route %s: %s", route.name, exc)
-            return _error(500, "internal", "the request could not be recorded", request_id=request_id)
+            return error_outcome(500, "internal", "the request could not be recorded", request_id=request_id)
 
         self._counted(route.name, decision.decision).inc()
         out = {"X-Request-Id": request_id, DECISION_HEADER: decision.decision}
