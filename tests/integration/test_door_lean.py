@@ -172,3 +172,10 @@ async def test_the_redis_connection_survives_a_redis_restart(direct, own_redis_s
     assert b"X-LLM-Health-Record: " in answers[-1]  # recorded: Redis answered the decision's script
     rec = await doors.admission.queue.read("default/after-2")
     assert rec is not None and rec.state == "running", rec  # admitted, its end not reported (no nginx here)
+
+
+async def test_an_unreadable_request_is_answered_after_those_before_it(direct):
+    addr, _ = direct
+    first, bad = await exchange(addr, AUTH % b"before-bad" + b"GET /-/auth_request/v1 HTTP/1.1\r\nBad Header\r\n\r\n", 2)
+    assert first.startswith(b"HTTP/1.1 200 ") and b"X-Request-Id: before-bad" in first, first
+    assert bad.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in bad, bad

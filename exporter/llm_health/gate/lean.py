@@ -83,7 +83,6 @@ class DoorProtocol(asyncio.Protocol):
     def _reset(self) -> None:
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
-        self.name = b""
         self.body = b""
         self.size = 0
 
@@ -201,12 +200,23 @@ class DoorProtocol(asyncio.Protocol):
         self.idle = loop.call_later(max(left, 1.0), self._check_idle)
 
     def _fail(self, status: int, message: str) -> None:
-        """A request that cannot be read: answered at once and the connection closed."""
+        """A request that cannot be read: answered after the answers before it, and the
+        connection closed (nothing after it is read)."""
+        self.transport.pause_reading()
         if self.relay is not None:
             self.transport.close()
             return
-        self.transport.write(render(status, {"Content-Type": "text/plain; charset=utf-8"}, message.encode() + b"\n", False))
-        self.transport.close()
+        data = render(status, {"Content-Type": "text/plain; charset=utf-8"}, message.encode() + b"\n", False)
+
+        def send(_: object = None) -> None:
+            if not self.transport.is_closing():
+                self.transport.write(data)
+                self.transport.close()
+
+        if self.tail is not None and not self.tail.done():
+            self.tail.add_done_callback(send)
+        else:
+            send()
 
     def _hand_over(self, method: bytes) -> None:
         """This request and every later one on this connection go to aiohttp, after the
