@@ -84,12 +84,17 @@ def not_run(section: Section) -> summary.Block:
     return summary.Block(section.name, summary.NOT_RUN, summary.NOT_RUN, section.measured, f"\nNot run in this snapshot (`{target}`).\n")
 
 
+NOTES = Path(__file__).resolve().parent / "notes"  # NAME.md: prose after a section's block, kept by hand
+
+
 def document(found: dict[str, summary.Block]) -> str:
     parts = [HEAD]
     ordered = [found.get(s.name) or not_run(s) for s in SECTIONS]
     parts.append(summary.render(ordered) + "\n")
     for s, b in zip(SECTIONS, ordered, strict=True):
         parts.append(f"## {s.title}\n`{s.command}`. {s.about}\n<!-- bench {b.name} {b.fields()} -->\n{b.body.strip(chr(10))}\n<!-- end bench {b.name} -->\n")
+        if (notes := NOTES / f"{s.name}.md").is_file():  # not a run's output: the profiles, what remains and why
+            parts.append(notes.read_text(encoding="utf-8"))
     return "\n".join(parts)
 
 

@@ -14,14 +14,19 @@ def cmd(args: argparse.Namespace) -> int:
     if (loaded := load_configs(args)) is None:
         return 2
     cfg, web_config = loaded
+    from ..gate import lean
     from ..gate.app import tune_gc  # the `gate` extra: redis
     from ..gate.doors import Doors
     from ..web import run_app
 
     host, port = args.web_listen_address
     doors = Doors(cfg, config_file=args.config_file)
+    app = doors.app(web_config, syslog=args.syslog_listen_address)
     tune_gc()
-    run_app(doors.app(web_config, syslog=args.syslog_listen_address), host, port, ssl_context=web_config.ssl_context)
+    if web_config.users or web_config.headers:  # basic auth and the configured headers guard the doors too: aiohttp's middleware
+        run_app(app, host, port, ssl_context=web_config.ssl_context)
+    else:  # the door requests on the lean answer path (gate.lean), the rest on aiohttp
+        lean.run(doors, app, host, port, ssl_context=web_config.ssl_context)
     return 0
 
 

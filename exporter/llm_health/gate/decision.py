@@ -7,12 +7,14 @@ the upstream and the client, or refused, with the status, the JSON body and the 
 of the decision.
 
 What it does, in order: the route's allowlist (`core.forwarding`: 404/405), the headers
-(`gate.headers`: 400 naming the header), one Redis round trip (the request enqueued or a
-resent id recognised, the route's queue age, the tenant's spend), the policy
+(`gate.headers`: 400 naming the header), one Redis round trip, one script
+(`store.scripts.DECIDE_LUA`: the request enqueued or a resent id recognised, the route's
+queue age, the tenant's spend), the policy
 (`core.admission.decide`). A refusal is marked done at once. An admitted request comes
 with an `Attempt` the door finishes when it knows the upstream's answer (`finish`): the
 attempt's status and token units, the id done, the tenant charged, in one idempotent
-script, sent again (bounded) while Redis does not answer, counted when given up.
+script, the finishes of one short tick in one round trip (`store.batch`), sent again
+(bounded) while Redis does not answer, counted when given up.
 """
 
 from __future__ import annotations
@@ -25,20 +27,23 @@ import math
 import time
 import uuid
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis import asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from ..config.gate import GateConfig, Route
 from ..core import admission, forwarding
+from ..store.batch import WriteBatch
 from ..store.deployment import connect, wrap
 from ..store.errors import ERRORS, REDIS_DOWN, as_down, may_run_late, retryable
-from ..store.queue import ROUTE_STATS_COMMANDS, AdmissionQueue, QueueRecord, RouteStats, add_route_stats_commands, engine_queue_age, now_ms, parse_route_stats
+from ..store.lean import Commands, LeanRedis
+from ..store.queue import AdmissionQueue, QueueRecord, RouteStats, engine_queue_age, now_ms, parse_decide
 from ..tasks import cancel_and_wait
 from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant, retry_fingerprint
+from .outcome import Attempt, Outcome, error_outcome
 
 log = logging.getLogger("llm_health.gate")
 
@@ -59,42 +64,9 @@ FINISH_RETRY_S = (0.1, 0.3, 1.0, 2.0, 4.0)
 # the enqueue it sent before the stall (in Redis' buffer, run as soon as Redis resumed)
 # has surely run, whichever connection Redis read first.
 LATE_RESEND_S = 1.0
+FINISH_TICK_S = 0.01  # finishes gathered this long go to Redis in one round trip (store.batch)
 LATE_PENDING_MAX = 4096  # background writes pending past which a late attempt is not followed
-
-
-@dataclass
-class Attempt:
-    """An admitted request, to be finished once its upstream answered."""
-
-    request_id: str
-    queue_id: str  # `<tenant>/<request id>`
-    route: str
-    tenant: str
-    retry_count: int | None
-    recorded: bool  # False: admitted while Redis was down, nothing to finish (unless late)
-    attempt_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    # Admitted unrecorded because the enqueue timed out: it was sent, and a stalled Redis
-    # may run it when it resumes, after the answer. Finished like a recorded attempt, and
-    # once more after Redis answered again (`finish`): no record is left `running`.
-    late: bool = False
-
-
-@dataclass
-class Outcome:
-    admitted: bool
-    status: int  # 200 when admitted
-    decision: str  # core.admission's vocabulary, or bad_request / not_forwarded / internal
-    headers: dict[str, str]  # to the client; when admitted, to the upstream too
-    body: dict[str, Any] | None = None  # the refusal's JSON body
-    route: Route | None = None
-    attempt: Attempt | None = None
-
-    def body_bytes(self) -> bytes:
-        return json.dumps(self.body, separators=(",", ":")).encode() if self.body is not None else b""
-
-
-def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None, **extra: Any) -> Outcome:
-    return Outcome(False, status, kind, headers or {}, {"error": {"type": kind, "message": message, **extra}})
+FORWARDED_CACHE = 1024  # (method, path) pairs remembered as forwarded (`not_forwarded`)
 
 
 class Admission:
@@ -107,13 +79,16 @@ class Admission:
         self.deployment = wrap(redis) if redis is not None else connect(cfg.redis_url, socket_timeout=1.0, max_connections=64, blocking_timeout=1.0)
         self.redis = self.deployment.client
         self.queue = AdmissionQueue(self.deployment, prefix=cfg.queue_prefix)
+        self.lean = LeanRedis.for_deployment(self.deployment)  # one server: the hot path's own connection
         self.redis_up = True
         self._pending: set[asyncio.Task[None]] = set()  # attempts being recorded after their response
         self._sampler: asyncio.Task[None] | None = None
+        self._finishes = WriteBatch(self._pipeline, self._execute, FINISH_TICK_S)
         self._index_routes()
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         self.m_decisions = Counter("llm_gate_decisions", "Admission decisions by route.", ["route", "decision"], registry=r)
+        self._decision_children: dict[tuple[str, str], Any] = {}
         why = "Requests refused before admission: 404 (an endpoint not forwarded, an engine admin or dev one), 405 (a method not forwarded)."
         self.m_not_forwarded = Counter("llm_gate_not_forwarded", why, ["code"], registry=r)
         for code in ("404", "405"):
@@ -128,6 +103,7 @@ class Admission:
         self._label_routes()
 
     def _index_routes(self) -> None:
+        self._forwarded: set[tuple[str, str, int]] = set()  # (method, path, rules) found forwarded
         routes = self.cfg.routes.values()
         self._by_model = any(r.models for r in routes)
         self._any_rules = tuple(rule for r in routes for rule in r.allow)  # before a route is chosen
@@ -164,6 +140,8 @@ class Admission:
             await asyncio.gather(*self._pending, return_exceptions=True)
         if self._sampler:
             await cancel_and_wait(self._sampler)  # its Redis read may swallow one cancellation
+        if self.lean is not None:
+            self.lean.close()
         await self.deployment.aclose()
 
     async def _sample(self) -> None:
@@ -191,6 +169,13 @@ class Admission:
                 deadline = route.policy.default_deadline_ms or route.policy.reject_if_queue_age_ms_gte
                 route.guard.observe(age, deadline)
 
+    def _counted(self, route: str, decision: str) -> Any:
+        """The decisions counter's child (prometheus_client's `labels` looks it up under a lock)."""
+        child = self._decision_children.get((route, decision))
+        if child is None:
+            child = self._decision_children[(route, decision)] = self.m_decisions.labels(route, decision)
+        return child
+
     def _redis(self, ok: bool) -> None:
         self.redis_up = ok
         self.m_redis.set(1 if ok else 0)
@@ -199,12 +184,17 @@ class Admission:
     def not_forwarded(self, method: str, raw_path: str, route: Route | None = None) -> Outcome | None:
         """404/405 for what the route (or, with no route yet, any route) does not forward."""
         rules = route.allow if route is not None else self._any_rules
-        verdict = forwarding.check(method, raw_path.split("?", 1)[0], rules)
+        path = raw_path.split("?", 1)[0]
+        if (method, path, id(rules)) in self._forwarded:
+            return None
+        verdict = forwarding.check(method, path, rules)
         if verdict.forward:
+            if len(self._forwarded) < FORWARDED_CACHE:  # the few endpoints a door sees, not every path a client invents
+                self._forwarded.add((method, path, id(rules)))
             return None
         self.m_not_forwarded.labels(str(verdict.status)).inc()
         headers = {"Allow": ", ".join(verdict.allow)} if verdict.allow else None
-        return _error(verdict.status, "not_forwarded", verdict.reason, headers)
+        return error_outcome(verdict.status, "not_forwarded", verdict.reason, headers)
 
     def route_for(self, headers: Mapping[str, str], body: bytes | None) -> Route:
         name = headers.get("X-Route")
@@ -236,7 +226,7 @@ class Admission:
             deadline_ms = read_deadline_ms(headers, now, route.policy.default_deadline_ms)
             header_retries = read_retry_count(headers)
         except BadRequest as exc:
-            return _error(400, "bad_request", str(exc))
+            return error_outcome(400, "bad_request", str(exc))
         # A request without an id is remembered by what its retries re-send (the OpenAI SDK
         # sends no id): a retry (count >= 1) finds its first copy's id, and with it the
         # first copy's deadline and retry count. A fresh request is never matched.
@@ -306,9 +296,9 @@ class Admission:
         except RedisError as exc:
             # Redis answered, and refused: a value of this request, or a bug; Redis is up.
             log.error("redis refused the request record for route %s: %s", route.name, exc)
-            return _error(500, "internal", "the request could not be recorded", request_id=request_id)
+            return error_outcome(500, "internal", "the request could not be recorded", request_id=request_id)
 
-        self.m_decisions.labels(route.name, decision.decision).inc()
+        self._counted(route.name, decision.decision).inc()
         out = {"X-Request-Id": request_id, DECISION_HEADER: decision.decision}
         if fields.get("queue_age_ms") is not None:
             out[QUEUE_AGE_HEADER] = str(int(fields["queue_age_ms"]))
@@ -366,32 +356,24 @@ class Admission:
         retry fingerprint of a request without an id, and the id taken off the waiting set."""
         q = self.queue
         pipe = await self._pipeline()
-        # The queue as this request finds it (the others waiting), before it joins.
-        add_route_stats_commands(pipe, q.keys, route.name, now)
-        q.pipe_enqueue(pipe, request_id, route.name, tenant, deadline_ms, now, now)
         limit = self.cfg.tenants.get(tenant)
-        if limit is not None:
-            pipe.get(self._tenant_key(tenant))
-        if route.backends:
-            pipe.mget([q.keys.engine_age(b) for b in route.backends])
-        if fingerprint is not None:
-            # Until the deadline plus the window in which the client may still retry.
-            ttl = max(0, deadline_ms - now) + int(route.policy.retry_match_window_ms)
-            pipe.set(q.keys.retry_match(fingerprint), request_id.split("/", 1)[1], px=max(1, ttl))
-        # Leave the waiting set at once (state running): an admitted request saves a round
-        # trip; a rejected one is marked done right after.
-        q.pipe_leave(pipe, request_id, route.name, "running", None, now)
-        replies = await self._execute(pipe)
-        stats = parse_route_stats(replies[:ROUTE_STATS_COMMANDS], now)
-        i = ROUTE_STATS_COMMANDS
-        record = QueueRecord.from_hash(request_id, replies[i])
-        assert record is not None  # the enqueue script returns the record it wrote
-        i += 1
-        budget = None
-        if limit is not None:
-            budget = limit - float(replies[i] or 0)
-            i += 1
-        engine_age = engine_queue_age(replies[i]) if route.backends else None
+        # Until the deadline plus the window in which the client may still retry.
+        ttl = max(0, deadline_ms - now) + int(route.policy.retry_match_window_ms)
+        fp = (q.keys.retry_match(fingerprint), request_id.split("/", 1)[1], ttl) if fingerprint is not None else None
+        q.pipe_decide(
+            pipe,
+            request_id,
+            route.name,
+            tenant,
+            deadline_ms,
+            now,
+            tenant_key=self._tenant_key(tenant) if limit is not None else None,
+            fingerprint=fp,
+            backends=route.backends,
+        )
+        record, stats, spent, ages = parse_decide(request_id, (await self._execute(pipe))[0], now)
+        budget = limit - spent if limit is not None else None
+        engine_age = engine_queue_age(ages) if route.backends else None
         return record, stats, budget, engine_age
 
     # --- finishing an attempt -------------------------------------------------------------
@@ -427,13 +409,16 @@ class Admission:
         return False  # not reached
 
     async def _finish_once(self, attempt: Attempt, status: int | None, units: int) -> None:
+        """One try, in the batch of finishes open now (store.batch: one round trip per tick)."""
         q = self.queue
         now = now_ms()
-        pipe = await self._pipeline()
         tenant_key = self._tenant_key(attempt.tenant) if attempt.tenant in self.cfg.tenants and units else None
-        q.pipe_attempt(pipe, attempt.queue_id, attempt.route, units, status, attempt.retry_count, now, attempt.attempt_id, tenant_key)
-        q.pipe_leave(pipe, attempt.queue_id, attempt.route, "done", status, now)
-        await self._execute(pipe)
+
+        def add(pipe: Any) -> None:
+            q.pipe_attempt(pipe, attempt.queue_id, attempt.route, units, status, attempt.retry_count, now, attempt.attempt_id, tenant_key)
+            q.pipe_leave(pipe, attempt.queue_id, attempt.route, "done", status, now)
+
+        await self._finishes.run(add)
 
     async def _complete_late(self, queue_id: str, status: int, route: str) -> None:
         """A refusal whose enqueue may run late (`may_run_late`): marked done once Redis
@@ -486,13 +471,20 @@ class Admission:
 
     # --- Redis ---------------------------------------------------------------------------
     async def _pipeline(self) -> Any:
-        return await self.queue.pipeline()
+        return Commands() if self.lean is not None else await self.queue.pipeline()
 
     async def _execute(self, pipe: Any) -> list[Any]:
-        """`AdmissionQueue.execute` (scripts reloaded, a Cluster's MOVED followed); Redis
-        down or failing over refreshes the topology for the next request and raises."""
+        """`AdmissionQueue.execute` (scripts reloaded, a Cluster's MOVED followed), or on one
+        server the lean connection's (`store.lean`); Redis down or failing over refreshes
+        the topology for the next request and raises."""
         try:
-            return await self.queue.execute(pipe)
+            if self.lean is None:
+                return await self.queue.execute(pipe)
+            try:
+                return await self.lean.execute(pipe)
+            except NoScriptError:  # a restarted Redis: the scripts loaded, the commands sent again
+                await self.queue.load_scripts()
+                return await self.lean.execute(pipe)
         except REDIS_DOWN:
             await self.deployment.refresh_topology()  # Cluster: the next request finds the new primary
             raise

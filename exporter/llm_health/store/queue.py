@@ -39,7 +39,7 @@ from redis.exceptions import MovedError, NoScriptError
 from .connection import text
 from .deployment import Deployment, connect, wrap
 from .keys import DEFAULT_QUEUE_PREFIX, DEFAULT_RETENTION_MS, QueueKeys
-from .scripts import ENQUEUE_LUA, GC_LIMIT, GC_LUA, LEAVE_QUEUE_LUA, RECORD_ATTEMPT_LUA
+from .scripts import DECIDE_LUA, ENQUEUE_LUA, GC_LIMIT, GC_LUA, LEAVE_QUEUE_LUA, RECORD_ATTEMPT_LUA
 
 
 def now_ms() -> int:
@@ -139,6 +139,7 @@ class AdmissionQueue:
         self._leave = redis.register_script(LEAVE_QUEUE_LUA)
         self._attempt = redis.register_script(RECORD_ATTEMPT_LUA)
         self._gc = redis.register_script(GC_LUA)
+        self._decide = redis.register_script(DECIDE_LUA)
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> AdmissionQueue:
@@ -243,8 +244,33 @@ class AdmissionQueue:
         call = self.attempt_call(request_id, route, token_units, http_status, retry_count, now, attempt_id, tenant_key)
         self._pipelined(pipe, self._attempt, call)
 
+    def pipe_decide(
+        self,
+        pipe: Any,
+        request_id: str,
+        route: str,
+        tenant: str,
+        deadline_ms: int,
+        now: int,
+        *,
+        tenant_key: str | None,
+        fingerprint: tuple[str, str, int] | None,
+        backends: Sequence[str],
+    ) -> None:
+        """A door's one script (scripts.DECIDE_LUA): the route's stats, the enqueue, the
+        tenant's spend (``tenant_key``), the retry fingerprint (key, value, TTL in ms), the
+        backends' engine ages, the id taken off the waiting set. Read it with `parse_decide`."""
+        keys, args = self.enqueue_call(request_id, route, tenant, deadline_ms, now, now)
+        args += ["1" if tenant_key else "0", fingerprint[1] if fingerprint else "", max(1, fingerprint[2]) if fingerprint else 0]
+        if tenant_key:
+            keys.append(tenant_key)
+        if fingerprint:
+            keys.append(fingerprint[0])
+        keys.extend(self.keys.engine_age(b) for b in backends)
+        self._pipelined(pipe, self._decide, (keys, args))
+
     async def load_scripts(self) -> None:
-        for script in (self._enqueue, self._leave, self._attempt, self._gc):
+        for script in (self._enqueue, self._leave, self._attempt, self._gc, self._decide):
             await self.redis.script_load(script.script)
 
     @staticmethod
@@ -386,3 +412,37 @@ def engine_queue_age(values: list[Any]) -> int | None:
         if isinstance(text, str) and text.isdigit() and len(text) <= 15:
             known.append(int(text))
     return min(known) if known else None
+
+
+def parse_decide(request_id: str, reply: Sequence[Any], now: int) -> tuple[QueueRecord, RouteStats, float, list[Any]]:
+    """`AdmissionQueue.pipe_decide`'s reply: the record as enqueued, the route's stats as the
+    request found them, the tenant's spend this minute (0 when none), the engine ages."""
+    stats, flat, spent, ages = reply
+
+    def score(value: Any) -> int | None:
+        return int(float(value)) if value not in (b"", "", None) else None
+
+    oldest, tightest, dup = score(stats[1]), score(stats[2]), stats[5]
+    route_stats = RouteStats(
+        depth=int(stats[0]),
+        oldest_age_ms=now - oldest if oldest is not None else None,
+        smallest_slack_ms=tightest - now if tightest is not None else None,
+        past_deadline=int(stats[3]),
+        retried=int(stats[4]),
+        token_duplication_ratio_max=float(dup) if dup not in (b"", "", None) else None,
+    )
+    route, tenant, enqueued, deadline, retries, attempts, units, most, status, state = flat
+    record = QueueRecord(
+        request_id,
+        text(route),
+        text(tenant),
+        int(enqueued),
+        int(deadline),
+        int(retries),
+        int(attempts),
+        int(units),
+        int(most),
+        int(status) if status else None,
+        text(state),
+    )
+    return record, route_stats, float(spent or 0), list(ages or [])

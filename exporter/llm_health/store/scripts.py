@@ -1,6 +1,6 @@
 """Every Lua script of the Redis data contract, in one place: the lease scripts (claim,
 renew, release, fence check, waiters, reconcile's delete, the bulk read) and the admission
-queue's (enqueue, leave, record an attempt, GC). Each runs atomically on one Redis.
+queue's (enqueue, leave, a door's decision read, record an attempt, GC). Each runs atomically on one Redis.
 
 Every script declares its keys, and on Redis Cluster all of them share one hash slot
 (`keys.LeaseKeys.tagged`, `keys.QueueKeys.tagged`), except READ_LEASES_LUA, which is
@@ -158,47 +158,104 @@ end
 
 # KEYS: record, enqueued, deadline, retried, live, dup, routes
 # ARGV: id, route, tenant, deadline_ms, enqueued_ms, now_ms, retention_ms, gc_limit
-ENQUEUE_LUA = (
-    _GC_FN
-    + """
-local rec = KEYS[1]
-local retry = 0
-local enq, dl
-if redis.call('EXISTS', rec) == 1 then
-  retry = redis.call('HINCRBY', rec, 'retry_count', 1)
-  enq = redis.call('HGET', rec, 'enqueued_ms')
-  dl = redis.call('HGET', rec, 'deadline_ms')
-  redis.call('HSET', rec, 'route', ARGV[2], 'state', 'queued', 'updated_ms', ARGV[6])
-else
-  enq, dl = ARGV[5], ARGV[4]
-  redis.call('HSET', rec, 'route', ARGV[2], 'tenant', ARGV[3], 'enqueued_ms', enq,
-             'deadline_ms', dl, 'retry_count', 0, 'attempts', 0, 'token_units', 0,
-             'attempt_units_max', 0, 'http_status', '', 'state', 'queued', 'updated_ms', ARGV[6])
+_ENQUEUE_FN = """
+local function enqueue()
+  local rec = KEYS[1]
+  local retry = 0
+  local enq, dl
+  if redis.call('EXISTS', rec) == 1 then
+    retry = redis.call('HINCRBY', rec, 'retry_count', 1)
+    enq = redis.call('HGET', rec, 'enqueued_ms')
+    dl = redis.call('HGET', rec, 'deadline_ms')
+    redis.call('HSET', rec, 'route', ARGV[2], 'state', 'queued', 'updated_ms', ARGV[6])
+  else
+    enq, dl = ARGV[5], ARGV[4]
+    redis.call('HSET', rec, 'route', ARGV[2], 'tenant', ARGV[3], 'enqueued_ms', enq,
+               'deadline_ms', dl, 'retry_count', 0, 'attempts', 0, 'token_units', 0,
+               'attempt_units_max', 0, 'http_status', '', 'state', 'queued', 'updated_ms', ARGV[6])
+  end
+  redis.call('ZADD', KEYS[2], enq, ARGV[1])
+  redis.call('ZADD', KEYS[3], dl, ARGV[1])
+  if retry >= 1 then redis.call('ZADD', KEYS[4], dl, ARGV[1]) end
+  local keep = math.max(tonumber(dl), tonumber(ARGV[6]))
+  redis.call('ZADD', KEYS[5], string.format('%d', keep), ARGV[1])
+  redis.call('PEXPIREAT', rec, string.format('%d', keep + tonumber(ARGV[7])))
+  redis.call('SADD', KEYS[7], ARGV[2])
+  gc(string.format('(%d', tonumber(ARGV[6]) - tonumber(ARGV[7])), tonumber(ARGV[8]))
 end
-redis.call('ZADD', KEYS[2], enq, ARGV[1])
-redis.call('ZADD', KEYS[3], dl, ARGV[1])
-if retry >= 1 then redis.call('ZADD', KEYS[4], dl, ARGV[1]) end
-local keep = math.max(tonumber(dl), tonumber(ARGV[6]))
-redis.call('ZADD', KEYS[5], string.format('%d', keep), ARGV[1])
-redis.call('PEXPIREAT', rec, string.format('%d', keep + tonumber(ARGV[7])))
-redis.call('SADD', KEYS[7], ARGV[2])
-gc(string.format('(%d', tonumber(ARGV[6]) - tonumber(ARGV[7])), tonumber(ARGV[8]))
-return redis.call('HGETALL', rec)
+"""
+ENQUEUE_LUA = _GC_FN + _ENQUEUE_FN + "enqueue()\nreturn redis.call('HGETALL', KEYS[1])\n"
+
+# KEYS: record, enqueued, deadline, retried. Arguments: id, new state, http_status ('' keeps),
+# now_ms, only_if_waiting ('1': fail unless the id was still waiting: pop_oldest's race).
+_LEAVE_FN = """
+local function leave(id, state, status, now, only_if_waiting)
+  if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+  local removed = redis.call('ZREM', KEYS[2], id)
+  if only_if_waiting == '1' and removed == 0 then return false end
+  redis.call('ZREM', KEYS[3], id)
+  redis.call('ZREM', KEYS[4], id)
+  redis.call('HSET', KEYS[1], 'state', state, 'updated_ms', now)
+  if status ~= '' then redis.call('HSET', KEYS[1], 'http_status', status) end
+  return true
+end
+"""
+# KEYS: record, enqueued, deadline, retried. ARGV: id, new state, http_status ('' keeps),
+# now_ms, only_if_waiting.
+LEAVE_QUEUE_LUA = (
+    _LEAVE_FN
+    + """
+if not leave(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]) then return false end
+return redis.call('HGETALL', KEYS[1])
 """
 )
 
-# KEYS: record, enqueued, deadline, retried. ARGV: id, new state, http_status ('' keeps),
-# now_ms, only_if_waiting (1: fail unless the id was still waiting: pop_oldest's race).
-LEAVE_QUEUE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-local removed = redis.call('ZREM', KEYS[2], ARGV[1])
-if ARGV[5] == '1' and removed == 0 then return false end
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
-redis.call('HSET', KEYS[1], 'state', ARGV[2], 'updated_ms', ARGV[4])
-if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'http_status', ARGV[3]) end
-return redis.call('HGETALL', KEYS[1])
+# A door's one round trip (gate.decision): the route's queue as this request finds it (the
+# reads of queue.add_route_stats_commands), the enqueue (or a resent id recognised), the
+# tenant's spend this minute, the engine queue age of the route's backends, the retry
+# fingerprint of a request sent without an id, and the id taken off the waiting set
+# (state running): what a pipeline of up to eleven commands did, in one script.
+# KEYS: record, enqueued, deadline, retried, live, dup, routes, [tenant's minute],
+#       [fingerprint], engine age keys (all under the queue's prefix: one slot on Cluster)
+# ARGV: ENQUEUE_LUA's eight, then '1' with a tenant key, the fingerprint's value ('' none),
+#       its TTL in ms
+# Returns {stats (depth, oldest score, tightest score, past deadline, retried, max dup
+# score; '' where none), the record as enqueued (its ten fields, queue.parse_decide's order),
+# the tenant's spend or false,
+# {the engine ages, false where absent}}.
+DECIDE_LUA = (
+    _GC_FN
+    + _ENQUEUE_FN
+    + _LEAVE_FN
+    + """
+local function score(reply) if #reply > 0 then return reply[2] end return '' end
+local stats = {
+  redis.call('ZCARD', KEYS[2]),
+  score(redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')),
+  score(redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')),
+  redis.call('ZCOUNT', KEYS[3], '-inf', ARGV[6]),
+  redis.call('ZCARD', KEYS[4]),
+  score(redis.call('ZRANGE', KEYS[6], -1, -1, 'WITHSCORES')),
+}
+enqueue()
+local record = redis.call('HMGET', KEYS[1], 'route', 'tenant', 'enqueued_ms', 'deadline_ms', 'retry_count',
+                          'attempts', 'token_units', 'attempt_units_max', 'http_status', 'state')
+local k = 8
+local spent = false
+if ARGV[9] == '1' then
+  spent = redis.call('GET', KEYS[k])
+  k = k + 1
+end
+if ARGV[10] ~= '' then
+  redis.call('SET', KEYS[k], ARGV[10], 'PX', ARGV[11])
+  k = k + 1
+end
+local ages = {}
+for i = k, #KEYS do ages[#ages + 1] = redis.call('GET', KEYS[i]) end
+leave(ARGV[1], 'running', '', ARGV[6], '0')
+return {stats, record, spent, ages}
 """
+)
 
 # KEYS: record, enqueued, deadline, retried, live, dup[, tenant's minute]
 # ARGV: id, token_units, http_status ('' = none), now_ms, retention_ms, retry_count ('' = none),

@@ -1,0 +1,181 @@
+"""`llm-health decide`'s own server (`gate.lean`): every test of the nginx door (a real nginx
+with the shipped configuration, a real redis-server, the Redis stalls) and of the Envoy
+door, run again with the doors served by the lean answer path instead of the aiohttp app;
+then what only the lean server does: the connection handed to aiohttp for every other
+path, requests answered in order, the limits of a request it reads, its Redis connection
+(`store.lean`) across a Redis restart."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from llm_health.config.gate import parse_gate_config
+from llm_health.gate import lean
+from llm_health.gate.doors import Doors
+from tests.fixtures.nginx import Nginx
+from tests.harness.processes import free_port
+from tests.integration.test_door_envoy import Engine as EnvoyEngine
+from tests.integration.test_door_envoy import EnvoyExtAuthz
+from tests.integration.test_door_envoy import test_a_fresh_request_is_admitted_with_its_headers_upstream as test_envoy_fresh  # noqa: F401
+from tests.integration.test_door_envoy import test_a_redis_stall_after_the_decision_leaves_no_record_running as test_envoy_stall  # noqa: F401
+from tests.integration.test_door_envoy import test_hostile_headers_get_the_gate_s_400 as test_envoy_hostile_headers  # noqa: F401
+from tests.integration.test_door_envoy import test_redis_down_is_the_route_s_policy as test_envoy_redis_down  # noqa: F401
+from tests.integration.test_door_nginx import (  # noqa: F401  (run again here, on the lean server)
+    Engine,
+    free_udp_port,
+    test_a_deadline_sent_twice_with_different_values_is_refused,
+    test_a_fresh_request_is_admitted_forwarded_and_its_end_recorded,
+    test_a_late_retry_is_refused_with_a_non_retryable_status,
+    test_a_redis_stall_leaves_no_record_running_after_its_answer,
+    test_a_stream_passes_through_unbuffered,
+    test_an_enqueue_run_late_by_a_stall_leaves_no_record_running,
+    test_engine_admin_endpoints_never_reach_the_engine,
+    test_queue_age_beating_slack_is_refused_with_retry_after,
+    test_redis_down_is_the_route_s_redis_down_policy,
+    test_tenant_a_s_id_never_refuses_tenant_b,
+)
+from tests.integration.test_gate import serve
+
+AUTH = b"GET /-/auth_request/v1/completions HTTP/1.1\r\nHost: d\r\nX-Original-Method: POST\r\nX-Request-Id: %s\r\n\r\n"
+
+
+async def lean_doors(doors: Doors, syslog: tuple[str, int] | None = None) -> tuple[str, object]:
+    port = free_port()
+    stop = await lean.serve(doors, doors.app(syslog=syslog), "127.0.0.1", port)
+    return f"http://127.0.0.1:{port}", stop
+
+
+@pytest.fixture
+async def door(own_redis_server, tmp_path):
+    """test_door_nginx's fixture, the doors served by `gate.lean`."""
+    engine = Engine()
+    eapp = web.Application()
+    eapp.router.add_route("*", "/{tail:.*}", engine.any)
+    erunner, eurl = await serve(eapp)
+    cfg = parse_gate_config(
+        {"gate": {"redis": own_redis_server.url, "routes": {"chat": {"upstream": eurl, "default_deadline_ms": 30000, "redis_down": "closed"}}}}, "test.yml"
+    )
+    doors = Doors(cfg)
+    assert doors.admission.lean is not None  # one server: the lean Redis connection too
+    syslog_port = free_udp_port()
+    durl, stop = await lean_doors(doors, ("127.0.0.1", syslog_port))
+    nginx = Nginx(tmp_path, decide_port=int(durl.rsplit(":", 1)[1]), engine_port=int(eurl.rsplit(":", 1)[1]), syslog_port=syslog_port)
+    with nginx:
+        yield nginx.url, engine, doors
+    await stop()
+    await erunner.cleanup()
+
+
+@pytest.fixture
+async def envoy(own_redis_server):
+    """test_door_envoy's fixture, the doors served by `gate.lean`."""
+    engine = EnvoyEngine()
+    eapp = web.Application()
+    eapp.router.add_route("*", "/{tail:.*}", engine.any)
+    erunner, eurl = await serve(eapp)
+    routes = {"other": {"upstream": eurl, "default_deadline_ms": 30000}, "chat": {"upstream": eurl, "default_deadline_ms": 30000, "redis_down": "closed"}}
+    doors = Doors(parse_gate_config({"gate": {"redis": own_redis_server.url, "routes": routes}}, "test.yml"))
+    durl, stop = await lean_doors(doors)
+    yield EnvoyExtAuthz(durl, eurl), engine, doors
+    await stop()
+    await erunner.cleanup()
+
+
+@pytest.fixture
+async def direct(own_redis_server):
+    """(host, port) of the lean server alone, and its doors."""
+    cfg = parse_gate_config({"gate": {"redis": own_redis_server.url, "routes": {"chat": {"upstream": "http://127.0.0.1:1", "default_deadline_ms": 30000}}}})
+    doors = Doors(cfg)
+    url, stop = await lean_doors(doors)
+    yield ("127.0.0.1", int(url.rsplit(":", 1)[1])), doors
+    await stop()
+
+
+async def exchange(addr: tuple[str, int], data: bytes, answers: int) -> list[bytes]:
+    """Send ``data`` on one connection; the first ``answers`` responses (head and body)."""
+    reader, writer = await asyncio.open_connection(*addr)
+    writer.write(data)
+    out = []
+    try:
+        for _ in range(answers):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0)
+            out.append(head + await reader.readexactly(length))
+    finally:
+        writer.close()
+    return out
+
+
+async def test_other_paths_are_handed_to_aiohttp_on_the_same_connection(direct):
+    """A door's answer, then `/metrics` and `/-/healthy` on the kept connection, pipelined:
+    each answered, in the order sent, the metrics counting the decision made just before."""
+    addr, _ = direct
+    data = AUTH % b"lean-1" + b"GET /metrics HTTP/1.1\r\nHost: d\r\n\r\n" + b"GET /-/healthy HTTP/1.1\r\nHost: d\r\n\r\n" + AUTH % b"lean-2"
+    first, metrics, healthy, last = await exchange(addr, data, 4)
+    assert first.startswith(b"HTTP/1.1 200 ") and b"X-Request-Id: lean-1" in first and b"X-LLM-Health-Record: " in first, first
+    assert metrics.startswith(b"HTTP/1.1 200 ") and b'llm_gate_decisions_total{decision="admit_once",route="chat"} 1.0' in metrics
+    assert healthy.startswith(b"HTTP/1.1 200 ")
+    assert last.startswith(b"HTTP/1.1 200 ") and b"X-Request-Id: lean-2" in last, last  # aiohttp served it: the same answer
+
+
+async def test_pipelined_door_requests_are_answered_in_order(direct):
+    addr, _ = direct
+    ids = [f"order-{i}".encode() for i in range(20)]
+    answers = await exchange(addr, b"".join(AUTH % i for i in ids), len(ids))
+    assert [a.split(b"X-Request-Id: ", 1)[1].split(b"\r\n", 1)[0] for a in answers] == ids
+
+
+@pytest.mark.parametrize(
+    "request_bytes,status",
+    [
+        (b"GET /-/auth_request/v1/completions HTTP/1.1\r\nX-Original-Method: POST\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n", 431),
+        (b"GET /-/auth_request/v1/completions HTTP/1.1\r\n" + b"".join(b"X-H%d: 1\r\n" % i for i in range(200)) + b"\r\n", 431),
+        (b"GET /-/auth_request/" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", 414),
+        (b"POST /-/ext_authz/v1/completions HTTP/1.1\r\nContent-Length: 2000\r\n\r\n" + b"x" * 2000, 413),
+        (b"GET /-/auth_request/v1 HTTP/1.1\r\nBad Header\r\n\r\n", 400),
+    ],
+    ids=["long-header", "many-headers", "long-url", "body", "malformed"],
+)
+async def test_a_request_past_the_limits_is_refused(direct, request_bytes, status):
+    addr, doors = direct
+    [answer] = await exchange(addr, request_bytes, 1)
+    assert answer.startswith(b"HTTP/1.1 %d " % status), answer[:200]
+    assert doors.admission.m_decisions.labels("chat", "admit_once")._value.get() == 0  # nothing decided, nothing written
+
+
+async def test_connection_close_is_honoured(direct):
+    addr, _ = direct
+    reader, writer = await asyncio.open_connection(*addr)
+    writer.write(b"GET /-/auth_request/v1/completions HTTP/1.1\r\nX-Original-Method: POST\r\nConnection: close\r\n\r\n")
+    data = await asyncio.wait_for(reader.read(), 10)  # to EOF: the server closed it
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 200 ") and b"Connection: close" in data
+
+
+async def test_the_redis_connection_survives_a_redis_restart(direct, own_redis_server):
+    """The lean connection breaks when Redis restarts (its scripts gone): one request meets
+    the broken connection (Redis down: the route's policy), the next connects again and
+    loads the scripts (NOSCRIPT), and is admitted and recorded."""
+    addr, doors = direct
+    [ok] = await exchange(addr, AUTH % b"before", 1)
+    assert ok.startswith(b"HTTP/1.1 200 ") and b"admit_once" in ok
+    own_redis_server.kill()
+    own_redis_server.start()
+    answers = []
+    for i in range(3):
+        [a] = await exchange(addr, AUTH % f"after-{i}".encode(), 1)
+        answers.append(a)
+    assert b"X-LLM-Health-Decision: admit_once" in answers[-1], answers[-1]
+    assert b"X-LLM-Health-Record: " in answers[-1]  # recorded: Redis answered the decision's script
+    rec = await doors.admission.queue.read("default/after-2")
+    assert rec is not None and rec.state == "running", rec  # admitted, its end not reported (no nginx here)
+
+
+async def test_an_unreadable_request_is_answered_after_those_before_it(direct):
+    addr, _ = direct
+    first, bad = await exchange(addr, AUTH % b"before-bad" + b"GET /-/auth_request/v1 HTTP/1.1\r\nBad Header\r\n\r\n", 2)
+    assert first.startswith(b"HTTP/1.1 200 ") and b"X-Request-Id: before-bad" in first, first
+    assert bad.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in bad, bad
