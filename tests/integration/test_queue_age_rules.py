@@ -27,7 +27,7 @@ generate = load_script(RULES / "generate.py", "rules_generate_queue_age")
 def config_for(vllm_s: int, exporter_s: int) -> dict:
     raw = yaml.safe_load((RULES / "config.yaml").read_text())
     raw = copy.deepcopy(raw)
-    raw["scrape_intervals"] = {"vllm": f"{vllm_s}s", "llamacpp": f"{vllm_s}s", "exporter": f"{exporter_s}s"}
+    raw["scrape_intervals"].update({"vllm": f"{vllm_s}s", "llamacpp": f"{vllm_s}s", "exporter": f"{exporter_s}s"})
     raw["routes"] = {route: {"deadline": f"{deadline}s", "backends": backends} for route, (deadline, backends) in ROUTES.items()}
     return generate.derive(raw)
 

@@ -29,7 +29,7 @@ from tests.fixtures.stack import PROMTOOL, run_tool
 
 pytestmark = pytest.mark.skipif(not PROMTOOL, reason="promtool is not installed (apt-get install prometheus)")
 
-JOBS = {"vllm": "vllm", "llamacpp": "llamacpp", "llm-health": "exporter"}  # job -> config key
+JOBS = {"vllm": "vllm", "llamacpp": "llamacpp", "sglang": "sglang", "tgi": "tgi", "triton": "triton", "llm-health": "exporter"}  # job -> config key
 
 
 generate = load_script(RULES / "generate.py", "rules_generate")
@@ -70,6 +70,7 @@ def windows(config: dict, scrape: dict[str, int]) -> Windows:
         vllm_s=generate.seconds(config["vllm"]["progress_window"], "vllm"),
         llamacpp_s=generate.seconds(config["llamacpp"]["progress_window"], "llamacpp"),
         too_slow=slow,
+        captured_s={job: generate.seconds(config[job]["progress_window"], job) for job in ("sglang", "tgi", "triton")},
     )
 
 
@@ -93,7 +94,8 @@ def test_alerts_at_every_evaluation_of_an_hour(tmp_path, rules, scrape):
     config = config_for(rules)
     w = windows(config, scrape)
     files = rule_files(rules, tmp_path)
-    assert {p.name for p in files} == {"vllm.rules.yml", "llamacpp.rules.yml", "llm-health.rules.yml", "dcgm.rules.yml"}
+    engines = {f"{name}.rules.yml" for name in ("vllm", "llamacpp", "sglang", "tgi", "triton")}
+    assert {p.name for p in files} == engines | {"llm-health.rules.yml", "dcgm.rules.yml"}
     test_file = suite(tmp_path / "intervals.test.yml", files, w, scrape)
     result = run_tool(PROMTOOL, "test", "rules", str(test_file), timeout=600)
     out = result.stdout + result.stderr

@@ -1,6 +1,6 @@
 """The rule pack: generated files up to date, promtool-valid, unit-tested, mixin style,
-and reading only series that exist (in real vLLM and llama.cpp payloads or the exporter's
-contract)."""
+and reading only series that exist (in real vLLM and llama.cpp payloads, the captured
+payloads of the other engines, or the exporter's contract)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from llm_health.core import engines
 from tests.fixtures.paths import REAL_LLAMACPP, REAL_METRICS, REAL_VLLM, ROOT, RULES, load_script
 from tests.fixtures.rule_groups import eval_order
 from tests.fixtures.rule_intervals import EVAL_S, HANG_AT, HOUR_S, RESTART_AT, Target, Windows, _vllm, bounds, const, grows, input_series
@@ -52,7 +53,8 @@ def alerts() -> list[dict]:
 
 
 def test_rule_files_exist():
-    assert {p.name for p in RULE_FILES} == {"vllm.rules.yml", "llamacpp.rules.yml", "llm-health.rules.yml", "dcgm.rules.yml"}
+    raw = {f"{name}.rules.yml" for name in ("vllm", "llamacpp", "sglang", "tgi", "triton")}
+    assert {p.name for p in RULE_FILES} == raw | {"llm-health.rules.yml", "dcgm.rules.yml"}
     assert TEST_FILES
 
 
@@ -121,7 +123,7 @@ def test_committed_files_say_their_scrape_intervals():
     assert "For these scrape intervals: vllm 30s.\n" in (RULES / "vllm.rules.yml").read_text()
     assert "For these scrape intervals: vllm 15s.\n" in (RULES / "fast" / "vllm.rules.yml").read_text()
     assert "For these scrape intervals: exporter 5s.\n" in (RULES / "fast" / "llm-health.rules.yml").read_text()
-    assert "Scrape intervals: vllm 15s, llamacpp 15s, exporter 5s.\n" in (RULES / "fast" / "prometheusrule.yaml").read_text()
+    assert "Scrape intervals: vllm 15s, llamacpp 15s, sglang 15s, tgi 15s, triton 15s, exporter 5s.\n" in (RULES / "fast" / "prometheusrule.yaml").read_text()
 
 
 def test_generator_refuses_unknown_keys(tmp_path):
@@ -326,7 +328,7 @@ def test_mixin_conventions():
         name = rule["alert"]
         assert name not in seen, f"{name} defined twice"
         seen.add(name)
-        assert re.fullmatch(r"(VLLM|LLM|LlamaCpp)[A-Z][A-Za-z0-9]+", name), name
+        assert re.fullmatch(r"(VLLM|LLM|LlamaCpp|SGLang|TGI|Triton)[A-Z][A-Za-z0-9]+", name), name
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
         ann = rule["annotations"]
         assert ann["summary"].endswith(".") and "{{" not in ann["summary"], f"{name}: summary must be static"
@@ -370,8 +372,22 @@ def llamacpp_payloads() -> list[Path]:
     return files
 
 
+def captured_engines() -> dict[str, set[str]]:
+    """{series prefix: the series of its captured payloads} for each registered engine
+    whose rules are checked against captured payloads alone (tests/data/real-world/metrics/
+    <engine>-*.prom): every engine but vLLM and llama.cpp, whose own captures are above."""
+    out = {}
+    for profile in engines.PROFILES:
+        files = sorted(REAL_METRICS.glob(f"{profile.name}-*.prom"))
+        if profile.prefix not in ("vllm:", "llamacpp:") and files:
+            out[profile.prefix] = set().union(*(payload_series(p) for p in files))
+    return out
+
+
 def test_every_series_read_by_a_rule_exists():
     recorded = {r["record"] for r in all_rules() if "record" in r}
+    captured = captured_engines()
+    assert len(captured) >= 3, f"captured payloads of SGLang, TGI and Triton missing from {REAL_METRICS}"
     exported = exporter_series()
     llamacpp = set().union(*(payload_series(p) for p in llamacpp_payloads()))
     payloads = {p.name: payload_series(p) for p in vllm_payloads()}
@@ -397,6 +413,9 @@ def test_every_series_read_by_a_rule_exists():
             elif name.startswith("llamacpp:"):
                 if name not in llamacpp:
                     problems.append(f"{who}: {name} is in no live llama-server payload ({REAL_LLAMACPP.relative_to(ROOT)})")
+            elif prefix := next((p for p in captured if name.startswith(p)), None):
+                if name not in captured[prefix]:
+                    problems.append(f"{who}: {name} is in no captured payload of its engine ({REAL_METRICS.relative_to(ROOT)})")
             elif name.startswith("llm_"):
                 if name not in exported:
                     problems.append(f"{who}: {name} is not an exporter series (docs/architecture.md)")
