@@ -33,6 +33,30 @@ def proc_state(pid: int) -> str:
     return stat[stat.rfind(")") + 2 :].split()[0]
 
 
+def start_time(pid: int) -> int | None:
+    """When the process started (clock ticks since boot, /proc/PID/stat field 22), None if
+    gone: with its pid, what tells this process from a later one given the same pid (pid
+    numbers wrap: 32768 by default, and a test run spawns that many processes and threads)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    return int(stat[stat.rfind(")") + 2 :].split()[19])
+
+
+def signal_same(pid: int, started: int | None, sig: int) -> bool:
+    """Send `sig` to pid only while it is still the process that started at `started`;
+    whether it was sent. A harness that outlives its engine must not stop a stranger."""
+    if started is None or start_time(pid) != started:
+        return False
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def wait_port_free(host: str, port: int, timeout: float, pause: float = 0.2) -> bool:
     """Until `port` can be bound again (it lingers a moment after its server exits)."""
     deadline = time.monotonic() + timeout

@@ -53,8 +53,23 @@ def main(argv: list[str]) -> int:
         except OSError:
             pass
 
+    # Each pid with its start time: a pid whose process ended may be given to another
+    # process (numbers wrap), which must never be stopped. As processes.signal_same, which
+    # this script (run by path, standard library only) cannot import.
+    def started(pid: int) -> int | None:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read().decode("utf-8", "replace")
+        except OSError:
+            return None
+        return int(stat[stat.rfind(")") + 2 :].split()[19])
+
+    born = {p: started(p) for p in pids}
+
     def send(sig: int) -> None:
         for p in pids:
+            if born[p] is None or started(p) != born[p]:
+                continue
             try:
                 os.kill(p, sig)
             except ProcessLookupError:

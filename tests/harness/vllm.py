@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.harness.engine_server import EngineServer, ServerNotReady  # noqa: F401 (ServerNotReady: callers import it from here)
-from tests.harness.processes import descendants, proc_state
+from tests.harness.processes import descendants, proc_state, signal_same, start_time
 
 VLLM_VERSION = "0.32.0"
 HERE = Path(__file__).resolve().parent
@@ -452,6 +452,7 @@ class VLLMServer(EngineServer):
         pids = self._targets(which)
         if not pids:
             raise RuntimeError(f"nothing to throttle ({which})")
+        born = {p: start_time(p) for p in pids}
         proc = subprocess.Popen(
             [sys.executable, str(HERE / "throttler.py"), str(run_ms), str(period_ms), *map(str, pids)],
             stdin=subprocess.PIPE,
@@ -475,9 +476,8 @@ class VLLMServer(EngineServer):
                 proc.kill()
                 proc.wait(5)
             sig = signal.SIGSTOP if handle.frozen else signal.SIGCONT
-            for p in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p, sig)
+            for p in pids:  # only the engine's processes still: never a later one given the pid
+                signal_same(p, born[p], sig)
         if handle.frozen and ended != "frozen":
             raise RuntimeError(f"throttler did not freeze the engine (it said {ended!r})")
 

@@ -1,5 +1,6 @@
 """The test harness itself: a pytest stopped with SIGTERM stops the servers its fixtures
-started (tests/fixtures/procs.py), as it does on Ctrl-C."""
+started (tests/fixtures/procs.py), as it does on Ctrl-C; a harness that signals an
+engine's pids never signals a later process given one of them (pid numbers wrap)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from tests.fixtures.paths import ROOT
 from tests.fixtures.stack import wait_until
+from tests.harness.processes import proc_state, signal_same, start_time
 
 INNER = """
 import subprocess, time
@@ -77,3 +79,23 @@ def test_sigterm_tears_the_fixtures_down(tmp_path: Path):
             pytest_proc.wait()
         if pid is not None and _alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_pid_given_to_another_process_is_not_signalled():
+    """The throttle's stop, or its last SIGSTOP when frozen, reaches a pid only while it is
+    the process the harness found: a pid whose start time differs is a later process (a
+    CI run saw a shared Redis node stopped for good, a stranger's signal the likely cause)."""
+    proc = subprocess.Popen(["sleep", "300"])
+    try:
+        wait_until(lambda: proc_state(proc.pid) == "S", timeout=10, what="sleep in its sleep")
+        born = start_time(proc.pid)
+        assert born is not None
+        assert not signal_same(proc.pid, born + 1, signal.SIGSTOP)  # as if the pid had been reused
+        assert proc_state(proc.pid) == "S"
+        assert signal_same(proc.pid, born, signal.SIGSTOP)
+        wait_until(lambda: proc_state(proc.pid) == "T", timeout=10, what="the stop")
+        assert signal_same(proc.pid, born, signal.SIGCONT)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert start_time(proc.pid) is None and not signal_same(proc.pid, born, signal.SIGCONT)
