@@ -102,6 +102,21 @@ def test_captured_engines_get_verdicts_through_their_profile(name):
     assert v.restarted and v.state == State.RESTARTED
 
 
+@pytest.mark.parametrize("name", ["tgi", "triton"])
+def test_a_queue_counted_in_front_of_a_hung_engine_is_not_progress(name):
+    """TGI's router and Triton's core count requests as they arrive, whatever the model
+    does: a queue that grows while nothing else moves is a hung engine still being sent
+    work, not progress (a load balancer keeps sending to it)."""
+    text = (REAL_METRICS / CAPTURED[name]).read_text()
+    profile = engines.BY_NAME[name]
+    states, mem = [], None
+    for t, queued in ((0, 1), (10, 3), (20, 6), (30, 9)):
+        grown = "\n".join(f"{line.rsplit(' ', 1)[0]} {queued}" if line.startswith(profile.waiting) else line for line in text.splitlines())
+        v = decide(mem, Observation(now=t, reading=engines.read(grown + "\n")), S)
+        mem = v.memory
+        states.append(v.state)
+    assert states == [State.UNKNOWN, State.STALLED, State.HUNG, State.HUNG]
+
 @pytest.mark.parametrize("spelling,kind", [("engine", "engine"), ("vllm", "engine"), ("proxy", "proxy")])
 def test_kinds(spelling, kind):
     assert kinds.normalize(spelling) == kind

@@ -23,7 +23,9 @@ class Profile:
     other label (e.g. `finished_reason`). `counters` only ever rise in one process, so a
     fall means a restart. `steps` is the counter of engine steps; `gauges` are the
     engine-side gauges whose change also shows the engine took a step (KV usage rises
-    during a long prefill even when no step is counted).
+    during a long prefill even when no step is counted): never a gauge that a part in
+    front of the engine moves as requests arrive (a router's queue), which rises while
+    the engine is hung.
     """
 
     name: str  # the `profile` label and the name in `Reading.profile`

@@ -1,4 +1,7 @@
-"""Text Generation Inference (TGI): the series of its `/metrics` (one unit, no labels)."""
+"""Text Generation Inference (TGI): the series of its `/metrics` (one unit, no labels).
+
+Its queue is counted by the router, in front of the model shards: `tgi_queue_size` rises
+as requests arrive while the shards are hung, so it is work in flight, never progress."""
 
 from __future__ import annotations
 
@@ -19,5 +22,5 @@ TGI = Profile(
         "tgi_request_success",
         "tgi_request_generated_tokens_sum",
     ),
-    gauges=("tgi_batch_current_size", "tgi_queue_size", "tgi_batch_current_max_tokens"),
+    gauges=("tgi_batch_current_size", "tgi_batch_current_max_tokens"),
 )

@@ -1,5 +1,6 @@
 """Triton Inference Server: no "running" gauge; pending requests are the work in flight,
-and executions the progress. One unit per model and version."""
+and executions the progress. One unit per model and version. The pending count is kept by
+Triton's core as requests arrive, in front of a backend that may be hung: never progress."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ TRITON = Profile(
     steps="nv_inference_exec_count",
     generation_tokens=None,
     counters=("nv_inference_exec_count", "nv_inference_count", "nv_inference_request_success"),
-    gauges=("nv_inference_pending_request_count",),
+    gauges=(),
     unit_labels=("model", "version"),
     aliases=("tritonserver",),
 )
