@@ -117,6 +117,7 @@ def test_a_queue_counted_in_front_of_a_hung_engine_is_not_progress(name):
         states.append(v.state)
     assert states == [State.UNKNOWN, State.STALLED, State.HUNG, State.HUNG]
 
+
 @pytest.mark.parametrize("spelling,kind", [("engine", "engine"), ("vllm", "engine"), ("proxy", "proxy")])
 def test_kinds(spelling, kind):
     assert kinds.normalize(spelling) == kind

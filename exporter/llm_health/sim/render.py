@@ -170,11 +170,19 @@ class SimEngine:
                     self._left = [left for left in self._left if left > 0]
                     self._schedule()
             if steps:
-                self.hists["vllm:iteration_tokens_total"].observe(self.running, steps)
+                self._decoded(steps)
                 self.generation_tokens += steps * self.running
                 self.kv_usage = min(0.95, self.kv_usage + 0.0001 * steps)
         elif self.mode == "prefill":
-            self.kv_usage = min(0.95, self.kv_usage + 0.01 * seconds)
+            self._prefilling(seconds)
+
+    def _decoded(self, steps: int) -> None:
+        """`steps` decode steps of the running batch, as the engine counts them."""
+        self.hists["vllm:iteration_tokens_total"].observe(self.running, steps)
+
+    def _prefilling(self, seconds: float) -> None:
+        """`seconds` into a long prefill: KV usage rises, no step is counted yet."""
+        self.kv_usage = min(0.95, self.kv_usage + 0.01 * seconds)
 
     def finish_prefill(self, prompt_tokens: int) -> None:
         """The first output token of a prefilled prompt: V1 counts prompt and step only now."""

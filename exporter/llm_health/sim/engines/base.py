@@ -41,6 +41,14 @@ class Served(Protocol):
     def authorised(self, request: web.Request) -> bool: ...
 
 
+def one_token_answer(model: str, usage: bool = True) -> web.Response:
+    """The answer to a 1-token completion (the probe), as an OpenAI-compatible server gives it."""
+    body: dict = {"id": "cmpl-sim", "object": "text_completion", "model": model, "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}]}
+    if usage:
+        body["usage"] = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    return web.json_response(body)
+
+
 class SimFlavor:
     """One engine's simulation. `kind` is the name `SimServer(kind=...)` takes; `profile`
     the core profile its payload must be read as (its sleep and pause paths are served)."""
@@ -107,22 +115,11 @@ class StepEngine(SimEngine):
     def steps(self) -> int:
         return int(self.prefill_steps + self.decode_steps)
 
-    def advance(self, seconds: float) -> None:
-        if self.max_num_seqs > 0 and self.mode == "decode":
-            self._lifecycle(seconds)
-        if self.mode == "decode" and self.running > 0:
-            steps = self._whole(seconds * self.tokens_per_second)
-            if steps and self.max_num_seqs > 0:
-                self._left = [left - steps for left in self._left]
-                done = sum(1 for left in self._left if left <= 0)
-                if done:
-                    self.finish(done, generation_tokens=self.request_tokens, seconds=self.request_tokens / self.tokens_per_second)
-                    self._left = [left for left in self._left if left > 0]
-                    self._schedule()
-            self.decode_steps += steps
-            self.generation_tokens += steps * self.running
-            self.kv_usage = min(0.95, self.kv_usage + 0.0001 * steps)
-        elif self.mode == "prefill" and (self.running > 0 or self.waiting > 0):
+    def _decoded(self, steps: int) -> None:
+        self.decode_steps += steps
+
+    def _prefilling(self, seconds: float) -> None:
+        if self.running > 0 or self.waiting > 0:  # a pass per seconds_per_prefill
             self.prefill_steps += self._whole(seconds / self.seconds_per_prefill)
             self.kv_usage = min(0.95, self.kv_usage + 0.01 * seconds)
 
@@ -188,12 +185,4 @@ class OpenAIFlavor(SimFlavor):
         if isinstance(engine, StepEngine):
             engine.decode_steps += 1
             engine.generation_tokens += 1
-        return web.json_response(
-            {
-                "id": "cmpl-sim",
-                "object": "text_completion",
-                "model": server.model,
-                "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            }
-        )
+        return one_token_answer(server.model)

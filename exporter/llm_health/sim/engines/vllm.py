@@ -11,7 +11,7 @@ from aiohttp import web
 
 from ...core.engines import VLLM_V1
 from ..render import SimEngine, render_vllm
-from .base import ADMITTED_HEADER, Served, SimFlavor
+from .base import ADMITTED_HEADER, Served, SimFlavor, one_token_answer
 
 
 class VllmSim(SimFlavor):
@@ -38,24 +38,14 @@ class VllmSim(SimFlavor):
         if server.probe_hangs or any(e.mode == "hung" for e in server.engines):
             await asyncio.sleep(3600)
         if ADMITTED_HEADER in request.headers and await served_in_turn(server.engines[0]):
-            return web.json_response(
-                {"id": "cmpl-sim", "object": "text_completion", "model": server.model, "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}]}
-            )
+            return one_token_answer(server.model, usage=False)
         if server.running or server.waiting:
             # A real engine would queue this behind the batch; the sim makes it wait as long.
             await asyncio.sleep(3600)
         engine = server.engines[0]
         engine.finish(1, prompt_tokens=1, generation_tokens=1, seconds=0.01)
         engine.hists["vllm:iteration_tokens_total"].observe(1)
-        return web.json_response(
-            {
-                "id": "cmpl-sim",
-                "object": "text_completion",
-                "model": server.model,
-                "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            }
-        )
+        return one_token_answer(server.model)
 
 
 async def served_in_turn(engine: SimEngine, limit_s: float = 120.0) -> bool:
