@@ -27,32 +27,20 @@ from bench.sections import SECTIONS, Section
 
 HEAD = """# Benchmarks
 
-One snapshot: `make bench` runs every benchmark once, at one commit, on one machine, and
-writes this file from their outputs (`bench/snapshot.py`); `make bench-long` runs the long
-ones (real engines, the whole loop) into the same file, with their own commit. Each section
-says the commit and date it ran at, and its output starts with the machine line it ran on:
-CPU, cores, memory, kernel, Python, a calibration figure (the best of 5 runs of a fixed
-pure-Python workload, `bench/_machine.py`, in ms: compare absolute times only between runs
-with the same calibration) and the load average at its start. These machines are shared:
-most goals compare side by side in one run (a ratio, a difference of interleaved runs, or
-against the run's own calibration); the rest are counts and a few absolute times of the
-machine the section names. Earlier snapshots are in git (`git log -p docs/benchmarks.md`), not here; the
-outputs pasted before this file became one snapshot are `git show ceeb71b:docs/benchmarks.md`
-(the other docs point at the sections here; the few older figures they keep name their
-commit and say they may be stale).
-
-The summary marks a section **stale** when a path it measures changed since its commit
-(`python -m bench.summary`); `tests/unit/test_benchmarks_doc.py` fails when the marks below
-do not match git. `tests/integration/test_bench_smoke.py` runs every benchmark at a tiny
-size in CI and checks that every figure a goal line prints is one the benchmark's own
-output shows (bench_parse and bench_scale's shards: also the exact row and the verdict;
-bench_hostile: the row); the verdicts at that size mean nothing, and no test asserts a time.
+One snapshot, written by `make bench` (every benchmark once, at one commit, on one machine;
+`bench/snapshot.py`) and `make bench-long` (real engines, the whole loop, with their own commit).
+Each output starts with its machine line: CPU, cores, memory, kernel, Python, a calibration (best
+of 5 runs of a fixed Python workload, `bench/_machine.py`: compare absolute times only at the same
+calibration) and the load average. Most goals are ratios or differences within one run. A section
+is **stale** when a path it measures changed since its commit (`python -m bench.summary`;
+`tests/unit/test_benchmarks_doc.py` fails when the marks do not match git); the smoke test
+(`tests/integration/test_bench_smoke.py`) checks every figure a goal line prints against the
+benchmark's own output. Earlier snapshots are in git (before one snapshot: `git show ceeb71b:docs/benchmarks.md`).
 
 ```sh
-make bench                          # every section below but the long ones
-make bench-long                     # engines_measure and loop_recovery (after make deps)
-python -m bench.snapshot --only bench_parse   # one section again, at the current commit
-python -m bench.summary --write     # the summary again (the stale marks), running nothing
+make bench && make bench-long                   # every section below
+python -m bench.snapshot --only bench_parse     # one section again, at the current commit
+python -m bench.summary --write                 # the summary again (the stale marks), running nothing
 ```
 """
 
@@ -95,7 +83,7 @@ def document(found: dict[str, summary.Block]) -> str:
         parts.append(f"## {s.title}\n`{s.command}`. {s.about}\n<!-- bench {b.name} {b.fields()} -->\n{b.body.strip(chr(10))}\n<!-- end bench {b.name} -->\n")
         if (notes := NOTES / f"{s.name}.md").is_file():  # not a run's output: the profiles, what remains and why
             parts.append(notes.read_text(encoding="utf-8"))
-    return "\n".join(parts)
+    return "".join(parts[:2]) + "\n" + "".join(parts[2:])  # a heading needs no blank line after a block's end
 
 
 def main(argv: list[str]) -> int:

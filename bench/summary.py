@@ -98,19 +98,21 @@ def cell(s: str) -> str:
 
 
 def render(found: list[Block], root: Path = ROOT) -> str:
+    """The summary: a row per section: when it ran, stale or fresh, how many of its goal
+    lines were met (each goal line, met or NOT met, is in the section's output), and the
+    paths it measures."""
     marks = {b.name: staleness(b, root) for b in found}
-    lines = [START, "", "| section | ran at | status | measures |", "|---|---|---|---|"]
+    by_section = {b.name: goals(b.body) for b in found}
+    lines = [START, "", "| section | ran at | status | goals met | measures |", "|---|---|---|---|---|"]
     for b in found:
         at = "not run" if b.commit == NOT_RUN else f"`{b.commit[:12]}`, {b.date}"
         status = marks[b.name] if marks[b.name] in ("fresh", "not run") else f"**{marks[b.name]}**"
-        lines.append(f"| {b.name} | {at} | {cell(status)} | {cell(', '.join(f'`{p}`' for p in b.paths))} |")
-    rows = [(b.name, *g) for b in found for g in goals(b.body)]
-    lines += ["", "| section | goal | measured | verdict |", "|---|---|---|---|"]
-    for name, goal, measured, met in rows:
-        verdict = "met" if met else "**NOT met**"
-        if marks[name] != "fresh":
-            verdict += " (stale)"
-        lines.append(f"| {name} | {cell(goal)} | {cell(measured)} | {verdict} |")
+        met = by_section[b.name]
+        tally = f"{sum(1 for g in met if g[2])} of {len(met)}" if met else "-"
+        if met and not all(g[2] for g in met):
+            tally = f"**{tally}**"
+        lines.append(f"| {b.name} | {at} | {cell(status)} | {tally} | {cell(', '.join(f'`{p}`' for p in b.paths))} |")
+    rows = [(name, *g) for name, gs in by_section.items() for g in gs]
     fresh = [r for r in rows if marks[r[0]] == "fresh"]
     lines += [
         "",

@@ -83,8 +83,15 @@ def test_an_unknown_commit_is_stale_and_a_section_never_run_says_so(repo):
 def test_a_stale_section_is_marked_in_the_summary(repo):
     head = _git(repo, "rev-parse", "HEAD")
     fresh = summary.render([_block(head)], repo)
-    assert "| bench_x | g | 1 | met |" in fresh and "1 of 1 goal lines of fresh sections met" in fresh
+    assert "| fresh | 1 of 1 |" in fresh and "1 of 1 goal lines of fresh sections met" in fresh
     (repo / "measured.py").write_text("x = 3\n")
     stale = summary.render([_block(head)], repo)
-    assert "**stale: 1 measured file changed since**" in stale
-    assert "| bench_x | g | 1 | met (stale) |" in stale and "0 of 0 goal lines of fresh sections met" in stale
+    assert "| **stale: 1 measured file changed since** | 1 of 1 |" in stale
+    assert "0 of 0 goal lines of fresh sections met; 1 of 1 in all" in stale
+
+
+def test_a_section_with_a_goal_not_met_is_tallied_in_bold(repo):
+    head = _git(repo, "rev-parse", "HEAD")
+    body = "\n```\ngoal: g; measured: 1: met\ngoal: h; measured: 2: NOT met\n```\n"
+    text = summary.render([summary.Block("bench_x", head, "2026-01-01T00:00Z", ("measured.py",), body)], repo)
+    assert "| fresh | **1 of 2** |" in text and "1 of 2 goal lines of fresh sections met" in text
