@@ -25,6 +25,7 @@ from aiohttp import web
 from llm_health.config.gate import parse_gate_config
 from llm_health.gate.doors import Doors
 from llm_health.store.queue import AdmissionQueue
+from tests.fixtures.doors import SERVERS, serve_doors
 from tests.fixtures.paths import ROOT
 from tests.integration.test_gate import recorded, serve
 from tests.integration.test_gate_records import Stalled, until
@@ -86,17 +87,18 @@ class Engine:
         return web.json_response({"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
 
-@pytest.fixture
-async def envoy(own_redis_server):
+@pytest.fixture(params=SERVERS)
+async def envoy(request, own_redis_server):
+    """(Envoy's side of ext_authz, engine, doors), decide served by aiohttp or by `gate.lean`."""
     engine = Engine()
     eapp = web.Application()
     eapp.router.add_route("*", "/{tail:.*}", engine.any)
     erunner, eurl = await serve(eapp)
     routes = {"other": {"upstream": eurl, "default_deadline_ms": 30000}, "chat": {"upstream": eurl, "default_deadline_ms": 30000, "redis_down": "closed"}}
     doors = Doors(parse_gate_config({"gate": {"redis": own_redis_server.url, "routes": routes}}, "test.yml"))
-    drunner, durl = await serve(doors.app())
+    durl, stop = await serve_doors(doors, request.param)
     yield EnvoyExtAuthz(durl, eurl), engine, doors
-    await drunner.cleanup()
+    await stop()
     await erunner.cleanup()
 
 

@@ -1,87 +1,19 @@
-"""`llm-health decide`'s own server (`gate.lean`): every test of the nginx door (a real nginx
-with the shipped configuration, a real redis-server, the Redis stalls) and of the Envoy
-door, run again with the doors served by the lean answer path instead of the aiohttp app;
-then what only the lean server does: the connection handed to aiohttp for every other
-path, requests answered in order, the limits of a request it reads, its Redis connection
-(`store.lean`) across a Redis restart."""
+"""What only `llm-health decide`'s own server (`gate.lean`) does: the connection handed to
+aiohttp for every other path, requests answered in order, the limits of a request it
+reads, its Redis connection (`store.lean`) across a Redis restart. Every nginx and Envoy
+door test runs on this server too (their fixtures take both servers, tests/fixtures/doors.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-from aiohttp import web
 
 from llm_health.config.gate import parse_gate_config
-from llm_health.gate import lean
 from llm_health.gate.doors import Doors
-from tests.fixtures.nginx import Nginx
-from tests.harness.processes import free_port
-from tests.integration.test_door_envoy import Engine as EnvoyEngine
-from tests.integration.test_door_envoy import EnvoyExtAuthz
-from tests.integration.test_door_envoy import test_a_fresh_request_is_admitted_with_its_headers_upstream as test_envoy_fresh  # noqa: F401
-from tests.integration.test_door_envoy import test_a_redis_stall_after_the_decision_leaves_no_record_running as test_envoy_stall  # noqa: F401
-from tests.integration.test_door_envoy import test_hostile_headers_get_the_gate_s_400 as test_envoy_hostile_headers  # noqa: F401
-from tests.integration.test_door_envoy import test_redis_down_is_the_route_s_policy as test_envoy_redis_down  # noqa: F401
-from tests.integration.test_door_nginx import (  # noqa: F401  (run again here, on the lean server)
-    Engine,
-    free_udp_port,
-    test_a_deadline_sent_twice_with_different_values_is_refused,
-    test_a_fresh_request_is_admitted_forwarded_and_its_end_recorded,
-    test_a_late_retry_is_refused_with_a_non_retryable_status,
-    test_a_redis_stall_leaves_no_record_running_after_its_answer,
-    test_a_stream_passes_through_unbuffered,
-    test_an_enqueue_run_late_by_a_stall_leaves_no_record_running,
-    test_engine_admin_endpoints_never_reach_the_engine,
-    test_queue_age_beating_slack_is_refused_with_retry_after,
-    test_redis_down_is_the_route_s_redis_down_policy,
-    test_tenant_a_s_id_never_refuses_tenant_b,
-)
-from tests.integration.test_gate import serve
+from tests.fixtures.doors import serve_doors
 
 AUTH = b"GET /-/auth_request/v1/completions HTTP/1.1\r\nHost: d\r\nX-Original-Method: POST\r\nX-Request-Id: %s\r\n\r\n"
-
-
-async def lean_doors(doors: Doors, syslog: tuple[str, int] | None = None) -> tuple[str, object]:
-    port = free_port()
-    stop = await lean.serve(doors, doors.app(syslog=syslog), "127.0.0.1", port)
-    return f"http://127.0.0.1:{port}", stop
-
-
-@pytest.fixture
-async def door(own_redis_server, tmp_path):
-    """test_door_nginx's fixture, the doors served by `gate.lean`."""
-    engine = Engine()
-    eapp = web.Application()
-    eapp.router.add_route("*", "/{tail:.*}", engine.any)
-    erunner, eurl = await serve(eapp)
-    cfg = parse_gate_config(
-        {"gate": {"redis": own_redis_server.url, "routes": {"chat": {"upstream": eurl, "default_deadline_ms": 30000, "redis_down": "closed"}}}}, "test.yml"
-    )
-    doors = Doors(cfg)
-    assert doors.admission.lean is not None  # one server: the lean Redis connection too
-    syslog_port = free_udp_port()
-    durl, stop = await lean_doors(doors, ("127.0.0.1", syslog_port))
-    nginx = Nginx(tmp_path, decide_port=int(durl.rsplit(":", 1)[1]), engine_port=int(eurl.rsplit(":", 1)[1]), syslog_port=syslog_port)
-    with nginx:
-        yield nginx.url, engine, doors
-    await stop()
-    await erunner.cleanup()
-
-
-@pytest.fixture
-async def envoy(own_redis_server):
-    """test_door_envoy's fixture, the doors served by `gate.lean`."""
-    engine = EnvoyEngine()
-    eapp = web.Application()
-    eapp.router.add_route("*", "/{tail:.*}", engine.any)
-    erunner, eurl = await serve(eapp)
-    routes = {"other": {"upstream": eurl, "default_deadline_ms": 30000}, "chat": {"upstream": eurl, "default_deadline_ms": 30000, "redis_down": "closed"}}
-    doors = Doors(parse_gate_config({"gate": {"redis": own_redis_server.url, "routes": routes}}, "test.yml"))
-    durl, stop = await lean_doors(doors)
-    yield EnvoyExtAuthz(durl, eurl), engine, doors
-    await stop()
-    await erunner.cleanup()
 
 
 @pytest.fixture
@@ -89,7 +21,7 @@ async def direct(own_redis_server):
     """(host, port) of the lean server alone, and its doors."""
     cfg = parse_gate_config({"gate": {"redis": own_redis_server.url, "routes": {"chat": {"upstream": "http://127.0.0.1:1", "default_deadline_ms": 30000}}}})
     doors = Doors(cfg)
-    url, stop = await lean_doors(doors)
+    url, stop = await serve_doors(doors, "lean")
     yield ("127.0.0.1", int(url.rsplit(":", 1)[1])), doors
     await stop()
 
@@ -179,3 +111,25 @@ async def test_an_unreadable_request_is_answered_after_those_before_it(direct):
     first, bad = await exchange(addr, AUTH % b"before-bad" + b"GET /-/auth_request/v1 HTTP/1.1\r\nBad Header\r\n\r\n", 2)
     assert first.startswith(b"HTTP/1.1 200 ") and b"X-Request-Id: before-bad" in first, first
     assert bad.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in bad, bad
+
+
+@pytest.mark.parametrize("path", [b"/nowhere", b"/-/ext_authz/v1/completions"], ids=["handed-over", "door"])
+async def test_expect_100_continue_gets_one_interim_answer_before_the_body(direct, path):
+    """The client waits for `100 Continue` before it sends its body: it comes at once, once,
+    on a request handed to aiohttp and on a door's own."""
+    addr, _ = direct
+    reader, writer = await asyncio.open_connection(*addr)
+    try:
+        writer.write(b"POST %s HTTP/1.1\r\nHost: d\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n" % path)
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)  # no body sent yet
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n", interim
+        writer.write(b"hello")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 ") and not head.startswith(b"HTTP/1.1 100"), head
+        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+        writer.write(AUTH % b"after-expect")  # the connection goes on: no second interim answer
+        after = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert after.startswith(b"HTTP/1.1 200 ") and b"after-expect" in after, after
+    finally:
+        writer.close()

@@ -20,6 +20,7 @@ from multidict import CIMultiDict
 from llm_health.config.gate import parse_gate_config
 from llm_health.gate.doors import Doors
 from llm_health.store.queue import AdmissionQueue
+from tests.fixtures.doors import SERVERS, serve_doors
 from tests.fixtures.nginx import Nginx
 from tests.integration.test_gate import recorded, serve
 from tests.integration.test_gate_records import Stalled, not_running, until
@@ -51,9 +52,10 @@ def free_udp_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-async def door(own_redis_server, tmp_path):
-    """(nginx url, engine, doors); the route `chat` fails closed when Redis is down."""
+@pytest.fixture(params=SERVERS)
+async def door(request, own_redis_server, tmp_path):
+    """(nginx url, engine, doors), decide served by aiohttp or by `gate.lean`; the route
+    `chat` fails closed when Redis is down."""
     engine = Engine()
     eapp = web.Application()
     eapp.router.add_route("*", "/{tail:.*}", engine.any)
@@ -63,11 +65,11 @@ async def door(own_redis_server, tmp_path):
     )
     doors = Doors(cfg)
     syslog_port = free_udp_port()
-    drunner, durl = await serve(doors.app(syslog=("127.0.0.1", syslog_port)))
+    durl, stop = await serve_doors(doors, request.param, ("127.0.0.1", syslog_port))
     nginx = Nginx(tmp_path, decide_port=int(durl.rsplit(":", 1)[1]), engine_port=int(eurl.rsplit(":", 1)[1]), syslog_port=syslog_port)
     with nginx:
         yield nginx.url, engine, doors
-    await drunner.cleanup()
+    await stop()
     await erunner.cleanup()
 
 

@@ -139,6 +139,30 @@ class DoorProtocol(asyncio.Protocol):
             raise _TooLarge(431, "too many request headers")
         self.headers.append((name, value))
 
+    def on_headers_complete(self) -> None:
+        """`Expect: 100-continue` on HTTP/1.1, before aiohttp has the connection: the interim
+        `100 Continue` now (after the answers before it), so the client sends its body without
+        waiting; the header is then not relayed, so aiohttp sends no second one. A body
+        declared over the limit gets no `100` (its read is refused with 413)."""
+        if self.relay is not None or self.parser.get_http_version() != "1.1":
+            return
+        expect = [v.strip().lower() for n, v in self.headers if n.lower() == b"expect"]
+        if expect != [b"100-continue"]:
+            return  # none, or one aiohttp answers 417 to
+        lengths = [v for n, v in self.headers if n.lower() == b"content-length"]
+        if lengths and (not lengths[0].strip().isdigit() or int(lengths[0]) > MAX_RELAYED_BODY):
+            return
+        self.headers = [(n, v) for n, v in self.headers if n.lower() != b"expect"]
+
+        def send(_: object = None) -> None:
+            if not self.transport.is_closing():
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+        if self.tail is not None and not self.tail.done():
+            self.tail.add_done_callback(send)
+        else:
+            send()
+
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
         if self.size > MAX_RELAYED_BODY:
