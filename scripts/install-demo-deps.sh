@@ -78,6 +78,33 @@ EOF
   fi
   py="$VENV/bin/python"
 fi
+# Debian's pip (python3-pip-whl, the one the venv got above) verifies PyPI with the system's CA
+# bundle, which only the ca-certificates package makes: the no-root path fetched the wheel
+# alone. Without that bundle: the bundle that package would make, into $CACHE, as PIP_CERT:
+# Mozilla's CA certificates from Debian's ca-certificates (fetched by `apt-get download`,
+# checked by apt against the archive's signed lists) and the local ones in
+# /usr/local/share/ca-certificates (a network's own CA, as update-ca-certificates adds them).
+ca_bundle() {
+  local bundle tmpd
+  bundle=$("$py" -c 'from pip._vendor import certifi; print(certifi.where())' 2>/dev/null) || return 0
+  [ -r "$bundle" ] || [ -r "${PIP_CERT:-/nonexistent}" ] && return 0
+  if [ ! -s "$CACHE/ca-certificates.crt" ]; then
+    say "no CA bundle at $bundle (pip reads the system's; ca-certificates is not installed): Mozilla's CA certificates from Debian's ca-certificates (apt-get download) and the local ones in /usr/local/share/ca-certificates into $CACHE/ca-certificates.crt"
+    mkdir -p "$CACHE"
+    tmpd=$(mktemp -d)
+    if ! (cd "$tmpd" && apt-get download -qq ca-certificates >&2 && dpkg-deb -x ca-certificates_*.deb root \
+      && { cat root/usr/share/ca-certificates/mozilla/*.crt; [ ! -d /usr/local/share/ca-certificates ] \
+        || find /usr/local/share/ca-certificates -name '*.crt' -type f -exec cat {} +; } >"$CACHE/ca-certificates.crt.part"); then
+      rm -rf "$tmpd"
+      say "cannot fetch CA certificates for pip: sudo apt-get install ca-certificates (or PIP_CERT=<a CA bundle> make demo)"
+      exit 1
+    fi
+    mv "$CACHE/ca-certificates.crt.part" "$CACHE/ca-certificates.crt"
+    rm -rf "$tmpd"
+  fi
+  export PIP_CERT="$CACHE/ca-certificates.crt"
+}
+ca_bundle
 if "$py" - "$PWD/exporter" <<'EOF'; then
 import importlib.util, sys
 spec = importlib.util.find_spec("llm_health")
