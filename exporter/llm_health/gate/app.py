@@ -120,7 +120,14 @@ class Gate:
 
     # --- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=self.cfg.upstream_timeout, connect=5))
+        # No pool limit (aiohttp's default is 100 connections): an admitted request goes to its
+        # upstream at once, so the engine's queue, the one queue_age_ms reads, is the only place
+        # it waits; with the limit, the 101st long stream waited in the gate and its connect
+        # timeout (which counts the wait for a pooled connection) answered 502 "upstream
+        # unavailable" for the gate's own cap. sock_connect times the TCP connect alone.
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=self.cfg.upstream_timeout, sock_connect=5)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, timeout=timeout)
         self.admission.start()
 
     async def stop(self) -> None:
