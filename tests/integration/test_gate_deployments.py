@@ -31,6 +31,7 @@ from llm_health.gate.app import Gate
 from llm_health.store.queue import AdmissionQueue, QueueRecord
 from tests.fixtures.redis_topology import ClusterTopology, SentinelTopology, info, poll
 from tests.fixtures.summary import show
+from tests.harness.processes import proc_state
 from tests.integration.test_gate import Upstream, deadline_in, serve
 
 ADMISSION = {"reject_if_queue_age_ms_gte": 3000, "reject_if_retry_count_gte": 1, "ignore_worker_util_when_slack_ms_lte": 0}
@@ -183,11 +184,15 @@ class Outage:
     def fail_over(self, killed: int) -> int:
         """Failure detection as before: a replica takes over; the new primary."""
         self._detection(None)
-        if isinstance(self.topo, ClusterTopology):
-            self.topo.wait_primary(self.replica)
-            new = self.primary()
-        else:
-            new = self.topo.wait_new_primary(killed)
+        try:
+            if isinstance(self.topo, ClusterTopology):
+                self.topo.wait_primary(self.replica)
+                new = self.primary()
+            else:
+                new = self.topo.wait_new_primary(killed)
+        except TimeoutError as exc:  # name each process's state: a stopped ('T') or gone one is the cause to look for
+            states = {port: (node.proc.pid, proc_state(node.proc.pid)) for port, node in self.topo.procs.items() if node.proc is not None}
+            raise TimeoutError(f"{exc}; processes (port: pid, state): {states}") from exc
         assert new != killed
         return new
 
