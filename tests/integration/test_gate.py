@@ -18,6 +18,7 @@ from llm_health.gate.app import Gate
 from llm_health.gate.headers import token_units
 from llm_health.sim import drills
 from llm_health.store.queue import AdmissionQueue
+from tests.fixtures.doors import serve
 
 SSE_CHUNKS = [f'data: {{"choices":[{{"delta":{{"content":"tok{i}"}}}}]}}\n\n'.encode() for i in range(20)] + [
     b'data: {"choices":[],"usage":{"prompt_tokens":256,"completion_tokens":20,"total_tokens":276}}\n\n',
@@ -53,14 +54,6 @@ class Upstream:
             return resp
         usage = {"prompt_tokens": 256, "completion_tokens": 16, "total_tokens": 272}
         return web.json_response({"choices": [{"text": "ok"}], "usage": usage}, status=self.status)
-
-
-async def serve(app, **kw):
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1, **kw)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
 
 
 @pytest.fixture
