@@ -228,24 +228,26 @@ class Admission:
         except BadRequest as exc:
             return error_outcome(400, "bad_request", str(exc))
         # A request without an id is remembered by what its retries re-send (the OpenAI SDK
-        # sends no id): a retry (count >= 1) finds its first copy's id, and with it the
-        # first copy's deadline and retry count. A fresh request is never matched.
+        # sends no id): in the decision script a retry (count >= 1) is matched to the oldest
+        # first copy of its fingerprint that has not had a retry at that count, and takes
+        # that copy's id, deadline and retry count (store.scripts.DECIDE_LUA); a fresh
+        # request is never matched, and is listed for its own retries.
         fingerprint: str | None = None
         if client_id is not None:
             request_id = client_id
         else:
             fingerprint = retry_fingerprint(tenant, route.name, method, raw_path, headers, body)
-            first = await self._first_copy(fingerprint) if header_retries >= 1 else None
-            if first is not None:
-                fingerprint = None  # matched: the first copy's entry stays as it is
-            request_id = first or f"gate-{uuid.uuid4()}"
+            request_id = f"gate-{uuid.uuid4()}"
         # Ids are the client's, scoped by tenant: two tenants' `order-1001` are two requests.
         queue_id = f"{tenant}/{request_id}"
         fields: dict[str, Any] = {"request_id": request_id}
         recorded, late = True, False
         try:
-            record, stats, budget, engine_age = await self._enqueue_and_read(queue_id, route, tenant, deadline_ms, now, fingerprint)
+            record, stats, budget, engine_age = await self._enqueue_and_read(queue_id, route, tenant, deadline_ms, now, fingerprint, header_retries)
             self._redis(True)
+            if record.request_id != queue_id:  # a retry without an id, matched to its first copy
+                queue_id = record.request_id
+                request_id = fields["request_id"] = queue_id.split("/", 1)[1]
             retry_count = max(header_retries, record.retry_count)
             deadline_ms = record.deadline_ms  # a resent id keeps the deadline of its first copy
             slack = deadline_ms - now
@@ -333,33 +335,24 @@ class Admission:
         except RedisError:
             return None
 
-    async def _first_copy(self, fingerprint: str) -> str | None:
-        """The id of the first copy a retry without an id re-sends (None: none known, or
-        Redis not answering: the enqueue that follows meets the same Redis)."""
-        try:
-            value = await self.redis.get(self.queue.keys.retry_match(fingerprint))
-        except RedisError:
-            return None
-        if value is None:
-            return None
-        text = value.decode() if isinstance(value, bytes) else str(value)
-        return text if text.startswith("gate-") else None
-
     def _tenant_key(self, tenant: str) -> str:
         return self.queue.keys.tenant(tenant, int(time.time() // 60))
 
     async def _enqueue_and_read(
-        self, request_id: str, route: Route, tenant: str, deadline_ms: int, now: int, fingerprint: str | None = None
+        self, request_id: str, route: Route, tenant: str, deadline_ms: int, now: int, fingerprint: str | None = None, retries: int = 0
     ) -> tuple[QueueRecord, RouteStats, float | None, int | None]:
-        """One round trip: enqueue (or recognise a resent id), the route's queue stats,
-        the tenant's spend this minute, the engine queue age of the route's backends, the
-        retry fingerprint of a request without an id, and the id taken off the waiting set."""
+        """One round trip: a retry without an id matched to its first copy (the record is
+        then that copy's, under its id), enqueue (or recognise a resent id), the route's
+        queue stats, the tenant's spend this minute, the engine queue age of the route's
+        backends, a first copy listed under its fingerprint, and the id taken off the
+        waiting set."""
         q = self.queue
         pipe = await self._pipeline()
         limit = self.cfg.tenants.get(tenant)
-        # Until the deadline plus the window in which the client may still retry.
-        ttl = max(0, deadline_ms - now) + int(route.policy.retry_match_window_ms)
-        fp = (q.keys.retry_match(fingerprint), request_id.split("/", 1)[1], ttl) if fingerprint is not None else None
+        # A first copy is matched by its retries until its deadline plus the window in which
+        # its client may still retry.
+        until = deadline_ms + int(route.policy.retry_match_window_ms)
+        fp = (q.keys.retry_match(fingerprint), retries, until) if fingerprint is not None else None
         q.pipe_decide(
             pipe,
             request_id,
