@@ -67,6 +67,15 @@ LATE_RESEND_S = 1.0
 FINISH_TICK_S = 0.01  # finishes gathered this long go to Redis in one round trip (store.batch)
 LATE_PENDING_MAX = 4096  # background writes pending past which a late attempt is not followed
 FORWARDED_CACHE = 1024  # (method, path) pairs remembered as forwarded (`not_forwarded`)
+# An engine that sheds load answers these (vLLM's --max-num-queued-reqs and SGLang's
+# --max-queued-requests: 503; Dynamo: 529): a refusal with no token spent, never work done.
+UPSTREAM_REFUSALS = (503, 529)
+
+
+def spent_units(status: int | None, units: int) -> int:
+    """The token units an attempt spent: none for an upstream's refusal (UPSTREAM_REFUSALS),
+    whatever its body reported."""
+    return 0 if status in UPSTREAM_REFUSALS else units
 
 
 class Admission:
@@ -99,6 +108,10 @@ class Admission:
         self.m_records_lost = Counter(
             "llm_gate_records_given_up", "Attempt records given up after Redis did not answer for every retry (the record expires).", registry=r
         )
+        why = "Upstream answers that refused the work (an engine shedding load: 503, Dynamo's 529), recorded with no token units, by route and code."
+        self.m_upstream_refusals = Counter("llm_gate_upstream_refusals", why, ["route", "code"], registry=r)
+        why = "Token units the upstream reported for answers that ended after their request's deadline (work its client could not use), by route."
+        self.m_late_units = Counter("llm_gate_late_token_units", why, ["route"], registry=r)
         self.m_redis.set(1)
         self._label_routes()
 
@@ -113,6 +126,9 @@ class Admission:
             self.m_closed.labels(name).set(1 if route.policy.mode == "reject_all" else 0)
             for d in admission.DECISIONS:
                 self.m_decisions.labels(name, d)
+            for code in UPSTREAM_REFUSALS:
+                self.m_upstream_refusals.labels(name, str(code))
+            self.m_late_units.labels(name)
 
     def replace_config(self, new: GateConfig) -> str:
         """A reloaded configuration: a route keeps its current mode (an operator's
@@ -306,7 +322,7 @@ class Admission:
             out[QUEUE_AGE_HEADER] = str(int(fields["queue_age_ms"]))
         out[SLACK_HEADER] = str(int(fields["deadline_slack_ms"]))
         if decision.admitted:
-            attempt = Attempt(request_id, queue_id, route.name, tenant, fields.get("retry_count"), recorded, late=late)
+            attempt = Attempt(request_id, queue_id, route.name, tenant, fields.get("retry_count"), recorded, late=late, deadline_ms=deadline_ms)
             return Outcome(True, 200, decision.decision, out, route=route, attempt=attempt)
         if recorded:
             await self.quiet(self.queue.complete(queue_id, decision.status, route=route.name))
@@ -371,6 +387,17 @@ class Admission:
 
     # --- finishing an attempt -------------------------------------------------------------
     async def finish(self, attempt: Attempt, status: int | None, units: int = 0) -> bool:
+        """The attempt's end as a door knows it, counted once: an upstream refusal (503, 529)
+        with no token units (`llm_gate_upstream_refusals_total`), the units of an answer that
+        ended past its deadline (`llm_gate_late_token_units_total`); then recorded (`_finish`)."""
+        units = spent_units(status, units)
+        if status in UPSTREAM_REFUSALS:
+            self.m_upstream_refusals.labels(attempt.route, str(status)).inc()
+        elif units and attempt.deadline_ms is not None and now_ms() > attempt.deadline_ms:
+            self.m_late_units.labels(attempt.route).inc(units)
+        return await self._finish(attempt, status, units)
+
+    async def _finish(self, attempt: Attempt, status: int | None, units: int = 0) -> bool:
         """Record the attempt's end (status, token units), the id done, the tenant charged:
         one idempotent script and the leave (status None: not known to the door), sent again while Redis does not answer
         (FINISH_RETRY_S), then given up (counted). True once written. A late attempt
@@ -384,7 +411,7 @@ class Admission:
                 self._redis(True)
                 if attempt.late:
                     await asyncio.sleep(LATE_RESEND_S)
-                    return await self.finish(replace(attempt, late=False, recorded=True), status, units)
+                    return await self._finish(replace(attempt, late=False, recorded=True), status, units)
                 return True
             except REDIS_DOWN as exc:
                 self._redis(False)

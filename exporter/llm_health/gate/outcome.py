@@ -26,6 +26,7 @@ class Attempt:
     # may run it when it resumes, after the answer. Finished like a recorded attempt, and
     # once more after Redis answered again (`finish`): no record is left `running`.
     late: bool = False
+    deadline_ms: int | None = None  # the record's deadline (Unix ms): tokens of an answer ended past it are late
 
 
 @dataclass
