@@ -33,8 +33,9 @@ from ..config.gate import GateConfig, Route, parse_gate_config
 from ..config.load import load_yaml
 from ..config.web import WebConfig
 from .controls import Controls
-from .decision import Admission, Outcome, spent_units
+from .decision import Admission, Outcome
 from .headers import token_units
+from .outcome import spent_units
 
 log = logging.getLogger("llm_health.gate")
 

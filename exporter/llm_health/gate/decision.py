@@ -43,7 +43,7 @@ from ..store.lean import Commands, LeanRedis
 from ..store.queue import AdmissionQueue, QueueRecord, RouteStats, engine_queue_age, now_ms, parse_decide
 from ..tasks import cancel_and_wait
 from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant, retry_fingerprint
-from .outcome import Attempt, Outcome, error_outcome
+from .outcome import UPSTREAM_REFUSALS, Attempt, Outcome, error_outcome, spent_units
 
 log = logging.getLogger("llm_health.gate")
 
@@ -67,15 +67,6 @@ LATE_RESEND_S = 1.0
 FINISH_TICK_S = 0.01  # finishes gathered this long go to Redis in one round trip (store.batch)
 LATE_PENDING_MAX = 4096  # background writes pending past which a late attempt is not followed
 FORWARDED_CACHE = 1024  # (method, path) pairs remembered as forwarded (`not_forwarded`)
-# An engine that sheds load answers these (vLLM's --max-num-queued-reqs and SGLang's
-# --max-queued-requests: 503; Dynamo: 529): a refusal with no token spent, never work done.
-UPSTREAM_REFUSALS = (503, 529)
-
-
-def spent_units(status: int | None, units: int) -> int:
-    """The token units an attempt spent: none for an upstream's refusal (UPSTREAM_REFUSALS),
-    whatever its body reported."""
-    return 0 if status in UPSTREAM_REFUSALS else units
 
 
 class Admission:
@@ -243,11 +234,9 @@ class Admission:
             header_retries = read_retry_count(headers)
         except BadRequest as exc:
             return error_outcome(400, "bad_request", str(exc))
-        # A request without an id is remembered by what its retries re-send (the OpenAI SDK
-        # sends no id): in the decision script a retry (count >= 1) is matched to the oldest
-        # first copy of its fingerprint that has not had a retry at that count, and takes
-        # that copy's id, deadline and retry count (store.scripts.DECIDE_LUA); a fresh
-        # request is never matched, and is listed for its own retries.
+        # Without an id (the OpenAI SDK's way) a retry (count >= 1) takes the id, deadline and
+        # retry count of the oldest first copy of its fingerprint not yet retried at that
+        # count (store.scripts.DECIDE_LUA); a fresh request is never matched.
         fingerprint: str | None = None
         if client_id is not None:
             request_id = client_id
@@ -358,15 +347,12 @@ class Admission:
         self, request_id: str, route: Route, tenant: str, deadline_ms: int, now: int, fingerprint: str | None = None, retries: int = 0
     ) -> tuple[QueueRecord, RouteStats, float | None, int | None]:
         """One round trip: a retry without an id matched to its first copy (the record is
-        then that copy's, under its id), enqueue (or recognise a resent id), the route's
-        queue stats, the tenant's spend this minute, the engine queue age of the route's
-        backends, a first copy listed under its fingerprint, and the id taken off the
-        waiting set."""
+        then that copy's), enqueue (or a resent id recognised), the route's queue stats, the
+        tenant's spend, the backends' engine age, the id taken off the waiting set."""
         q = self.queue
         pipe = await self._pipeline()
         limit = self.cfg.tenants.get(tenant)
-        # A first copy is matched by its retries until its deadline plus the window in which
-        # its client may still retry.
+        # A first copy is matched until its deadline plus the window its client may retry in.
         until = deadline_ms + int(route.policy.retry_match_window_ms)
         fp = (q.keys.retry_match(fingerprint), retries, until) if fingerprint is not None else None
         q.pipe_decide(

@@ -10,6 +10,16 @@ from typing import Any
 
 from ..config.gate import Route
 
+# An engine that sheds load answers these (vLLM's --max-num-queued-reqs and SGLang's
+# --max-queued-requests: 503; Dynamo: 529): a refusal with no token spent, never work done.
+UPSTREAM_REFUSALS = (503, 529)
+
+
+def spent_units(status: int | None, units: int) -> int:
+    """The token units an attempt spent: none for an upstream's refusal (UPSTREAM_REFUSALS),
+    whatever its body reported."""
+    return 0 if status in UPSTREAM_REFUSALS else units
+
 
 @dataclass
 class Attempt:
