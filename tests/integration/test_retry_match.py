@@ -148,3 +148,22 @@ async def test_the_fingerprint_set_is_bounded(admission):
     new, _ = await send(admission)
     assert await client.zcard(key) == FP_MAX
     assert await client.zscore(key, f"default/{new}") is not None and await client.zscore(key, "default/x0") is None
+
+
+async def test_where_the_door_sees_only_the_length_different_bodies_of_one_length_collide(admission):
+    """nginx's auth_request and Envoy's ext_authz hand `decide` no body: two different
+    requests of one caller with one length share a fingerprint, and a retry of the newer
+    one is matched to the older one, first in, first out (docs/admission.md)."""
+    length = {**KEY, "X-Original-Content-Length": str(len(BODY))}
+    older = await admission.decide("POST", PATH, {**length, "X-Stainless-Retry-Count": "0"}, None)
+    newer = await admission.decide("POST", PATH, {**length, "X-Stainless-Retry-Count": "0"}, None)
+    await ended(admission, older)
+    await ended(admission, newer)
+    retry_of_newer = await admission.decide("POST", PATH, {**length, "X-Stainless-Retry-Count": "1"}, None)
+    assert retry_of_newer.headers["X-Request-Id"] == older.headers["X-Request-Id"]
+    # The gate hashes the body: there the same two requests never meet.
+    a, _ = await send(admission, body=BODY.replace(b"same", b"samf"))
+    _, ob = await send(admission, body=BODY.replace(b"same", b"samg"))
+    await ended(admission, ob)
+    r, _ = await send(admission, 1, body=BODY.replace(b"same", b"samg"))
+    assert r == ob.headers["X-Request-Id"] != a

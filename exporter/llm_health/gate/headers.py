@@ -162,7 +162,7 @@ def retry_fingerprint(tenant: str, route: str, method: str, raw_path: str, heade
     credentials, the deadline headers as sent, and the body; a door that sees no body
     (nginx `auth_request`, Envoy `ext_authz`) uses its length instead, so two requests of
     one caller with the same length and deadline header look alike there (docs/admission.md:
-    a retry then inherits the newer copy's deadline, never an older one)."""
+    their retries are matched first in, first out across them)."""
     h = hashlib.blake2b(digest_size=16)
     for part in (tenant, route, method.upper(), raw_path):
         h.update(part.encode("utf-8", "surrogateescape") + b"\0")
