@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import itertools
 import json
 import socket
 import threading
@@ -218,7 +219,7 @@ async def test_the_doors_act_on_the_true_age_when_clients_give_up(exporter_facto
             await runner.cleanup()
 
     assert sum(c.given_up is not None for c in clients) >= 3, "the give-ups happened while their requests waited"
-    gaps = [(b - a) / 1000 for a, b in zip(reads, reads[1:])]
+    gaps = [(b - a) / 1000 for a, b in itertools.pairwise(reads)]
     G = max(gaps) if gaps else 1.0
     step = max([c.longest_gap for c in clients] + [PERIOD_MS / 1000])
 
