@@ -424,7 +424,7 @@ class Admission:
 
         def add(pipe: Any) -> None:
             q.pipe_attempt(pipe, attempt.queue_id, attempt.route, units, status, attempt.retry_count, now, attempt.attempt_id, tenant_key)
-            q.pipe_leave(pipe, attempt.queue_id, attempt.route, "done", status, now)
+            q.pipe_leave(pipe, attempt.queue_id, attempt.route, "done", status, now, gave_up=status == 499)
 
         await self._finishes.run(add)
 

@@ -187,10 +187,13 @@ class AdmissionQueue:
         return keys, [request_id, route, tenant, int(deadline_ms), int(enqueued_ms), now, self.retention_ms, GC_LIMIT]
 
     def leave_call(
-        self, request_id: str, route: str, state: str, http_status: int | None, now: int, only_if_waiting: bool = False
+        self, request_id: str, route: str, state: str, http_status: int | None, now: int, only_if_waiting: bool = False, gave_up: bool = False
     ) -> tuple[list[Any], list[Any]]:
-        keys = [self.keys.record(request_id), *self.keys.route_keys(route)[:3], self.keys.route_inflight(route)]
-        return keys, [request_id, state, "" if http_status is None else int(http_status), now, int(only_if_waiting)]
+        """``gave_up``: the client of an attempt the door sent on went away before its
+        answer (listed for the door's coverage, scripts.DECIDE_LUA: the engine may hold it
+        until it notices)."""
+        keys = [self.keys.record(request_id), *self.keys.route_keys(route)[:3], *self.keys.route_inflight(route)]
+        return keys, [request_id, state, "" if http_status is None else int(http_status), now, int(only_if_waiting), int(gave_up)]
 
     def attempt_call(
         self,
@@ -226,8 +229,8 @@ class AdmissionQueue:
     def pipe_enqueue(self, pipe: Any, request_id: str, route: str, tenant: str, deadline_ms: int, enqueued_ms: int, now: int) -> None:
         self._pipelined(pipe, self._enqueue, self.enqueue_call(request_id, route, tenant, deadline_ms, enqueued_ms, now))
 
-    def pipe_leave(self, pipe: Any, request_id: str, route: str, state: str, http_status: int | None, now: int) -> None:
-        self._pipelined(pipe, self._leave, self.leave_call(request_id, route, state, http_status, now))
+    def pipe_leave(self, pipe: Any, request_id: str, route: str, state: str, http_status: int | None, now: int, gave_up: bool = False) -> None:
+        self._pipelined(pipe, self._leave, self.leave_call(request_id, route, state, http_status, now, gave_up=gave_up))
 
     def pipe_attempt(
         self,
@@ -278,7 +281,7 @@ class AdmissionQueue:
         keys.extend(self.keys.engine_age(b) for b in backends)
         if backends:
             keys.extend(self.keys.engine_waiting(b) for b in backends)
-            keys.append(self.keys.route_inflight(route))
+            keys.extend(self.keys.route_inflight(route))
         self._pipelined(pipe, self._decide, (keys, args))
 
     async def load_scripts(self) -> None:
