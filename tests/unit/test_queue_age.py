@@ -231,7 +231,7 @@ def test_a_give_up_in_the_round_of_an_arrival_inflates_the_counters_not_the_door
     # Requests the door never saw (they bypass it): the door cannot cover the engine, and the
     # larger figure is acted on (only the counters see the bypass; the door's is a lower bound).
     assert not door_covers(in_flight, held=3, round_ms=70_000)
-    assert door_covers(in_flight, held=3, round_ms=70_000, gave_up=2)  # two clients gave up: the engine may hold them yet
+    assert door_covers(in_flight, held=3, round_ms=70_000, ended=2)  # two ended or gave up: the engine may hold them yet
     assert acted_on(12_000.0, 9_500.0, covers=False) == 12_000.0 and acted_on(2_000.0, 9_500.0, covers=False) == 9_500.0
     assert acted_on(None, 9_500.0) == 9_500.0 and acted_on(2_000.0, None) == 2_000.0
 

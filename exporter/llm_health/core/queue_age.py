@@ -207,13 +207,13 @@ def door_age(admitted_ms: Sequence[float], running: int, round_ms: float, now_ms
     return max(0.0, now_ms - before[running])
 
 
-def door_covers(admitted_ms: Sequence[float], held: int, round_ms: float, gave_up: int = 0) -> bool:
-    """Whether the door sent at least as many requests still in flight at ``round_ms`` as
-    the engine then held (``held``: running + waiting), counting the ``gave_up`` requests
-    whose clients went away in the last minute (the engine holds one until it notices: a
-    waiting request, possibly until it would have run): then nothing it holds bypassed the
-    door, and the door's figure stands alone."""
-    return sum(1 for t in admitted_ms if t <= round_ms) + gave_up >= held
+def door_covers(admitted_ms: Sequence[float], held: int, round_ms: float, ended: int = 0) -> bool:
+    """Whether the door sent at least as many requests in flight at ``round_ms`` as the
+    engine then held (``held``: running + waiting). ``ended``: those that have ended since,
+    and those whose clients gave up within a minute before (the engine holds one until it
+    notices: a waiting request, possibly until it would have run). Then nothing it holds
+    bypassed the door, and the door's figure stands alone."""
+    return sum(1 for t in admitted_ms if t <= round_ms) + ended >= held
 
 
 def acted_on(counters_ms: float | None, door_ms: float | None, covers: bool = False) -> float | None:

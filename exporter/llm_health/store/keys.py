@@ -121,10 +121,11 @@ class QueueKeys:
         """The requests a door sent on for `route` and has not seen end, scored by when they
         were sent (Unix ms); the same scored by their deadline: added by the decision
         script, removed by the attempt's end (an answer, an error, the client giving up) or
-        a refusal, and at the deadline at the latest; and the attempts whose client gave up,
-        scored by when (kept a minute: the engine holds such a request until it notices,
-        which a waiting request's engine may not do before it would have run it)."""
-        return self.route(route, "inflight"), self.route(route, "inflight_ends"), self.route(route, "gave_up")
+        a refusal, and at the deadline at the latest; and the attempts that ended, scored by
+        when (kept two minutes), one whose client gave up (or that reached its deadline in
+        flight) a minute later: the engine holds such a request until it notices, which for
+        a waiting request may be only when it would have run it."""
+        return self.route(route, "inflight"), self.route(route, "inflight_ends"), self.route(route, "ended")
 
     def retry_match(self, digest: str) -> str:
         """The first copies of requests sent without an id with this retry fingerprint

@@ -206,15 +206,19 @@ end
 # KEYS: record, enqueued, deadline, retried. ARGV: id, new state, http_status ('' keeps),
 # now_ms, only_if_waiting.
 # KEYS[5..7], where given: the route's in-flight sets (keys.route_inflight), the id taken
-# off them whatever the record says (an attempt's end, a refusal), and where ARGV[6] is '1'
-# (the client of an attempt the door sent on gave up) and the id was in flight, listed as
-# given up.
+# off them whatever the record says (an attempt's end, a refusal), and where it was in
+# flight and ARGV[6] is '1' (an attempt the door sent on ended) or '2' (its client gave
+# up), listed as ended, a give-up a minute later (queue.ENDED, GAVE_UP).
+GAVE_UP_MS = 60_000
 LEAVE_QUEUE_LUA = (
     _LEAVE_FN
+    + f"local GAVE_UP_MS = {GAVE_UP_MS}\n"
     + """
 if KEYS[7] then
-  if ARGV[6] == '1' and redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then
-    redis.call('ZADD', KEYS[7], ARGV[4], ARGV[1])
+  if (ARGV[6] == '1' or ARGV[6] == '2') and redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then
+    local at = tonumber(ARGV[4])
+    if ARGV[6] == '2' then at = at + GAVE_UP_MS end
+    redis.call('ZADD', KEYS[7], string.format('%d', at), ARGV[1])
   end
   redis.call('ZREM', KEYS[5], ARGV[1])
   redis.call('ZREM', KEYS[6], ARGV[1])
@@ -272,10 +276,10 @@ end
 # (keys.engine_waiting), and of the route's requests in flight sent by the latest READ_MS
 # (keys.route_inflight, scored by when each was sent) the oldest after the R running ones:
 # now minus when it was sent; 0 when no more than R were in flight, false when a count is
-# unknown; and 1 where at least W + R were in flight then, the requests whose clients gave
-# up in the last minute counted too (keys.route_inflight's third set, where a request
-# dropped at its deadline goes too: the engine holds one until it notices), else 0
-# (something bypasses the door). Then this request (or the first copy it was matched to) joins the
+# unknown; and 1 where at least W + R were in flight then, those that ended since counted
+# too, and those whose clients gave up (or that reached their deadline in flight) within a
+# minute before (keys.route_inflight's third set: the engine holds one until it notices),
+# else 0 (something bypasses the door). Then this request (or the first copy it was matched to) joins the
 # in-flight sets, the second scored by its deadline (keys.route_inflight): its refusal or
 # its attempt's end takes it off (LEAVE_QUEUE_LUA), and its deadline at the latest (an end
 # the door never heard of, a lost report, does not stay).
@@ -295,6 +299,7 @@ DECIDE_LUA = (
     + _ENQUEUE_FN
     + _LEAVE_FN
     + _MATCH_FN
+    + f"local GAVE_UP_MS = {GAVE_UP_MS}\n"
     + """
 local function score(reply) if #reply > 0 then return reply[2] end return '' end
 local now = tonumber(ARGV[6])
@@ -341,9 +346,9 @@ if n > 0 then
   if #gone > 0 then  -- past their deadline in flight: their clients gone or late, the engine may hold them yet
     redis.call('ZREM', inflight, unpack(gone))
     redis.call('ZREM', ends, unpack(gone))
-    for _, g in ipairs(gone) do redis.call('ZADD', ended, ARGV[6], g) end
+    for _, g in ipairs(gone) do redis.call('ZADD', ended, string.format('%d', now + GAVE_UP_MS), g) end
   end
-  redis.call('ZREMRANGEBYSCORE', ended, '-inf', string.format('(%d', now - 60000))
+  redis.call('ZREMRANGEBYSCORE', ended, '-inf', string.format('(%d', now - 2 * GAVE_UP_MS))
   local known, running, held, read = true, 0, 0, 0
   for i = k + n, k + 2 * n - 1 do
     local w, r, t = string.match(redis.call('GET', KEYS[i]) or '', '^(%d+) (%d+) (%d+)$')
@@ -355,7 +360,7 @@ if n > 0 then
   if known then
     local before = string.format('%d', read)
     local sent = redis.call('ZCOUNT', inflight, '-inf', before)
-    if sent + redis.call('ZCARD', ended) >= held then covers = 1 end
+    if sent + redis.call('ZCOUNT', ended, '(' .. before, '+inf') >= held then covers = 1 end
     if sent <= running then
       door = 0
     else
