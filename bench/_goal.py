@@ -10,20 +10,6 @@ def goal_line(goal: str, measured: str, met: bool) -> str:
     return f"goal: {goal}; measured: {measured}: {'met' if met else 'NOT met'}"
 
 
-def failed_line(goal: str, failures: str) -> str:
-    """A goal (or a figure) whose run saw failed requests: no figure and no verdict, only how
-    many failed. A time of failed requests describes nothing the goal names; bench.summary
-    counts these apart, and the smoke test fails on one."""
-    return f"FAILED: {goal}; {failures}: no figure judged"
-
-
-def projected_line(what: str, figure: str) -> str:
-    """A figure computed from a measurement, not measured itself (a share of a core at a rate
-    the run did not run at, a split of backends it did not run): labelled `projected`,
-    counted apart in bench.summary, and never a goal's verdict."""
-    return f"projected: {what}; {figure}"
-
-
 def not_run(goal: str, why: str) -> str:
     """A goal this run did not measure at the rate or size it names: never met."""
     return goal_line(goal, f"NOT RUN ({why})", False)

@@ -58,9 +58,10 @@ from tests.fixtures.nginx import Nginx
 from tests.fixtures.redis_server import RedisServer
 from tests.harness.processes import descendants, free_port
 
-from bench._goal import added_latency, failed_line, goal_line, not_run, printed
+from bench._goal import added_latency, goal_line, not_run, printed
 from bench._machine import machine_line
 from bench._stats import percentile
+from bench._unjudged import failed_line
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIBRATION_PAYLOAD = ROOT / "tests" / "data" / "real-world" / "metrics" / "vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom"

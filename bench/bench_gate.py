@@ -28,9 +28,10 @@ import aiohttp
 from aiohttp import web
 from tests.harness.processes import free_port
 
-from bench._goal import added_latency, failed_line, goal_line, not_run
+from bench._goal import added_latency, goal_line, not_run
 from bench._machine import machine_line
 from bench._stats import percentile
+from bench._unjudged import failed_line
 from llm_health.config.gate import Route
 from llm_health.gate.outcome import Attempt
 from llm_health.store.queue import QueueRecord, RouteStats
