@@ -201,6 +201,7 @@ def report(r: dict, rate: float, seconds: float) -> list[str]:
         f"open loop at {rate:g} req/s for {seconds:g} s per path (interleaved halves); closed loop: 64 clients, 3 s; "
         "a request failed: an answer other than 200, or none (its time is in no figure)",
         "hop = the gate with its Redis round trips replaced by constants (a decomposition, not a mode)",
+        "requests, failed, p50, p99, mean: the open loop's; max req/s: the closed loop's 200 answers a second, failed: its failed requests",
         f"{'path':<8} {'requests':>8} {'failed':>6} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'max req/s':>10} {'failed':>6}",
     ]
     for key in PATHS:
