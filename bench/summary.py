@@ -145,9 +145,10 @@ def cell(s: str) -> str:
 def render(found: list[Block], root: Path = ROOT, measured: dict[str, tuple[str, ...]] | None = None) -> str:
     """The summary: a row per section: when it ran, stale or fresh, how many of its goal
     lines were met (each goal line, met or NOT met, is in the section's output), and the
-    paths it measures (`measured`: what each section measures now, by name; bench/sections.py's
-    by default). Projections and figures of runs with failed requests are counted apart."""
-    marks = {b.name: staleness(b, root, (measured or {}).get(b.name)) for b in found}
+    paths it measures now (`measured`, by name; bench/sections.py's by default, else the
+    block's). Projections and figures of runs with failed requests are counted apart."""
+    now = {b.name: (measured or {}).get(b.name, now_measured(b.name)) for b in found}
+    marks = {b.name: staleness(b, root, now[b.name]) for b in found}
     by_section = {b.name: goals(b.body) for b in found}
     lines = [
         START,
@@ -164,7 +165,7 @@ def render(found: list[Block], root: Path = ROOT, measured: dict[str, tuple[str,
             tally = f"**{tally}**"
         bad = f"**{len(failed(b.body))}**" if failed(b.body) else "-"
         guessed = str(len(projected(b.body))) if projected(b.body) else "-"
-        lines.append(f"| {b.name} | {at} | {cell(status)} | {tally} | {bad} | {guessed} | {cell(measures(b.paths))} |")
+        lines.append(f"| {b.name} | {at} | {cell(status)} | {tally} | {bad} | {guessed} | {cell(measures(now[b.name] or b.paths))} |")
     rows = [(name, *g) for name, gs in by_section.items() for g in gs]
     fresh = [r for r in rows if marks[r[0]] == "fresh"]
     lines += [
