@@ -139,17 +139,25 @@ def wait_port(port: int, proc: subprocess.Popen | mp.Process | None = None, time
 
 @contextlib.contextmanager
 def llm_health(*args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`llm-health ARGS` for the run; one that exited before the end says so on stderr, with
+    its exit status and the last lines of its own stderr (its requests failed: the tables
+    count them)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'exporter'}:{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-m", "llm_health", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen([sys.executable, "-m", "llm_health", *args], env=env, stdout=subprocess.DEVNULL, stderr=log)
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            yield proc
+        finally:
+            if proc.poll() is not None:
+                log.seek(0)
+                tail = b"\n".join(log.read().splitlines()[-15:]).decode(errors="replace")
+                print(f"bench_admission: llm-health {args[0]} exited {proc.returncode} during the run; its stderr ends:\n{tail}", file=sys.stderr)
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 # --- load --------------------------------------------------------------------------------
