@@ -10,55 +10,10 @@ from pathlib import Path
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago. The kernel hands the same free
-    port out again and again (this machine's: one port 4 times in 12 calls), a port freed a
-    moment ago too: a server killed and restarted later on its port holds it meanwhile
-    (``hold_port``), and a server checks that the process answering on its port is its own."""
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def hold_port(port: int) -> socket.socket:
-    """Keep 127.0.0.1:`port` from every other process while its server is down: a socket
-    bound to it and not listening. A client still gets "connection refused", as from a dead
-    server, and no bind to port 0 (``free_port``, anyone's) is given the port. Close it just
-    before the server binds the port again.
-
-    Without it, a test that killed a Redis primary saw another test's server, given the
-    freed port, answer in its place: Sentinel saw the primary back and never failed over,
-    and the replicas resynced from the stranger (tests/integration/test_gate_deployments.py)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # beside the dead server's TIME_WAIT connections
-    try:
-        s.bind(("127.0.0.1", port))
-    except OSError as e:
-        s.close()
-        raise RuntimeError(f"port {port} was taken by another process as soon as its server died: {e}") from e
-    return s
-
-
-class PortKeeper:
-    """A server that holds its port while it is killed: ``hold()`` once its process is gone,
-    ``release()`` just before it binds again (or at its final stop)."""
-
-    port: int
-    held: socket.socket | None = None
-
-    def hold(self) -> None:
-        self.held = self.held or hold_port(self.port)
-
-    def release(self) -> None:
-        if self.held is not None:
-            self.held.close()
-            self.held = None
-
-    def kill(self) -> None:  # the server's: its process killed and reaped, then self.hold()
-        raise NotImplementedError
-
-    def stop(self) -> None:  # killed for good: its port let go
-        self.kill()
-        self.release()
 
 
 def launch_logged(argv: list[str], log_path: Path, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
