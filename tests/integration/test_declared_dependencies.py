@@ -65,8 +65,9 @@ def test_the_test_extra_alone_collects_every_test_file(tmp_path: Path):
     before = {line.split("==")[0].lower() for line in run([py, "-m", "pip", "list", "--format=freeze"], src, env, 60).stdout.split()}
     assert before <= {"pip", "setuptools"}, f"the new venv is not empty: {sorted(before)}"
 
-    # The machine's pip configuration (indexes, constraints, cache); no .pyc for the packages
-    # nothing imports (kubernetes-validate alone is 17,000 files).
+    # The machine's pip configuration (indexes, constraints, its cache). --no-compile: no .pyc
+    # for every module installed (openai, pydantic, cryptography...); collection compiles
+    # what it imports.
     run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile", ".[test]"], src, env, 540)
 
     files = sorted(p.relative_to(src).as_posix() for p in (src / "tests").rglob("test_*.py"))
