@@ -56,7 +56,7 @@ def upstream_proc(port: int) -> None:
 
 
 async def _enqueue_and_read(
-    request_id: str, route: Route, tenant: str, deadline_ms: int, now: int, fingerprint: str | None = None
+    request_id: str, route: Route, tenant: str, deadline_ms: int, now: int, fingerprint: str | None = None, retries: int = 0
 ) -> tuple[QueueRecord, RouteStats, float | None, int | None]:
     """The `hop` stand-in for Admission._enqueue_and_read: admitted as a first attempt on an
     empty queue, no tenant budget, no engine queue age."""

@@ -163,14 +163,22 @@ async def test_a_late_retry_is_refused_non_retryable(litellm):
 
 async def test_a_retry_without_an_id_keeps_its_first_copys_deadline(litellm):
     """The OpenAI SDK's way: no id, the same body and deadline header, `X-Stainless-Retry-Count`
-    1 on the retry. The retry is matched to its first copy through LiteLLM's call data, so its
-    deadline is the first copy's, past by now: refused, the engine not reached."""
+    1 on the retry, sent after the first copy timed out at the client. The retry is matched to
+    its first copy through LiteLLM's call data, so its deadline is the first copy's, past by
+    now: refused, the engine not reached. (A first copy answered 200 is never matched: a
+    client retries what it did not get.)"""
     url, engine, _ = litellm
     h = {"X-Request-Timeout-Ms": "1000", "X-Stainless-Retry-Count": "0"}
     body = {"model": "llama", "messages": [{"role": "user", "content": "retry-me"}]}
+    engine.delay = 3.0
+    try:
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(asyncio.TimeoutError):
+                async with s.post(url + "/v1/chat/completions", json=body, headers={**AUTH, **h}, timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                    await r.read()
+    finally:
+        engine.delay = 0.0
     async with aiohttp.ClientSession() as s:
-        async with s.post(url + "/v1/chat/completions", json=body, headers={**AUTH, **h}) as r:
-            assert r.status == 200, await r.read()
         before = len(engine.seen)
         await asyncio.sleep(1.2)
         async with s.post(url + "/v1/chat/completions", json=body, headers={**AUTH, **h, "X-Stainless-Retry-Count": "1"}) as r:

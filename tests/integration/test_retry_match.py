@@ -167,3 +167,17 @@ async def test_where_the_door_sees_only_the_length_different_bodies_of_one_lengt
     await ended(admission, ob)
     r, _ = await send(admission, 1, body=BODY.replace(b"same", b"samg"))
     assert r == ob.headers["X-Request-Id"] != a
+
+
+async def test_first_copies_of_one_millisecond_keep_their_arrival_order(admission, monkeypatch):
+    """First copies that arrive in the same millisecond are matched in their arrival order,
+    not in their ids' (the fingerprint's set is scored by arrival, strictly rising)."""
+    now = int(time.time() * 1000)
+    monkeypatch.setattr("llm_health.gate.decision.now_ms", lambda: now)
+    firsts = []
+    for _ in range(8):
+        rid, out = await send(admission)
+        await ended(admission, out)
+        firsts.append(rid)
+    matched = [(await send(admission, 1))[0] for _ in range(8)]
+    assert matched == firsts

@@ -327,7 +327,11 @@ elseif fp then
   -- a first copy (or a retry whose first copy is not known): listed for its retries
   redis.call('HSET', rec, 'match_until', ARGV[11], 'matched_retry', ARGV[10])
   match(fp, 0, now, ARGV[12], FP_PRUNE)
-  redis.call('ZADD', fp, ARGV[6], id)
+  -- scored by arrival, strictly rising (two in one millisecond keep their order, not their ids')
+  local last = redis.call('ZRANGE', fp, -1, -1, 'WITHSCORES')
+  local at = now
+  if #last > 0 then at = math.max(now, tonumber(last[2]) + 1) end
+  redis.call('ZADD', fp, string.format('%d', at), id)
   redis.call('ZREMRANGEBYRANK', fp, 0, -(FP_MAX + 1))
   local ttl = math.max(1, tonumber(ARGV[11]) - now)
   if redis.call('PTTL', fp) < ttl then redis.call('PEXPIRE', fp, ttl) end
