@@ -30,9 +30,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from llm_health.core import admission
-
 from bench._goodput_model import SDK_MAX_RETRIES, Arrival, Outcome, Result, schedule
+from llm_health.core import admission
 
 TOKENS = 16
 ROUND_S = 1.0  # the exporter's round
@@ -198,8 +197,8 @@ class Fleet:
                 self.door_age_s = self._oldest_waiting_s()
                 self.at(t + ROUND_S, "tick", None)
             elif kind == "retry":
-                o, n = what  # type: ignore[misc]
-                self.send(o, n)
+                assert isinstance(what, tuple)
+                self.send(*what)
             elif kind == "finish":
                 job = what
                 assert isinstance(job, Job)
@@ -233,7 +232,9 @@ def capacity(engines: int, slots: int, service_s: float, seed: int, seconds: flo
     return len(done) / (seconds * 0.75)
 
 
-def run_all(loads: list[float], seconds: float, seed: int, engines: int = 16, slots: int = 4, service_s: float = 2.0, caps: tuple[int, ...] = (2, 8, 32)) -> tuple[float, list[Result]]:
+def run_all(
+    loads: list[float], seconds: float, seed: int, engines: int = 16, slots: int = 4, service_s: float = 2.0, caps: tuple[int, ...] = (2, 8, 32)
+) -> tuple[float, list[Result]]:
     c = capacity(engines, slots, service_s, seed, max(seconds, 60.0))
     ttl = 10 * service_s
     policies: list[tuple[str, dict]] = [("direct", {}), *((f"vllm cap {q}", {"cap": q}) for q in caps), (f"ttl {ttl:g} s", {"ttl_s": ttl}), ("door", {})]
