@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from llm_health.core import engines
 from llm_health.core.engines import EngineReading, Reading
-from llm_health.core.queue_age import MAX_POINTS, QueueAges, to_ms
+from llm_health.core.queue_age import MAX_POINTS, QueueAges, acted_on, door_age, door_covers, to_ms
 
 NAN = math.nan
 
@@ -206,3 +206,67 @@ def test_fifo_figure_is_within_one_round_below_the_truth(slots, steps, round_eve
         assert figure <= truth + 1e-9
         assert truth - figure < (now - last_round) + 1e-9
         last_round = now
+
+
+def test_a_give_up_in_the_round_of_an_arrival_inflates_the_counters_not_the_door():
+    """The issue's case: a request waits 60 s and its client gives up as a new one arrives.
+    vLLM counts the give-up nowhere, so arrivals stay at 1 and the counters' figure keeps
+    the first request's time: 61 s at t=61 and 70 s at t=70, while the request waiting
+    was sent at t=60.5. The door saw the give-up (the client's disconnect) and the arrival."""
+    q = QueueAges()
+    q.update(reading(unit(0, 0, 0)), now=-1.0)
+    q.update(reading(unit(0, 0, 1)), now=0.0)  # request a, sent at t=0 (rounds of 1 s)
+    q.update(reading(unit(0, 0, 1)), now=60.0)
+    assert q.backend == 60.0
+    in_flight = [60_500.0]  # a gave up at 60.5 (gone from the door's set) as b was sent
+    q.update(reading(unit(0, 0, 1)), now=61.0)
+    assert q.backend == 61.0  # above the truth (0.5 s): the same-round give-up is invisible
+    door = door_age(in_flight, waiting=1, round_ms=61_000, now_ms=61_000)
+    assert door == 500.0
+    assert door_covers(in_flight, held=1, round_ms=61_000)
+    assert acted_on(q.backend * 1000, door, covers=True) == 500.0
+    q.update(reading(unit(0, 0, 1)), now=70.0)
+    assert q.backend == 70.0
+    assert acted_on(q.backend * 1000, door_age(in_flight, 1, 70_000, 70_000), covers=True) == 9_500.0
+    # Requests the door never saw (they bypass it): the door cannot cover the engine, and
+    # the smaller figure is acted on.
+    assert not door_covers(in_flight, held=3, round_ms=70_000)
+    assert acted_on(2_000.0, 9_500.0, covers=False) == 2_000.0
+    assert acted_on(None, 9_500.0) == 9_500.0 and acted_on(2_000.0, None) == 2_000.0
+
+
+def test_door_age_rules():
+    assert door_age([], waiting=0, round_ms=0, now_ms=5) == 0.0  # nothing waits: 0, known
+    assert door_age([1.0], waiting=2, round_ms=10, now_ms=20) is None  # fewer in flight than wait
+    # Sent after the round's read: not among the requests that read counted.
+    assert door_age([1.0, 2.0, 15.0], waiting=2, round_ms=10, now_ms=20) == 19.0
+    assert door_age([1.0, 2.0, 3.0], waiting=2, round_ms=10, now_ms=20) == 18.0
+    assert door_covers([1.0, 2.0, 15.0], held=2, round_ms=10) and not door_covers([1.0, 2.0, 15.0], held=3, round_ms=10)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    slots=st.integers(1, 4),
+    steps=st.lists(st.tuples(st.integers(0, 3), st.floats(0.05, 2.0), st.booleans(), st.integers(0, 2)), min_size=5, max_size=120),
+    round_every=st.integers(1, 10),
+)
+def test_with_clients_giving_up_the_door_figure_is_the_truth(slots, steps, round_every):
+    """A first-come-first-served engine (vLLM's preemption included) whose waiting clients
+    give up, the oldest first, often in the round of an arrival; the door sees every send
+    and every end. At every round the age acted on is the oldest waiting request's."""
+    dt = 0.1
+    engine, q = Fifo(slots), QueueAges()
+    q.update(reading(unit(0, 0, 0)), now=0.0)
+    for i, (arrivals, work, preempt, give_ups) in enumerate(steps, start=1):
+        now = i * dt
+        engine.step(now - dt / 2, dt, arrivals, work, preempt and i % 7 == 0)
+        del engine.waiting[:give_ups]  # vLLM counts these nowhere
+        if i % round_every:
+            continue
+        q.update(reading(unit(engine.finished, len(engine.running), len(engine.waiting))), now=now)
+        sent = [a * 1000 for a in engine.waiting] + [a * 1000 for a, _ in engine.running]
+        door = door_age(sent, len(engine.waiting), now * 1000, now * 1000)
+        covers = door_covers(sent, len(engine.waiting) + len(engine.running), now * 1000)
+        figure = acted_on(None if q.backend is None else q.backend * 1000, door, covers)
+        assert covers and figure is not None
+        assert abs(figure - engine.truth(now) * 1000) < 1e-6

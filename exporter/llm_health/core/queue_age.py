@@ -24,8 +24,20 @@ holds across preemptions too. What bends it (the figure stays a lower bound, onl
 looser one): priority scheduling (a low-priority request can wait behind younger ones),
 a waiting request from the middle of the queue counted as finished
 (`finished_reason="abort"`: D rises as if the head had left), a request that vanishes
-from every count (A falls: every point is lowered by as many, which keeps each point
-true; vLLM 0.32 counts a request its client abandoned nowhere).
+from every count while the count shows it (A falls: every point is lowered by as many,
+which keeps each point true).
+
+Where it is wrong: vLLM 0.32 counts a request whose client gave up while it waited
+nowhere (`OutputProcessor.abort_requests` drops it with no stats), so a give-up and an
+arrival in one round leave A unchanged and cannot be told from nothing at all. The
+points then keep the arrival time of the request that left, and the figure is ABOVE
+the truth: by as much as the request that gave up had waited more than the one now at
+the head, until the queue drains past that point (a request that waited 60 s gives up as
+one arrives: the figure reads 60 s while the oldest request waiting is 1 s old). Under
+overload with deadlines clients give up every round, so a door in front of the engine
+does not act on this figure alone: it knows when each request it sent was sent and
+when it ended, the client's give-up included, and `door_age` reads the age from that
+with the engine's waiting count (`acted_on`: the smaller of the two).
 
 Unknown (None), never 0 and never a stale age, where it cannot be known: a round that
 read no usable numbers; a process seen for the first time (the exporter's start, a
@@ -48,6 +60,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .engines import BY_NAME, EngineReading, Reading
@@ -113,6 +126,9 @@ class QueueAges:
         self.max_points = max_points
         self.curves: dict[tuple[str, str], Curve] = {}
         self.units: dict[tuple[str, str], float | None] = {}  # the last round's figure per unit
+        self.waiting: int | None = None  # the last round's waiting count, every unit (None: unknown)
+        self.running: int | None = None  # and its running count
+        self.read_at: float | None = None  # when that round's read ended
 
     @property
     def backend(self) -> float | None:
@@ -131,7 +147,13 @@ class QueueAges:
         health decision saw a new process (core.health)."""
         if reading is None:
             self.forget()
+            self.waiting = self.running = None
             return
+        waits = [e.waiting for e in reading.engines.values()]
+        runs = [e.running for e in reading.engines.values()]
+        known = waits and not any(math.isnan(x) for x in (*waits, *runs))
+        self.waiting, self.running = (int(sum(waits)), int(sum(runs))) if known else (None, None)
+        self.read_at = now
         units: dict[tuple[str, str], float | None] = {}
         curves: dict[tuple[str, str], Curve] = {}
         for key, e in reading.engines.items():
@@ -159,6 +181,55 @@ class QueueAges:
             curves[key] = curve
             units[key] = _unit_age(curve, finished, running, waiting, now, self.max_points)
         self.curves, self.units = curves, units
+
+
+def door_age(admitted_ms: Sequence[float], waiting: int, round_ms: float, now_ms: float) -> float | None:
+    """The age of the oldest request waiting, as a door in front of the engine sees it
+    (`store.scripts.DECIDE_LUA` runs the same rule inside Redis; a test holds them equal).
+
+    ``admitted_ms``: when each request the door sent on and has not yet seen end was sent
+    (an end: its answer, an error, or its client giving up, which aborts it in the engine);
+    ``waiting``: the engine's waiting count read at ``round_ms`` (the exporter's last
+    round). Among the requests in flight at ``round_ms``, the ``waiting`` youngest are the
+    fewest-aged set that can be the waiting ones, so the oldest of them, the ``waiting``-th
+    youngest, arrived no earlier than the oldest request waiting: ``now_ms`` minus its time
+    is a lower bound of the true age whatever the scheduling order (while the door sees
+    every request the engine holds), and with first-come-first-served scheduling it is the
+    head itself (vLLM's preemption sends back the most recently scheduled request, the
+    youngest running, so the waiting ones are still the youngest in flight). A client that
+    gives up is gone from the set at once, so unlike the counters' figure (`QueueAges`)
+    it never keeps the age of a request that left. None when fewer requests were in
+    flight than wait (traffic that bypasses the door, a door that sees no end, as Envoy's
+    ext_authz). 0 when nothing waits."""
+    if waiting <= 0:
+        return 0.0
+    before = sorted((t for t in admitted_ms if t <= round_ms), reverse=True)
+    if len(before) < waiting:
+        return None
+    return max(0.0, now_ms - before[waiting - 1])
+
+
+def door_covers(admitted_ms: Sequence[float], held: int, round_ms: float) -> bool:
+    """Whether the door sent at least as many requests still in flight at ``round_ms`` as
+    the engine then held (``held``: running + waiting): then nothing it holds bypassed the
+    door, and the door's figure stands alone."""
+    return sum(1 for t in admitted_ms if t <= round_ms) >= held
+
+
+def acted_on(counters_ms: float | None, door_ms: float | None, covers: bool = False) -> float | None:
+    """The engine queue age a door acts on. Where the door sent everything the engine holds
+    (``covers``), its own figure: exact with first-come-first-served scheduling and true
+    when clients give up. Otherwise the smaller of the two where both are known: each is a
+    lower bound but for its own error (the counters' a give-up in the round of an arrival;
+    the door's the requests that bypass it), so the smaller is one unless both strike at
+    once; either alone where only one is known."""
+    if door_ms is not None and covers:
+        return door_ms
+    if counters_ms is None:
+        return door_ms
+    if door_ms is None:
+        return counters_ms
+    return min(counters_ms, door_ms)
 
 
 def to_ms(seconds: float | None) -> int | None:

@@ -44,7 +44,7 @@ from .collectors import BackendsCollector, BuildInfoCollector
 from .lag import LoopLag
 from .probe_targets import ProbeTargets
 from .render import Exposition
-from .slots import Slot, engine_age_ttl_ms, engine_ages, first_round_delays, make_slot, next_delay, next_planned, on_tick, run_round
+from .slots import Slot, engine_age_ttl_ms, engine_ages, engine_waiting, first_round_delays, make_slot, next_delay, next_planned, on_tick, run_round
 
 log = logging.getLogger("llm_health.exporter")
 
@@ -136,7 +136,13 @@ class Exporter:
             states = {name: s.state for name, s in self.slots.items()}
             interval = self.config.timing.interval
             try:
-                await self.redis_view.refresh(states, engine_ages(self.slots.values(), time.time(), interval), ttl_ms=engine_age_ttl_ms(interval))
+                now = time.time()
+                await self.redis_view.refresh(
+                    states,
+                    engine_ages(self.slots.values(), now, interval),
+                    ttl_ms=engine_age_ttl_ms(interval),
+                    waiting=engine_waiting(self.slots.values(), now, interval),
+                )
             except Exception:
                 log.exception("redis view refresh failed")
             await asyncio.sleep(max(0.0, self.config.timing.interval - (time.monotonic() - started)))

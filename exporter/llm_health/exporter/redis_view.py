@@ -145,15 +145,23 @@ class RedisView:
 
     # ------------------------------------------------------------------ refresh
 
-    async def refresh(self, backend_states: Mapping[str, str], engine_ages: Mapping[str, int | None] | None = None, ttl_ms: int = 3000) -> None:
+    async def refresh(
+        self,
+        backend_states: Mapping[str, str],
+        engine_ages: Mapping[str, int | None] | None = None,
+        ttl_ms: int = 3000,
+        waiting: Mapping[str, str | None] | None = None,
+    ) -> None:
         """Read Redis once (constant round trips) and replace the snapshot; in the same
         pipeline, publish each backend's engine queue age (`engine_ages`, ms or None while
-        unknown) under QueueKeys.engine_age: SET with an expiry of `ttl_ms`, or DEL while
+        unknown) under QueueKeys.engine_age and its waiting and running counts (`waiting`, "W R READ_MS")
+        under QueueKeys.engine_waiting: SET with an expiry of `ttl_ms`, or DEL while
         unknown (absent means unknown, never 0). Never raises for Redis trouble:
         `llm_redis_up` goes to 0 (and a publish that did not land is counted in
         `publish_failures`) and the next round tries again."""
         started = time.perf_counter()
-        ages = dict(engine_ages or {})
+        ages: dict[str, str | int | None] = {self.qkeys.engine_age(b): a for b, a in (engine_ages or {}).items()}
+        ages.update((self.qkeys.engine_waiting(b), w) for b, w in (waiting or {}).items())
         try:
             self.snapshot = await self._read(dict(backend_states), ages, ttl_ms)
             self.up, self.error = True, None
@@ -210,7 +218,8 @@ class RedisView:
             self._rebuild_gpu_index()
         return round_trips
 
-    async def _read(self, backend_states: dict[str, str], ages: dict[str, int | None] | None = None, ttl_ms: int = 3000) -> Snapshot:
+    async def _read(self, backend_states: dict[str, str], ages: dict[str, str | int | None] | None = None, ttl_ms: int = 3000) -> Snapshot:
+        """`ages`: the published keys (engine ages and waiting counts) and their values."""
         self.commands_last = 0
         round_trips = await self._resolve_members()
         pools = [(p, self._pool_gpus.get(p.name, ())) for p in self.config.pools]
@@ -234,11 +243,11 @@ class RedisView:
             if self.config.queue_gc:  # KEYS[1] is unused; the routes key keeps it in the queue's slot
                 pipe.eval(GC_LUA, 6, self.qkeys.routes(), *self.qkeys.route_keys(route), gc_cutoff, 1000)
         ages = ages or {}
-        for backend, age in ages.items():  # last in the batch: the reads above keep their places
-            if age is None:
-                pipe.delete(self.qkeys.engine_age(backend))
+        for key, value in ages.items():  # last in the batch: the reads above keep their places
+            if value is None:
+                pipe.delete(key)
             else:
-                pipe.set(self.qkeys.engine_age(backend), str(age), px=ttl_ms)
+                pipe.set(key, str(value), px=ttl_ms)
         replies = await pipe.execute(raise_on_error=False)
         round_trips += 1
         published = replies[len(replies) - len(ages) :] if ages else []

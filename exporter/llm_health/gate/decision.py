@@ -36,6 +36,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from ..config.gate import GateConfig, Route
 from ..core import admission, forwarding
+from ..core.queue_age import acted_on
 from ..store.batch import WriteBatch
 from ..store.deployment import connect, wrap
 from ..store.errors import ERRORS, REDIS_DOWN, as_down, may_run_late, retryable
@@ -371,10 +372,14 @@ class Admission:
             fingerprint=fp,
             backends=route.backends,
         )
-        record, stats, spent, ages = parse_decide(request_id, (await self._execute(pipe))[0], now)
-        budget = limit - spent if limit is not None else None
-        engine_age = engine_queue_age(ages) if route.backends else None
-        return record, stats, budget, engine_age
+        got = parse_decide(request_id, (await self._execute(pipe))[0], now)
+        budget = limit - got.spent if limit is not None else None
+        # The engines' figure from their counters, and the door's own from the requests it
+        # sent (core.queue_age.acted_on: the door's where it sent everything the engines
+        # hold, else the smaller; the counters' alone runs high when clients give up,
+        # docs/engines.md).
+        engine_age = acted_on(engine_queue_age(got.ages), got.door_age_ms, got.door_covers) if route.backends else None
+        return got.record, got.stats, budget, None if engine_age is None else int(engine_age)
 
     # --- finishing an attempt -------------------------------------------------------------
     async def finish(self, attempt: Attempt, status: int | None, units: int = 0) -> bool:

@@ -110,6 +110,20 @@ class QueueKeys:
         in their one round trip for the routes that name the backend (`backends:`)."""
         return f"{self.prefix}engine:{backend}:queue_age_ms"
 
+    def engine_waiting(self, backend: str) -> str:
+        """One backend's engine waiting and running counts and when the exporter read them,
+        `"W R READ_MS"` (Unix ms), beside `engine_age` with the same expiry: a door reads the age from
+        the requests it sent and has not seen end (`route_inflight`) with this count
+        (`core.queue_age.door_age`), which stays true when clients give up."""
+        return f"{self.prefix}engine:{backend}:waiting"
+
+    def route_inflight(self, route: str) -> str:
+        """The requests a door sent on for `route` and has not seen end, scored by when
+        they were sent (Unix ms): added by the decision script, removed by the attempt's
+        end (an answer, an error, the client giving up) or a refusal; entries older than
+        the queue's retention are dropped."""
+        return self.route(route, "inflight")
+
     def retry_match(self, digest: str) -> str:
         """The request id of the last first copy with this retry fingerprint (a request sent
         without an id: `gate.headers.retry_fingerprint`), kept until its deadline plus the

@@ -189,7 +189,7 @@ class AdmissionQueue:
     def leave_call(
         self, request_id: str, route: str, state: str, http_status: int | None, now: int, only_if_waiting: bool = False
     ) -> tuple[list[Any], list[Any]]:
-        keys = [self.keys.record(request_id), *self.keys.route_keys(route)[:3]]
+        keys = [self.keys.record(request_id), *self.keys.route_keys(route)[:3], self.keys.route_inflight(route)]
         return keys, [request_id, state, "" if http_status is None else int(http_status), now, int(only_if_waiting)]
 
     def attempt_call(
@@ -259,14 +259,18 @@ class AdmissionQueue:
     ) -> None:
         """A door's one script (scripts.DECIDE_LUA): the route's stats, the enqueue, the
         tenant's spend (``tenant_key``), the retry fingerprint (key, value, TTL in ms), the
-        backends' engine ages, the id taken off the waiting set. Read it with `parse_decide`."""
+        backends' engine ages and the door's own figure of them, the id taken off the waiting
+        set and put in the route's in-flight set. Read it with `parse_decide`."""
         keys, args = self.enqueue_call(request_id, route, tenant, deadline_ms, now, now)
-        args += ["1" if tenant_key else "0", fingerprint[1] if fingerprint else "", max(1, fingerprint[2]) if fingerprint else 0]
+        args += ["1" if tenant_key else "0", fingerprint[1] if fingerprint else "", max(1, fingerprint[2]) if fingerprint else 0, len(backends)]
         if tenant_key:
             keys.append(tenant_key)
         if fingerprint:
             keys.append(fingerprint[0])
         keys.extend(self.keys.engine_age(b) for b in backends)
+        if backends:
+            keys.extend(self.keys.engine_waiting(b) for b in backends)
+            keys.append(self.keys.route_inflight(route))
         self._pipelined(pipe, self._decide, (keys, args))
 
     async def load_scripts(self) -> None:
@@ -414,10 +418,23 @@ def engine_queue_age(values: list[Any]) -> int | None:
     return min(known) if known else None
 
 
-def parse_decide(request_id: str, reply: Sequence[Any], now: int) -> tuple[QueueRecord, RouteStats, float, list[Any]]:
+@dataclass(frozen=True)
+class Decided:
+    """`AdmissionQueue.pipe_decide`'s reply, read."""
+
+    record: QueueRecord
+    stats: RouteStats
+    spent: float  # the tenant's spend this minute (0 when none)
+    ages: list[Any]  # the backends' published engine ages (None where absent)
+    door_age_ms: int | None  # the door's own figure (core.queue_age.door_age), None: unknown
+    door_covers: bool  # the door sent everything the engines held (core.queue_age.door_covers)
+
+
+def parse_decide(request_id: str, reply: Sequence[Any], now: int) -> Decided:
     """`AdmissionQueue.pipe_decide`'s reply: the record as enqueued, the route's stats as the
-    request found them, the tenant's spend this minute (0 when none), the engine ages."""
-    stats, flat, spent, ages = reply
+    request found them, the tenant's spend this minute (0 when none), the engine ages and
+    the door's own figure."""
+    stats, flat, spent, ages, door, covers = reply
 
     def score(value: Any) -> int | None:
         return int(float(value)) if value not in (b"", "", None) else None
@@ -445,4 +462,5 @@ def parse_decide(request_id: str, reply: Sequence[Any], now: int) -> tuple[Queue
         int(status) if status else None,
         text(state),
     )
-    return record, route_stats, float(spent or 0), list(ages or [])
+    door_ms = int(door) if door is not None and door is not False else None
+    return Decided(record, route_stats, float(spent or 0), list(ages or []), door_ms, bool(covers))

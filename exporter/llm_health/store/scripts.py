@@ -202,9 +202,12 @@ end
 """
 # KEYS: record, enqueued, deadline, retried. ARGV: id, new state, http_status ('' keeps),
 # now_ms, only_if_waiting.
+# KEYS[5], where given: the route's in-flight set (keys.route_inflight), the id taken off it
+# whatever the record says (an attempt's end, a refusal).
 LEAVE_QUEUE_LUA = (
     _LEAVE_FN
     + """
+if KEYS[5] then redis.call('ZREM', KEYS[5], ARGV[1]) end
 if not leave(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]) then return false end
 return redis.call('HGETALL', KEYS[1])
 """
@@ -215,14 +218,24 @@ return redis.call('HGETALL', KEYS[1])
 # tenant's spend this minute, the engine queue age of the route's backends, the retry
 # fingerprint of a request sent without an id, and the id taken off the waiting set
 # (state running): what a pipeline of up to eleven commands did, in one script.
+# With n backends, the door's own figure of their queue age (core.queue_age.door_age and
+# door_covers, the same rules): their waiting and running counts summed, "W R READ_MS"
+# each (keys.engine_waiting), and the W-th youngest of the route's requests in flight sent
+# by the latest READ_MS (keys.route_inflight): now minus when it was sent; 0 when nothing
+# waits, false when a count is unknown or fewer were in flight; and 1 where at least W + R
+# of them were (the door sent everything the engines hold), else 0. Then this request
+# joins the in-flight set (its
+# refusal or its attempt's end takes it off: LEAVE_QUEUE_LUA), whose entries older than
+# the retention are dropped. A resent id's entry is its newest copy's.
 # KEYS: record, enqueued, deadline, retried, live, dup, routes, [tenant's minute],
-#       [fingerprint], engine age keys (all under the queue's prefix: one slot on Cluster)
+#       [fingerprint], n engine age keys, n engine waiting keys, [the in-flight set when
+#       n > 0] (all under the queue's prefix: one slot on Cluster)
 # ARGV: ENQUEUE_LUA's eight, then '1' with a tenant key, the fingerprint's value ('' none),
-#       its TTL in ms
+#       its TTL in ms, n
 # Returns {stats (depth, oldest score, tightest score, past deadline, retried, max dup
 # score; '' where none), the record as enqueued (its ten fields, queue.parse_decide's order),
 # the tenant's spend or false,
-# {the engine ages, false where absent}}.
+# {the engine ages, false where absent}, the door's figure in ms or false, 1 or 0}.
 DECIDE_LUA = (
     _GC_FN
     + _ENQUEUE_FN
@@ -250,10 +263,36 @@ if ARGV[10] ~= '' then
   redis.call('SET', KEYS[k], ARGV[10], 'PX', ARGV[11])
   k = k + 1
 end
+local n = tonumber(ARGV[12] or '0') or 0
 local ages = {}
-for i = k, #KEYS do ages[#ages + 1] = redis.call('GET', KEYS[i]) end
+for i = k, k + n - 1 do ages[#ages + 1] = redis.call('GET', KEYS[i]) end
+local door, covers = false, 0
+if n > 0 then
+  local inflight = KEYS[k + 2 * n]
+  local now = tonumber(ARGV[6])
+  redis.call('ZREMRANGEBYSCORE', inflight, '-inf', string.format('(%d', now - tonumber(ARGV[7])))
+  local waiting, held, read = 0, 0, 0
+  for i = k + n, k + 2 * n - 1 do
+    local w, r, t = string.match(redis.call('GET', KEYS[i]) or '', '^(%d+) (%d+) (%d+)$')
+    if not w then waiting = false break end
+    waiting = waiting + tonumber(w)
+    held = held + tonumber(w) + tonumber(r)
+    read = math.max(read, tonumber(t))
+  end
+  if waiting then
+    local sent = redis.call('ZCOUNT', inflight, '-inf', string.format('%d', read))
+    if sent >= held then covers = 1 end
+    if waiting == 0 then
+      door = 0
+    else
+      local e = redis.call('ZREVRANGEBYSCORE', inflight, string.format('%d', read), '-inf', 'WITHSCORES', 'LIMIT', waiting - 1, 1)
+      if #e > 0 then door = math.max(0, now - tonumber(e[2])) end
+    end
+  end
+  redis.call('ZADD', inflight, ARGV[6], ARGV[1])
+end
 leave(ARGV[1], 'running', '', ARGV[6], '0')
-return {stats, record, spent, ages}
+return {stats, record, spent, ages, door, covers}
 """
 )
 

@@ -1,0 +1,114 @@
+"""The door's own figure of its engines' queue age (core.queue_age.door_age): the decision
+script (store.scripts.DECIDE_LUA) keeps the route's requests in flight, sent and not yet
+seen end, and reads the age of the oldest waiting one from them and the engines' waiting
+and running counts the exporter publishes (`QueueKeys.engine_waiting`). A client that gives
+up leaves the set at once, so the figure stays true where the counters' figure (vLLM counts
+such a request nowhere) runs high. On a real redis-server and through the real gate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import aiohttp
+import redis
+from redis import asyncio as aioredis
+
+from llm_health.core.queue_age import door_age, door_covers
+from llm_health.store.keys import QueueKeys
+from llm_health.store.queue import AdmissionQueue, parse_decide
+from tests.integration.test_gate import post, stack  # noqa: F401  (the fixture)
+
+
+async def test_the_script_and_the_reference_agree(redis_url):
+    """Seeded cases: random requests in flight (some sent after the round's read), waiting
+    and running counts over one to three backends; the script's figure and coverage are the
+    Python reference's, to the millisecond."""
+    rng = random.Random(48)
+    client = aioredis.Redis.from_url(redis_url)
+    q = AdmissionQueue(client, prefix=f"t{rng.randrange(10**9)}:")
+    await q.load_scripts()
+    try:
+        for case in range(150):
+            route, backends = f"r{case}", [f"b{case}-{i}" for i in range(rng.randint(1, 3))]
+            now = int(time.time() * 1000)
+            read = now - rng.randint(0, 3000)
+            sent = [now - rng.randint(0, 20_000) for _ in range(rng.randint(0, 12))]
+            counts = [(rng.randint(0, 6), rng.randint(0, 4)) for _ in backends]
+            keys = q.keys
+            pipe = client.pipeline(transaction=False)
+            if sent:
+                pipe.zadd(keys.route_inflight(route), {f"x/{i}": t for i, t in enumerate(sent)})
+            for b, (w, r) in zip(backends, counts):
+                pipe.set(keys.engine_age(b), 5000)
+                pipe.set(keys.engine_waiting(b), f"{w} {r} {read}")
+            await pipe.execute()
+            pipe = client.pipeline(transaction=False)
+            q.pipe_decide(pipe, f"t/new-{case}", route, "t", now + 60_000, now, tenant_key=None, fingerprint=None, backends=backends)
+            got = parse_decide(f"t/new-{case}", (await pipe.execute())[0], now)
+            waiting, held = sum(w for w, _ in counts), sum(w + r for w, r in counts)
+            want = door_age(sent, waiting, read, now)
+            assert got.door_age_ms == (None if want is None else int(want)), (case, sent, counts, read)
+            assert got.door_covers == (door_covers(sent, held, read) and want is not None), case
+            # The request itself joined the set, sent now.
+            assert await client.zscore(keys.route_inflight(route), f"t/new-{case}") == now
+    finally:
+        await q.aclose()
+
+
+def publish(url: str, prefix: str, backend: str, age_ms: int, waiting: int, running: int) -> None:
+    keys = QueueKeys(prefix)
+    with redis.Redis.from_url(url) as r:
+        r.set(keys.engine_age(backend), age_ms, px=60000)
+        r.set(keys.engine_waiting(backend), f"{waiting} {running} {int(time.time() * 1000)}", px=60000)
+
+
+async def until(check, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def test_a_client_that_gives_up_leaves_the_door_figure_at_once(stack, redis_url):  # noqa: F811
+    """A request waits; its client gives up as another arrives. The counters' figure keeps
+    the first one's age (published here as the exporter would: 61 s against a 60 s
+    deadline); the gate acts on the age of the one really waiting and admits a fresh
+    request. Requests the gate never sent (the engine holds more than it sent) bring the
+    counters' figure back."""
+    url, up, gate = await stack(routes={"chat": {"upstream": "UPSTREAM", "default_deadline_ms": 60_000, "backends": ["gpu-a"]}})
+    prefix, keys = gate.cfg.queue_prefix, QueueKeys(gate.cfg.queue_prefix)
+    up.delay = 120.0  # the engine holds every request
+    publish(redis_url, prefix, "gpu-a", 0, 0, 0)
+
+    def in_flight() -> list[str]:
+        with redis.Redis.from_url(redis_url) as r:
+            return [m.decode() for m in r.zrange(keys.route_inflight("chat"), 0, -1)]
+
+    a = asyncio.create_task(post(url, {"X-Request-Id": "a"}))
+    await until(lambda: len(up.calls) == 1, "a at the engine")
+    assert in_flight() == ["default/a"]
+    a.cancel()  # a's client gives up
+    await until(lambda: in_flight() == [], "a's give-up seen by the gate")
+    b = asyncio.create_task(post(url, {"X-Request-Id": "b"}))
+    await until(lambda: len(up.calls) == 2, "b at the engine")
+    await asyncio.sleep(0.3)
+    publish(redis_url, prefix, "gpu-a", 61_000, 1, 0)  # the exporter's round: b waits; its counters still date a
+    c = asyncio.create_task(post(url, {"X-Request-Id": "c"}))
+    await until(lambda: len(up.calls) == 3, "c admitted and sent on")
+    assert up.calls[2][0] == "c"
+    # The engine holds three where the gate sent two (b, c): something bypasses the gate,
+    # and the smaller figure stands, the counters' here (the door's is b's, over 300 ms).
+    publish(redis_url, prefix, "gpu-a", 100, 2, 1)
+    status, body, headers = await post(url, {"X-Request-Id": "d", "X-Request-Timeout-Ms": "50"})
+    err = json.loads(body)["error"]
+    assert (status, err["code"], headers["x-queue-age-ms"]) == (422, "reject_age_beats_slack", "100"), body
+    publish(redis_url, prefix, "gpu-a", 100, 2, 0)  # the two it sent are all it holds: the door's figure
+    status, body, headers = await post(url, {"X-Request-Id": "e", "X-Request-Timeout-Ms": "50"})
+    assert status == 422 and int(headers["x-queue-age-ms"]) >= 300, body
+    for t in (b, c):
+        t.cancel()
+    await asyncio.gather(b, c, return_exceptions=True)
+    await until(lambda: in_flight() == [], "every give-up seen")
