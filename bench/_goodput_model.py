@@ -14,6 +14,7 @@ from bench._stats import percentile
 
 DEADLINE_MIX = (3, 10, 30)  # a third each, in units of the unloaded service time S
 SDK_MAX_RETRIES = 2  # the openai SDK's default
+TOKENS = 16  # completion tokens a request asks for (ignore_eos: every answer has them all)
 GOAL_CAPACITY = 0.90  # at 2x and 4x: the door's goodput at least 90% of capacity
 GOAL_OVER_CAP = 1.2  # and at least 1.2x the best queue cap's
 GOAL_WASTED = 0.05  # wasted engine tokens at most 5% of those generated
@@ -72,7 +73,7 @@ class Result:
     capacity: float  # answers/s
     outcomes: list[Outcome]
     generated: float  # engine tokens generated in the window
-    note: str = ""
+    ages: list[tuple[float, float, float]] = field(default_factory=list)  # a door's age refusals: (its queue age, the truth, the slack), ms
 
     def on_time(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.on_time and o.done_at is not None and o.done_at <= self.seconds]
@@ -112,14 +113,31 @@ class Result:
 
 
 def table(results: list[Result]) -> list[str]:
-    head = "| policy | load | sent | on time | goodput/s | of C | wasted tokens | engine copies/req | copies after deadline | refusals (per attempt) | p50 s | p99 s | failed |"
+    head = "| policy | load | sent | on time | goodput/s | of C | engine answers' worth/s | wasted tokens | engine copies/req | copies after deadline | refusals (per attempt) | p50 s | p99 s | failed |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         refusals = ", ".join(f"{k}: {v}" for k, v in sorted(r.refusals().items())) or "-"
         n = len(r.outcomes)
         lines.append(
-            f"| {r.policy} | {r.load:g}x | {n} | {len(r.on_time())} | {r.goodput:.3f} | {r.fraction:.2f} | {r.wasted:.1%} | "
+            f"| {r.policy} | {r.load:g}x | {n} | {len(r.on_time())} | {r.goodput:.3f} | {r.fraction:.2f} | {r.generated / TOKENS / r.seconds:.3f} | {r.wasted:.1%} | "
             f"{r.copies / max(n, 1):.2f} | {r.copies_late} | {refusals} | {r.quantile(0.5):.2f} | {r.quantile(0.99):.2f} | {r.failed} |"
+        )
+    return lines
+
+
+def age_checks(results: list[Result]) -> list[str]:
+    """Per door and load: the queue age each `reject_age_beats_slack` acted on (its
+    `x-queue-age-ms`) against the client-side truth at that moment, and how many such
+    refusals came while the truth was under the request's slack less one 1 s round."""
+    lines = []
+    for r in results:
+        if not r.ages:
+            continue
+        diffs = sorted(door - truth for door, truth, _ in r.ages)
+        wrong = sum(1 for _, truth, slack in r.ages if truth < slack - 1000)
+        lines.append(
+            f"{r.policy} at {r.load:g}x: {len(r.ages)} reject_age_beats_slack; door age - client truth: median {percentile(diffs, 50) / 1000:+.1f} s, "
+            f"max {diffs[-1] / 1000:+.1f} s; {wrong} refused while the oldest truly waiting was younger than the slack less 1 s"
         )
     return lines
 

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +49,12 @@ from tests.fixtures.redis_server import RedisServer
 from tests.harness import vllm as harness
 from tests.harness.processes import free_port
 
-from bench._goodput_model import Arrival, Outcome, Result, schedule
+from bench._goodput_model import DOORS as DOOR_NAMES
+from bench._goodput_model import TOKENS, Arrival, Outcome, Result, schedule
 from llm_health.store.keys import QueueKeys
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_TOKENS = 16
+MAX_TOKENS = TOKENS
 PROMPT_TOKENS = 8
 
 
@@ -63,15 +65,28 @@ class Upstream:
         self.engine = engine
         self.seen: dict[str, list[float]] = defaultdict(list)  # id -> monotonic arrival of each copy
         self.session: aiohttp.ClientSession | None = None
+        self.inflight: dict[int, float] = {}  # every copy at the engine now: when it arrived
+        self.tokens = itertools.count()
+
+    def oldest_waiting_s(self, slots: int) -> float:
+        """The client-side truth: vLLM schedules first come, first served, so with `slots`
+        sequences running the oldest copy waiting is the (slots + 1)-th oldest in flight."""
+        times = sorted(self.inflight.values())
+        return time.monotonic() - times[slots] if len(times) > slots else 0.0
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         rid = request.headers.get("X-Request-Id", "")
-        self.seen[rid].append(time.monotonic())
+        token = next(self.tokens)
+        self.seen[rid].append(now := time.monotonic())
+        self.inflight[token] = now
         assert self.session is not None
-        async with self.session.post(self.engine + request.raw_path, data=body, headers={"Content-Type": "application/json"}) as up:
-            data = await up.read()
-            return web.Response(status=up.status, body=data, content_type="application/json")
+        try:
+            async with self.session.post(self.engine + request.raw_path, data=body, headers={"Content-Type": "application/json"}) as up:
+                data = await up.read()
+                return web.Response(status=up.status, body=data, content_type="application/json")
+        finally:
+            del self.inflight[token]
 
 
 class TTLProxy:
@@ -114,9 +129,10 @@ async def serve(handler: Any) -> tuple[web.AppRunner, str]:
 class Recording(httpx.AsyncHTTPTransport):
     """The SDK's transport, recording each attempt's status by X-Request-Id."""
 
-    def __init__(self, outcomes: dict[str, Outcome]) -> None:
+    def __init__(self, outcomes: dict[str, Outcome], truth: Callable[[], float]) -> None:
         super().__init__(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-        self.outcomes = outcomes
+        self.outcomes, self.truth = outcomes, truth
+        self.ages: list[tuple[float, float, float]] = []  # a door's age refusals: (its queue age, the truth, the slack), ms
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         o = self.outcomes.get(request.headers.get("x-request-id", ""))
@@ -125,6 +141,9 @@ class Recording(httpx.AsyncHTTPTransport):
         response = await super().handle_async_request(request)
         if o is not None:
             o.codes.append(str(response.status_code))
+        h = response.headers
+        if h.get("x-llm-health-decision") == "reject_age_beats_slack" and "x-queue-age-ms" in h and "x-deadline-slack-ms" in h:
+            self.ages.append((float(h["x-queue-age-ms"]), self.truth() * 1000, float(h["x-deadline-slack-ms"])))
         return response
 
 
@@ -132,11 +151,14 @@ def prompt(i: int) -> list[int]:
     return harness.prompt_ids(PROMPT_TOKENS, start=10 + (i * 13) % 1400)
 
 
-async def drive(url: str, arrivals: list[Arrival], seconds: float, engine: harness.VLLMServer) -> tuple[list[Outcome], float]:
+async def drive(
+    url: str, arrivals: list[Arrival], seconds: float, engine: harness.VLLMServer, truth: Callable[[], float]
+) -> tuple[list[Outcome], float, list[tuple[float, float, float]]]:
     """The open loop: each arrival's call at its time; at the window's end the engine's
     generated tokens are read, then what still runs is cancelled. (outcomes, tokens)."""
     outcomes = {a.id: Outcome(a) for a in arrivals}
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench-not-a-secret", http_client=openai.DefaultAsyncHttpx2Client(transport=Recording(outcomes)))
+    transport = Recording(outcomes, truth)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench-not-a-secret", http_client=openai.DefaultAsyncHttpx2Client(transport=transport))
     before = engine.counters()["generation_tokens_total"] or 0.0
     t0, wall0 = time.monotonic(), time.time()
 
@@ -175,7 +197,7 @@ async def drive(url: str, arrivals: list[Arrival], seconds: float, engine: harne
     for o in outcomes.values():
         o.codes = [c for c in o.codes if c != "timeout"] + ["timeout"] * sum(1 for c in o.codes if c == "timeout")
     await client.close()
-    return list(outcomes.values()), after - before
+    return list(outcomes.values()), after - before, transport.ages
 
 
 def count_copies(outcomes: list[Outcome], up: Upstream, t0: float) -> None:
@@ -213,30 +235,51 @@ def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: fl
 
 
 class Bench:
-    def __init__(self, slots: int, run_ms: float, period_ms: float, seed: int, seconds: float, caps: tuple[int, ...], ttl_factor: float) -> None:
+    def __init__(
+        self, slots: int, run_ms: float, period_ms: float, seed: int, seconds: float, caps: tuple[int, ...], ttl_factor: float, capacity_s: float = 40
+    ) -> None:
+        self.capacity_s = capacity_s
         self.slots, self.run_ms, self.period_ms, self.seed, self.seconds, self.caps, self.ttl_factor = slots, run_ms, period_ms, seed, seconds, caps, ttl_factor
         self.log: list[str] = []
+        self.redis_url: str | None = None
 
     def engine(self, extra: list[str]) -> harness.VLLMServer:
         return harness.VLLMServer.start(max_num_seqs=self.slots, extra_args=extra)
 
-    async def measure(self, srv: harness.VLLMServer, url: str) -> tuple[float, float]:
-        """S: the median of 5 lone requests; C: answers/s of 6 x SLOTS requests sent at once
-        (saturated, no deadline)."""
+    async def service_time(self, srv: harness.VLLMServer) -> float:
+        """S: the median of 5 lone requests."""
         lone = []
         for i in range(5):
             r = await asyncio.to_thread(srv.completion, MAX_TOKENS, prompt(i))
             lone.append(r.seconds)
-        n = 6 * self.slots
-        started = time.monotonic()
-        load = srv.load(n, MAX_TOKENS, prompt(99))
-        results = await asyncio.to_thread(load.wait, 600)
-        took = time.monotonic() - started
-        if any(r.status != 200 for r in results):
-            raise RuntimeError(f"capacity run: answers {[r.status for r in results]}")
         lone.sort()
-        self.log.append(f"unloaded service times (s): {', '.join(f'{x:.2f}' for x in lone)}; {n} at once answered in {took:.2f} s")
-        return lone[len(lone) // 2], n / took
+        self.log.append(f"unloaded service times (s): {', '.join(f'{x:.2f}' for x in lone)}")
+        return lone[len(lone) // 2]
+
+    async def capacity(self, url: str, when: str) -> float:
+        """C: answers/s of a closed loop of 3 x SLOTS callers for `capacity_s` (saturated, no
+        deadline), counting the answers after the first quarter."""
+        seconds = self.capacity_s
+        start = time.monotonic()
+        done: list[float] = []
+        body = {"model": harness.SERVED_MODEL_NAME, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+        async with aiohttp.ClientSession() as s:
+
+            async def caller(k: int) -> None:
+                i = 0
+                while time.monotonic() - start < seconds:
+                    async with s.post(url + "/v1/completions", json={**body, "prompt": prompt(1000 + 50 * k + i)}) as r:
+                        await r.read()
+                        if r.status != 200:
+                            raise RuntimeError(f"capacity run: {r.status}")
+                    done.append(time.monotonic() - start)
+                    i += 1
+
+            await asyncio.gather(*(caller(k) for k in range(3 * self.slots)))
+        counted = [t for t in done if seconds / 4 <= t <= seconds]
+        c = len(counted) / (seconds * 0.75)
+        self.log.append(f"capacity {when}: {len(counted)} answers in the last {seconds * 0.75:g} s of {seconds:g} s saturated: {c:.3f} answers/s")
+        return c
 
     async def run(self, loads: list[float]) -> tuple[float, float, list[Result]]:
         results: list[Result] = []
@@ -249,25 +292,33 @@ class Bench:
             try:
                 throttle = stack.enter_context(srv.throttle(self.run_ms, self.period_ms))
                 del throttle
-                service, capacity = await self.measure(srv, up_url)
+                service = await self.service_time(srv)
+                first = await self.capacity(srv.url, "before the runs")
                 ttl = self.ttl_factor * service
                 redis = stack.enter_context(RedisServer())
+                self.redis_url = redis.url
                 doors = stack.enter_context(self.doors(tmp, srv, redis, up_url, service))
                 ttl_proxy = TTLProxy(up_url, self.slots, ttl)
                 ttl_proxy.session = up.session
                 truner, ttl_url = await serve(ttl_proxy.handle)
+                capacity = first  # the runs below use it; the figure judged is the larger of before and after
                 paths = {"direct": up_url, "gate": doors["gate"], "nginx+decide": doors["nginx+decide"], f"ttl {ttl:.0f} s": ttl_url}
                 for load in loads:
-                    arrivals = schedule(self.seed, load * capacity, self.seconds, service, f"l{load:g}")
+                    arrivals = schedule(self.seed, load * first, self.seconds, service, f"l{load:g}")
+                    self.log.append(f"load {load:g}x: {len(arrivals)} arrivals at {load * first:.3f}/s (x the capacity measured before the runs)")
                     for name, url in paths.items():
                         results.append(await self.one(name, load, arrivals, url, srv, up, capacity))
+                capacity = max(first, await self.capacity(srv.url, "after the runs on this engine"))
+                for r in results:
+                    r.capacity = capacity
                 await truner.cleanup()
+                self.redis_url = None
                 stack.close()  # the doors, Redis, the throttle and this engine
                 for cap in self.caps:
                     with self.engine(["--max-num-queued-reqs", str(cap)]) as capped, capped.throttle(self.run_ms, self.period_ms):
                         up.engine = capped.url
                         for load in loads:
-                            arrivals = schedule(self.seed, load * capacity, self.seconds, service, f"l{load:g}")
+                            arrivals = schedule(self.seed, load * first, self.seconds, service, f"l{load:g}")
                             results.append(await self.one(f"vllm cap {cap}", load, arrivals, up_url, capped, up, capacity))
             finally:
                 await runner.cleanup()
@@ -276,11 +327,19 @@ class Bench:
 
     async def one(self, name: str, load: float, arrivals: list[Arrival], url: str, srv: harness.VLLMServer, up: Upstream, capacity: float) -> Result:
         up.seen.clear()
+        # The same schedule, ids of this policy's own: the doors share one Redis, where an id
+        # another policy sent would be this one's retry.
+        tag = "".join(c if c.isalnum() else "-" for c in name)
+        arrivals = [Arrival(f"{tag}-{a.id}", a.at, a.deadline_s) for a in arrivals]
         t0 = time.monotonic()
-        outcomes, generated = await drive(url, arrivals, self.seconds, srv)
+        outcomes, generated, ages = await drive(url, arrivals, self.seconds, srv, lambda: up.oldest_waiting_s(self.slots))
         count_copies(outcomes, up, t0)
         await asyncio.to_thread(srv.wait_idle, 300)
-        r = Result(name, load, self.seconds, capacity, outcomes, generated)
+        r = Result(name, load, self.seconds, capacity, outcomes, generated, ages=ages)
+        if self.redis_url and name in DOOR_NAMES:
+            with redis_lib.Redis.from_url(self.redis_url) as rc:
+                left = rc.zcard(QueueKeys().route_inflight("chat"))
+            self.log.append(f"after {name} at {load:g}x, the engine idle: {left} requests left in the route's in-flight set in Redis")
         print(f"bench_goodput: {name} at {load:g}x: {len(r.on_time())} of {len(outcomes)} on time, {r.failed} failed", file=sys.stderr, flush=True)
         return r
 

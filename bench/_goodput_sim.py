@@ -30,10 +30,9 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from bench._goodput_model import SDK_MAX_RETRIES, Arrival, Outcome, Result, schedule
+from bench._goodput_model import SDK_MAX_RETRIES, TOKENS, Arrival, Outcome, Result, schedule
 from llm_health.core import admission
 
-TOKENS = 16
 ROUND_S = 1.0  # the exporter's round
 
 
