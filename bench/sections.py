@@ -119,7 +119,7 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "bench_goodput",
         "Goodput under overload: the age-first door against vLLM's queue cap, a queue TTL and nothing",
-        ("--seconds", "120"),
+        ("--seconds", "60"),
         (
             "bench/_goodput_model.py",
             "bench/_goodput_real.py",
