@@ -12,7 +12,6 @@ import json
 import random
 import time
 
-import aiohttp
 import redis
 from redis import asyncio as aioredis
 

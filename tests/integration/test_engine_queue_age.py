@@ -67,11 +67,15 @@ async def test_engine_queue_age_key_appears_tracks_goes_on_unknown_and_expires(s
         assert await get("steady") == "0"  # nothing waits: 0, known
         assert await get("router") is None  # a proxy has no engine queue: nothing published
         assert 0 < await r.pttl(key["busy"]) <= 3000  # 3 rounds of 0.2 s, at least 3 s
-        # It tracks the figure: what Redis holds is the exporter's figure of a recent round,
-        # never above the figure the exporter holds now (the queue keeps ageing).
+        # It tracks the figure: what Redis holds is a figure the exporter held in a round
+        # around the read (not a monotone one: when the head is served the next is younger).
+        figures = []
+        for _ in range(20):  # the rounds of the last second (the publication is at most one old)
+            figures.append((await exporter_status(exporter, "busy"))["queue_age_ms"])
+            await asyncio.sleep(0.05)
         published = int(await get("busy") or 0)
-        status = await exporter_status(exporter, "busy")
-        assert status["queue_age_ms"] is not None and published <= status["queue_age_ms"] + 1
+        figures.append((await exporter_status(exporter, "busy"))["queue_age_ms"])
+        assert None not in figures and min(figures) - 1 <= published <= max(figures) + 1, (published, figures)
 
         # A restart with requests already waiting: their arrival is unknown, so is the age.
         busy.restart()

@@ -205,12 +205,16 @@ async def test_route_choice(stack, headers, model, route):
         ({"X-Retry-Count": "3", "X-Stainless-Retry-Count": "4", "X-Retry-Attempt": "5"}, "retries", 3),
         ({"X-Stainless-Retry-Count": "4", "X-Retry-Attempt": "5"}, "retries", 4),
         ({"X-Envoy-Expected-Rq-Timeout-Ms": "45000"}, "budget", 45000),
-        ({"X-Request-Timeout-Ms": "50000", "X-Envoy-Expected-Rq-Timeout-Ms": "45000"}, "budget", 50000),
+        ({"X-Request-Timeout-Ms": "50000", "X-Envoy-Expected-Rq-Timeout-Ms": "45000"}, "budget", 45000),  # the smallest deadline
+        ({"X-Request-Timeout-Ms": "40000", "X-Envoy-Expected-Rq-Timeout-Ms": "45000"}, "budget", 40000),
+        ({"x-llm-d-inference-ttl": "1m5s"}, "budget", 65000),  # llm-d's router's per-request TTL
+        ({"X-Request-Timeout-Ms": "50000", "x-llm-d-inference-ttl": "20s"}, "budget", 20000),
         ({}, "budget", 30000),  # the route's default_deadline_ms
     ],
 )
 async def test_header_aliases_first_present_wins(stack, headers, what, expected):
-    """admission.md "Headers": every alias is read, and the first one present wins."""
+    """admission.md "Headers": every alias is read, and the first one present wins; of the
+    deadlines, the smallest."""
     s = await stack()
     if what != "id":
         headers = {"X-Request-Id": "h-1", **headers}

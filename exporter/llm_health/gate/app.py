@@ -35,6 +35,7 @@ from ..config.web import WebConfig
 from .controls import Controls
 from .decision import Admission, Outcome
 from .headers import token_units
+from .outcome import spent_units
 
 log = logging.getLogger("llm_health.gate")
 
@@ -166,6 +167,7 @@ class Gate:
             # Its end cannot be written (transport closed): a client gone to aiohttp, not a traceback.
             return request["llm_health_response"]
         self.m_upstream.labels(route.name, str(status)).inc()
+        units = spent_units(status, units)  # an engine's 503/529: a refusal, no token spent
         self.m_tokens.labels(route.name).inc(units)
         self.m_duration.labels(route.name).observe(time.monotonic() - started)
         response = request["llm_health_response"]

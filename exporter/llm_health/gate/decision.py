@@ -44,7 +44,7 @@ from ..store.lean import Commands, LeanRedis
 from ..store.queue import AdmissionQueue, QueueRecord, RouteStats, engine_queue_age, now_ms, parse_decide
 from ..tasks import cancel_and_wait
 from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant, retry_fingerprint
-from .outcome import Attempt, Outcome, error_outcome
+from .outcome import UPSTREAM_REFUSALS, Attempt, Outcome, error_outcome, spent_units
 
 log = logging.getLogger("llm_health.gate")
 
@@ -100,6 +100,10 @@ class Admission:
         self.m_records_lost = Counter(
             "llm_gate_records_given_up", "Attempt records given up after Redis did not answer for every retry (the record expires).", registry=r
         )
+        why = "Upstream answers that refused the work (an engine shedding load: 503, Dynamo's 529), recorded with no token units, by route and code."
+        self.m_upstream_refusals = Counter("llm_gate_upstream_refusals", why, ["route", "code"], registry=r)
+        why = "Token units the upstream reported for answers that ended after their request's deadline (work its client could not use), by route."
+        self.m_late_units = Counter("llm_gate_late_token_units", why, ["route"], registry=r)
         self.m_redis.set(1)
         self._label_routes()
 
@@ -114,6 +118,9 @@ class Admission:
             self.m_closed.labels(name).set(1 if route.policy.mode == "reject_all" else 0)
             for d in admission.DECISIONS:
                 self.m_decisions.labels(name, d)
+            for code in UPSTREAM_REFUSALS:
+                self.m_upstream_refusals.labels(name, str(code))
+            self.m_late_units.labels(name)
 
     def replace_config(self, new: GateConfig) -> str:
         """A reloaded configuration: a route keeps its current mode (an operator's
@@ -228,25 +235,25 @@ class Admission:
             header_retries = read_retry_count(headers)
         except BadRequest as exc:
             return error_outcome(400, "bad_request", str(exc))
-        # A request without an id is remembered by what its retries re-send (the OpenAI SDK
-        # sends no id): a retry (count >= 1) finds its first copy's id, and with it the
-        # first copy's deadline and retry count. A fresh request is never matched.
+        # Without an id (the OpenAI SDK's way) a retry (count >= 1) takes the id, deadline and
+        # retry count of the oldest first copy of its fingerprint not yet retried at that
+        # count (store.scripts.DECIDE_LUA); a fresh request is never matched.
         fingerprint: str | None = None
         if client_id is not None:
             request_id = client_id
         else:
             fingerprint = retry_fingerprint(tenant, route.name, method, raw_path, headers, body)
-            first = await self._first_copy(fingerprint) if header_retries >= 1 else None
-            if first is not None:
-                fingerprint = None  # matched: the first copy's entry stays as it is
-            request_id = first or f"gate-{uuid.uuid4()}"
+            request_id = f"gate-{uuid.uuid4()}"
         # Ids are the client's, scoped by tenant: two tenants' `order-1001` are two requests.
         queue_id = f"{tenant}/{request_id}"
         fields: dict[str, Any] = {"request_id": request_id}
         recorded, late = True, False
         try:
-            record, stats, budget, engine_age = await self._enqueue_and_read(queue_id, route, tenant, deadline_ms, now, fingerprint)
+            record, stats, budget, engine_age = await self._enqueue_and_read(queue_id, route, tenant, deadline_ms, now, fingerprint, header_retries)
             self._redis(True)
+            if record.request_id != queue_id:  # a retry without an id, matched to its first copy
+                queue_id = record.request_id
+                request_id = fields["request_id"] = queue_id.split("/", 1)[1]
             retry_count = max(header_retries, record.retry_count)
             deadline_ms = record.deadline_ms  # a resent id keeps the deadline of its first copy
             slack = deadline_ms - now
@@ -305,7 +312,7 @@ class Admission:
             out[QUEUE_AGE_HEADER] = str(int(fields["queue_age_ms"]))
         out[SLACK_HEADER] = str(int(fields["deadline_slack_ms"]))
         if decision.admitted:
-            attempt = Attempt(request_id, queue_id, route.name, tenant, fields.get("retry_count"), recorded, late=late)
+            attempt = Attempt(request_id, queue_id, route.name, tenant, fields.get("retry_count"), recorded, late=late, deadline_ms=deadline_ms)
             return Outcome(True, 200, decision.decision, out, route=route, attempt=attempt)
         if recorded:
             await self.quiet(self.queue.complete(queue_id, decision.status, route=route.name))
@@ -334,33 +341,21 @@ class Admission:
         except RedisError:
             return None
 
-    async def _first_copy(self, fingerprint: str) -> str | None:
-        """The id of the first copy a retry without an id re-sends (None: none known, or
-        Redis not answering: the enqueue that follows meets the same Redis)."""
-        try:
-            value = await self.redis.get(self.queue.keys.retry_match(fingerprint))
-        except RedisError:
-            return None
-        if value is None:
-            return None
-        text = value.decode() if isinstance(value, bytes) else str(value)
-        return text if text.startswith("gate-") else None
-
     def _tenant_key(self, tenant: str) -> str:
         return self.queue.keys.tenant(tenant, int(time.time() // 60))
 
     async def _enqueue_and_read(
-        self, request_id: str, route: Route, tenant: str, deadline_ms: int, now: int, fingerprint: str | None = None
+        self, request_id: str, route: Route, tenant: str, deadline_ms: int, now: int, fingerprint: str | None = None, retries: int = 0
     ) -> tuple[QueueRecord, RouteStats, float | None, int | None]:
-        """One round trip: enqueue (or recognise a resent id), the route's queue stats,
-        the tenant's spend this minute, the engine queue age of the route's backends, the
-        retry fingerprint of a request without an id, and the id taken off the waiting set."""
+        """One round trip: a retry without an id matched to its first copy (the record is
+        then that copy's), enqueue (or a resent id recognised), the route's queue stats, the
+        tenant's spend, the backends' engine age, the id taken off the waiting set."""
         q = self.queue
         pipe = await self._pipeline()
         limit = self.cfg.tenants.get(tenant)
-        # Until the deadline plus the window in which the client may still retry.
-        ttl = max(0, deadline_ms - now) + int(route.policy.retry_match_window_ms)
-        fp = (q.keys.retry_match(fingerprint), request_id.split("/", 1)[1], ttl) if fingerprint is not None else None
+        # A first copy is matched until its deadline plus the window its client may retry in.
+        until = deadline_ms + int(route.policy.retry_match_window_ms)
+        fp = (q.keys.retry_match(fingerprint), retries, until) if fingerprint is not None else None
         q.pipe_decide(
             pipe,
             request_id,
@@ -374,15 +369,23 @@ class Admission:
         )
         got = parse_decide(request_id, (await self._execute(pipe))[0], now)
         budget = limit - got.spent if limit is not None else None
-        # The engines' figure from their counters, and the door's own from the requests it
-        # sent (core.queue_age.acted_on: the door's where it sent everything the engines
-        # hold, else the smaller; the counters' alone runs high when clients give up,
-        # docs/engines.md).
+        # The counters' figure and the door's own, from the requests it sent (core.queue_age.acted_on).
         engine_age = acted_on(engine_queue_age(got.ages), got.door_age_ms, got.door_covers) if route.backends else None
         return got.record, got.stats, budget, None if engine_age is None else int(engine_age)
 
     # --- finishing an attempt -------------------------------------------------------------
     async def finish(self, attempt: Attempt, status: int | None, units: int = 0) -> bool:
+        """The attempt's end as a door knows it, counted once: an upstream refusal (503, 529)
+        with no token units (`llm_gate_upstream_refusals_total`), the units of an answer that
+        ended past its deadline (`llm_gate_late_token_units_total`); then recorded (`_finish`)."""
+        units = spent_units(status, units)
+        if status in UPSTREAM_REFUSALS:
+            self.m_upstream_refusals.labels(attempt.route, str(status)).inc()
+        elif units and attempt.deadline_ms is not None and now_ms() > attempt.deadline_ms:
+            self.m_late_units.labels(attempt.route).inc(units)
+        return await self._finish(attempt, status, units)
+
+    async def _finish(self, attempt: Attempt, status: int | None, units: int = 0) -> bool:
         """Record the attempt's end (status, token units), the id done, the tenant charged:
         one idempotent script and the leave (status None: not known to the door), sent again while Redis does not answer
         (FINISH_RETRY_S), then given up (counted). True once written. A late attempt
@@ -396,7 +399,7 @@ class Admission:
                 self._redis(True)
                 if attempt.late:
                     await asyncio.sleep(LATE_RESEND_S)
-                    return await self.finish(replace(attempt, late=False, recorded=True), status, units)
+                    return await self._finish(replace(attempt, late=False, recorded=True), status, units)
                 return True
             except REDIS_DOWN as exc:
                 self._redis(False)

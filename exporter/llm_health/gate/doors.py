@@ -81,7 +81,8 @@ class Doors:
 
     # --- record tokens ---------------------------------------------------------------------
     def token(self, attempt: Attempt) -> str:
-        data = base64.urlsafe_b64encode(json.dumps([attempt.queue_id, attempt.route, attempt.tenant, attempt.retry_count, attempt.attempt_id]).encode())
+        fields = [attempt.queue_id, attempt.route, attempt.tenant, attempt.retry_count, attempt.attempt_id, attempt.deadline_ms]
+        data = base64.urlsafe_b64encode(json.dumps(fields).encode())
         return f"{data.decode()}.{self._mac(data)}"
 
     def _mac(self, data: bytes) -> str:
@@ -94,11 +95,11 @@ class Doors:
         if not data or not hmac.compare_digest(self._mac(data.encode()), mac):
             return None
         try:
-            queue_id, route, tenant, retry_count, attempt_id = json.loads(base64.urlsafe_b64decode(data))
+            queue_id, route, tenant, retry_count, attempt_id, deadline_ms = json.loads(base64.urlsafe_b64decode(data))
         except (ValueError, binascii.Error, TypeError):
             return None
         request_id = queue_id.split("/", 1)[1] if "/" in queue_id else queue_id
-        return Attempt(request_id, queue_id, route, tenant, retry_count, True, attempt_id)
+        return Attempt(request_id, queue_id, route, tenant, retry_count, True, attempt_id, deadline_ms=deadline_ms)
 
     # --- the doors --------------------------------------------------------------------------
     # Each door's answer as (status, headers, body), read by the aiohttp handlers below and

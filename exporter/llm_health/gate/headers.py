@@ -1,13 +1,13 @@
 """What the gate reads from a request and its response: the request id, the deadline, the
 retry count, and the token units the upstream reports. Pure: no I/O.
 
-Headers read (first one present wins):
+Headers read (first one present wins; of the deadlines, the smallest):
 
 | what | headers |
 |---|---|
 | request id | `X-Request-Id`, `Idempotency-Key`: 1-256 printable ASCII characters, no spaces (none: a fresh id, never a retry); ids are scoped by tenant |
 | deadline, absolute | `X-Request-Deadline-Ms`: Unix ms, from a day ago to a week ahead |
-| deadline, remaining budget | `X-Request-Timeout-Ms`, `X-Envoy-Expected-Rq-Timeout-Ms`: 0 to 604800000 ms |
+| deadline, remaining budget | `X-Request-Timeout-Ms`, `X-Envoy-Expected-Rq-Timeout-Ms`: 0 to 604800000 ms; `x-llm-d-inference-ttl` (llm-d's router): a Go duration up to a week, 0 none |
 | retry count | `X-Retry-Count`, `X-Stainless-Retry-Count` (the OpenAI SDKs), `X-Retry-Attempt`: 0 to 1000 |
 | route | `X-Route` (else the route whose `models` has the body's model, else the first) |
 | tenant | `X-Tenant`: 1-64 of letters, digits and `_ . : -` (else `default`) |
@@ -16,7 +16,8 @@ Numbers are unsigned decimal integers; anything else (`1e20`, `inf`, `3.5`, a si
 `-5`, out of range) is refused with a 400 that names the header, before anything is
 written to Redis. A header of the table sent more than once with different values (two
 deadlines, two request ids) is refused the same way: the request is ambiguous; copies
-with the same value are one. (Of two different headers of one row, the first listed wins.)
+with the same value are one. Of two different headers of one row the first listed wins,
+except the deadlines: every one present is read, and the smallest deadline wins.
 """
 
 from __future__ import annotations
@@ -92,17 +93,50 @@ def read_tenant(headers: Mapping[str, str]) -> str:
     return tenant
 
 
+# llm-d's router (llm-d/llm-d-router, pkg/epp/metadata/consts.go: InferenceTTLHeaderKey):
+# the request's flow-control queue TTL, a Go duration (`time.ParseDuration`: `1500ms`, `2s`,
+# `1m30s`), counted from the request's arrival; its admission ignores one that is not
+# positive (pkg/epp/requestcontrol/admission.go), and so does the gate.
+LLMD_TTL_HEADER = "x-llm-d-inference-ttl"
+_GO_DURATION = re.compile(r"^(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:ns|us|\u00b5s|\u03bcs|ms|s|m|h))+$")
+_GO_PART = re.compile(r"([0-9]*\.?[0-9]*)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+_GO_UNIT_MS = {"ns": 1e-6, "us": 1e-3, "\u00b5s": 1e-3, "\u03bcs": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4, "h": 3.6e6}
+
+
+def go_duration_ms(name: str, raw: str) -> int:
+    """A Go duration without a sign (`1500ms`, `2s`, `1m30s`, `0`) in whole milliseconds,
+    from 0 to a week; BadRequest naming the header otherwise."""
+    value = raw.strip()
+    if value == "0":
+        return 0
+    if len(value) > 64 or not _GO_DURATION.match(value):
+        raise BadRequest(f"{name} must be a Go duration such as 1500ms or 2s, from 0 to a week, got {raw[:64]!r}")
+    ms = sum(float(n) * _GO_UNIT_MS[u] for n, u in _GO_PART.findall(value))
+    if ms > MAX_TIMEOUT_MS:
+        raise BadRequest(f"{name} must be a Go duration such as 1500ms or 2s, from 0 to a week, got {raw[:64]!r}")
+    return int(ms)
+
+
 def read_deadline_ms(headers: Mapping[str, str], now: int, default_ms: float | None) -> int:
-    """The absolute deadline in Unix ms, from the headers or the route's default."""
+    """The absolute deadline in Unix ms: the smallest of those the headers state (each
+    malformed one a 400 naming it), else the route's default."""
+    found: list[int] = []
     absolute = _get(headers, "X-Request-Deadline-Ms")
     if absolute is not None:
-        return _integer("X-Request-Deadline-Ms", absolute, now - DEADLINE_PAST_MS, now + MAX_TIMEOUT_MS, "Unix time in milliseconds within a week")
+        found.append(_integer("X-Request-Deadline-Ms", absolute, now - DEADLINE_PAST_MS, now + MAX_TIMEOUT_MS, "Unix time in milliseconds within a week"))
     for name in ("X-Request-Timeout-Ms", "X-Envoy-Expected-Rq-Timeout-Ms"):
         budget = _get(headers, name)
         if budget is not None:
-            return now + _integer(name, budget, 0, MAX_TIMEOUT_MS, "the milliseconds left")
+            found.append(now + _integer(name, budget, 0, MAX_TIMEOUT_MS, "the milliseconds left"))
+    ttl = _get(headers, LLMD_TTL_HEADER)
+    if ttl is not None and (ttl_ms := go_duration_ms(LLMD_TTL_HEADER, ttl)) > 0:  # 0: no TTL, as llm-d reads it
+        found.append(now + ttl_ms)
+    if found:
+        return min(found)
     if default_ms is None:
-        raise BadRequest("no deadline: send X-Request-Deadline-Ms (Unix ms) or X-Request-Timeout-Ms (remaining ms), or set the route's default_deadline_ms")
+        raise BadRequest(
+            "no deadline: send X-Request-Deadline-Ms (Unix ms), X-Request-Timeout-Ms (remaining ms) or x-llm-d-inference-ttl, or set the route's default_deadline_ms"
+        )
     return now + int(default_ms)
 
 
@@ -117,7 +151,7 @@ def read_retry_count(headers: Mapping[str, str]) -> int:
 # What a client re-sends unchanged on a retry and tells one caller's request from
 # another's: the credentials (hashed, never kept), the deadline as stated, the body.
 CREDENTIAL_HEADERS = ("Authorization", "Api-Key", "X-Api-Key")
-DEADLINE_HEADERS = ("X-Request-Deadline-Ms", "X-Request-Timeout-Ms", "X-Envoy-Expected-Rq-Timeout-Ms")
+DEADLINE_HEADERS = ("X-Request-Deadline-Ms", "X-Request-Timeout-Ms", "X-Envoy-Expected-Rq-Timeout-Ms", LLMD_TTL_HEADER)
 LENGTH_HEADERS = ("X-Original-Content-Length", "Content-Length")
 
 
@@ -128,7 +162,7 @@ def retry_fingerprint(tenant: str, route: str, method: str, raw_path: str, heade
     credentials, the deadline headers as sent, and the body; a door that sees no body
     (nginx `auth_request`, Envoy `ext_authz`) uses its length instead, so two requests of
     one caller with the same length and deadline header look alike there (docs/admission.md:
-    a retry then inherits the newer copy's deadline, never an older one)."""
+    their retries are matched first in, first out across them)."""
     h = hashlib.blake2b(digest_size=16)
     for part in (tenant, route, method.upper(), raw_path):
         h.update(part.encode("utf-8", "surrogateescape") + b"\0")

@@ -10,6 +10,16 @@ from typing import Any
 
 from ..config.gate import Route
 
+# An engine that sheds load answers these (a queue cap or a queue timeout of its own: 503;
+# some routers 529; docs/admission.md names them): a refusal with no token spent, never work done.
+UPSTREAM_REFUSALS = (503, 529)
+
+
+def spent_units(status: int | None, units: int) -> int:
+    """The token units an attempt spent: none for an upstream's refusal (UPSTREAM_REFUSALS),
+    whatever its body reported."""
+    return 0 if status in UPSTREAM_REFUSALS else units
+
 
 @dataclass
 class Attempt:
@@ -26,6 +36,7 @@ class Attempt:
     # may run it when it resumes, after the answer. Finished like a recorded attempt, and
     # once more after Redis answered again (`finish`): no record is left `running`.
     late: bool = False
+    deadline_ms: int | None = None  # the record's deadline (Unix ms): tokens of an answer ended past it are late
 
 
 @dataclass

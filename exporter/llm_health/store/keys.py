@@ -125,9 +125,11 @@ class QueueKeys:
         return self.route(route, "inflight")
 
     def retry_match(self, digest: str) -> str:
-        """The request id of the last first copy with this retry fingerprint (a request sent
-        without an id: `gate.headers.retry_fingerprint`), kept until its deadline plus the
-        route's `retry_match_window_ms`: a retry without an id finds its first copy here."""
+        """The first copies of requests sent without an id with this retry fingerprint
+        (`gate.headers.retry_fingerprint`): a sorted set of their queue ids scored by
+        arrival (Unix ms), kept until the last one's deadline plus the route's
+        `retry_match_window_ms`. A retry without an id is matched in the decision script
+        to the oldest one that has not had a retry at its count (scripts.DECIDE_LUA)."""
         return f"{self.prefix}fp:{digest}"
 
     def tenant(self, tenant: str, minute: int) -> str:

@@ -254,15 +254,23 @@ class AdmissionQueue:
         now: int,
         *,
         tenant_key: str | None,
-        fingerprint: tuple[str, str, int] | None,
+        fingerprint: tuple[str, int, int] | None,
         backends: Sequence[str],
     ) -> None:
-        """A door's one script (scripts.DECIDE_LUA): the route's stats, the enqueue, the
-        tenant's spend (``tenant_key``), the retry fingerprint (key, value, TTL in ms), the
-        backends' engine ages and the door's own figure of them, the id taken off the waiting
-        set and put in the route's in-flight set. Read it with `parse_decide`."""
+        """A door's one script (scripts.DECIDE_LUA): the route's stats, a retry without an
+        id matched to its first copy, the enqueue, the tenant's spend (``tenant_key``), a
+        first copy listed under its retry fingerprint (``fingerprint``: the key, the
+        request's retry count, its match_until in Unix ms), the backends' engine ages and the
+        door's own figure of them, the id taken off the waiting set and put in the route's
+        in-flight set. Read it with `parse_decide`: a matched retry's id is its first copy's."""
         keys, args = self.enqueue_call(request_id, route, tenant, deadline_ms, now, now)
-        args += ["1" if tenant_key else "0", fingerprint[1] if fingerprint else "", max(1, fingerprint[2]) if fingerprint else 0, len(backends)]
+        args += [
+            "1" if tenant_key else "0",
+            str(fingerprint[1]) if fingerprint else "",
+            int(fingerprint[2]) if fingerprint else 0,
+            self.keys.record(""),
+            len(backends),
+        ]
         if tenant_key:
             keys.append(tenant_key)
         if fingerprint:
@@ -431,10 +439,13 @@ class Decided:
 
 
 def parse_decide(request_id: str, reply: Sequence[Any], now: int) -> Decided:
-    """`AdmissionQueue.pipe_decide`'s reply: the record as enqueued, the route's stats as the
-    request found them, the tenant's spend this minute (0 when none), the engine ages and
-    the door's own figure."""
-    stats, flat, spent, ages, door, covers = reply
+    """`AdmissionQueue.pipe_decide`'s reply: the record as enqueued (under the id the script
+    used: ``request_id``, or the first copy a retry without an id was matched to), the
+    route's stats as the request found them, the tenant's spend this minute (0 when none),
+    the engine ages and the door's own figure."""
+    stats, flat, spent, ages, used, door, covers = reply
+    if used is not None:
+        request_id = text(used)
 
     def score(value: Any) -> int | None:
         return int(float(value)) if value not in (b"", "", None) else None

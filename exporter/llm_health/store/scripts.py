@@ -158,9 +158,11 @@ end
 
 # KEYS: record, enqueued, deadline, retried, live, dup, routes
 # ARGV: id, route, tenant, deadline_ms, enqueued_ms, now_ms, retention_ms, gc_limit
+# enqueue(rec, id): the record key and id, KEYS[1] and ARGV[1] unless DECIDE_LUA matched a
+# retry without an id to a first copy (its record key derived from the queue's prefix: the
+# same hash slot on Cluster).
 _ENQUEUE_FN = """
-local function enqueue()
-  local rec = KEYS[1]
+local function enqueue(rec, id)
   local retry = 0
   local enq, dl
   if redis.call('EXISTS', rec) == 1 then
@@ -174,29 +176,30 @@ local function enqueue()
                'deadline_ms', dl, 'retry_count', 0, 'attempts', 0, 'token_units', 0,
                'attempt_units_max', 0, 'http_status', '', 'state', 'queued', 'updated_ms', ARGV[6])
   end
-  redis.call('ZADD', KEYS[2], enq, ARGV[1])
-  redis.call('ZADD', KEYS[3], dl, ARGV[1])
-  if retry >= 1 then redis.call('ZADD', KEYS[4], dl, ARGV[1]) end
+  redis.call('ZADD', KEYS[2], enq, id)
+  redis.call('ZADD', KEYS[3], dl, id)
+  if retry >= 1 then redis.call('ZADD', KEYS[4], dl, id) end
   local keep = math.max(tonumber(dl), tonumber(ARGV[6]))
-  redis.call('ZADD', KEYS[5], string.format('%d', keep), ARGV[1])
+  redis.call('ZADD', KEYS[5], string.format('%d', keep), id)
   redis.call('PEXPIREAT', rec, string.format('%d', keep + tonumber(ARGV[7])))
   redis.call('SADD', KEYS[7], ARGV[2])
   gc(string.format('(%d', tonumber(ARGV[6]) - tonumber(ARGV[7])), tonumber(ARGV[8]))
 end
 """
-ENQUEUE_LUA = _GC_FN + _ENQUEUE_FN + "enqueue()\nreturn redis.call('HGETALL', KEYS[1])\n"
+ENQUEUE_LUA = _GC_FN + _ENQUEUE_FN + "enqueue(KEYS[1], ARGV[1])\nreturn redis.call('HGETALL', KEYS[1])\n"
 
-# KEYS: record, enqueued, deadline, retried. Arguments: id, new state, http_status ('' keeps),
-# now_ms, only_if_waiting ('1': fail unless the id was still waiting: pop_oldest's race).
+# KEYS: record, enqueued, deadline, retried. Arguments: the record key, id, new state,
+# http_status ('' keeps), now_ms, only_if_waiting ('1': fail unless the id was still
+# waiting: pop_oldest's race).
 _LEAVE_FN = """
-local function leave(id, state, status, now, only_if_waiting)
-  if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local function leave(rec, id, state, status, now, only_if_waiting)
+  if redis.call('EXISTS', rec) == 0 then return false end
   local removed = redis.call('ZREM', KEYS[2], id)
   if only_if_waiting == '1' and removed == 0 then return false end
   redis.call('ZREM', KEYS[3], id)
   redis.call('ZREM', KEYS[4], id)
-  redis.call('HSET', KEYS[1], 'state', state, 'updated_ms', now)
-  if status ~= '' then redis.call('HSET', KEYS[1], 'http_status', status) end
+  redis.call('HSET', rec, 'state', state, 'updated_ms', now)
+  if status ~= '' then redis.call('HSET', rec, 'http_status', status) end
   return true
 end
 """
@@ -208,40 +211,91 @@ LEAVE_QUEUE_LUA = (
     _LEAVE_FN
     + """
 if KEYS[5] then redis.call('ZREM', KEYS[5], ARGV[1]) end
-if not leave(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]) then return false end
+if not leave(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]) then return false end
 return redis.call('HGETALL', KEYS[1])
 """
 )
 
+FP_SCAN = 32  # first copies of one fingerprint a retry looks at (the oldest first), dead ones pruned
+FP_PRUNE = 4  # first copies a new first copy looks at from the oldest, to prune the dead ones
+FP_MAX = 1024  # first copies kept per fingerprint: past it the oldest are dropped
+
+# A retry sent without an id, matched to a first copy in order (gate.headers.retry_fingerprint):
+# the fingerprint's sorted set holds the queue ids of its first copies scored by arrival,
+# each record its `match_until` (deadline + retry_match_window_ms) and `matched_retry` (the
+# highest retry count matched to it). A retry at count n goes to the OLDEST first copy
+# still in its window whose matched_retry < n and whose last status is one a client
+# retries ('' unknown, 408, 409, 429, 499, 5xx), preferring one whose attempt has ended
+# (state not running: a caller retries once its attempt ended), never to the newest.
+# First copies gone, past their window or answered for good are pruned as they are met.
+# The script runs atomically: two retries at one count take two first copies.
+_MATCH_FN = (
+    f"local FP_SCAN, FP_PRUNE, FP_MAX = {FP_SCAN}, {FP_PRUNE}, {FP_MAX}\n"
+    + """
+local function retried_for(status)
+  if status == nil or status == false or status == '' then return true end
+  local s = tonumber(status)
+  return s == nil or s >= 500 or s == 408 or s == 409 or s == 429 or s == 499
+end
+local function match(fp, count, now, recprefix, limit)
+  local ids = redis.call('ZRANGE', fp, 0, limit - 1)
+  local running = nil
+  for _, id in ipairs(ids) do
+    local f = redis.call('HMGET', recprefix .. id, 'match_until', 'matched_retry', 'state', 'http_status')
+    if not f[1] or tonumber(f[1]) < now or not retried_for(f[4]) then
+      redis.call('ZREM', fp, id)
+    elseif count > 0 and tonumber(f[2] or '0') < count then
+      if f[3] ~= 'running' then return id end
+      if not running then running = id end
+    end
+  end
+  return running
+end
+"""
+)
+
 # A door's one round trip (gate.decision): the route's queue as this request finds it (the
-# reads of queue.add_route_stats_commands), the enqueue (or a resent id recognised), the
-# tenant's spend this minute, the engine queue age of the route's backends, the retry
-# fingerprint of a request sent without an id, and the id taken off the waiting set
-# (state running): what a pipeline of up to eleven commands did, in one script.
+# reads of queue.add_route_stats_commands), the retry of a request sent without an id
+# matched to its first copy (_MATCH_FN), the enqueue (or a resent id recognised), the
+# tenant's spend this minute, the engine queue age of the route's backends, a first copy
+# listed under its fingerprint, and the id taken off the waiting set (state running).
 # With n backends, the door's own figure of their queue age (core.queue_age.door_age and
 # door_covers, the same rules): their waiting and running counts summed, "W R READ_MS"
 # each (keys.engine_waiting), and the W-th youngest of the route's requests in flight sent
 # by the latest READ_MS (keys.route_inflight): now minus when it was sent; 0 when nothing
 # waits, false when a count is unknown or fewer were in flight; and 1 where at least W + R
-# of them were (the door sent everything the engines hold), else 0. Then this request
-# joins the in-flight set (its
-# refusal or its attempt's end takes it off: LEAVE_QUEUE_LUA), whose entries older than
-# the retention are dropped. A resent id's entry is its newest copy's.
+# of them were (the door sent everything the engines hold), else 0. Then this request (or
+# the first copy it was matched to) joins the in-flight set (its refusal or its attempt's
+# end takes it off: LEAVE_QUEUE_LUA), whose entries older than the retention are dropped.
+# A resent id's entry is its newest copy's.
 # KEYS: record, enqueued, deadline, retried, live, dup, routes, [tenant's minute],
 #       [fingerprint], n engine age keys, n engine waiting keys, [the in-flight set when
 #       n > 0] (all under the queue's prefix: one slot on Cluster)
-# ARGV: ENQUEUE_LUA's eight, then '1' with a tenant key, the fingerprint's value ('' none),
-#       its TTL in ms, n
+# ARGV: ENQUEUE_LUA's eight, then '1' with a tenant key, the request's retry count with a
+#       fingerprint ('' none), its match_until (deadline + retry_match_window_ms), the
+#       record keys' prefix (a matched first copy's record is this prefix and its id: on
+#       Cluster the queue's hash tag is in the prefix, so the key is in the script's slot), n
 # Returns {stats (depth, oldest score, tightest score, past deadline, retried, max dup
 # score; '' where none), the record as enqueued (its ten fields, queue.parse_decide's order),
-# the tenant's spend or false,
-# {the engine ages, false where absent}, the door's figure in ms or false, 1 or 0}.
+# the tenant's spend or false, {the engine ages, false where absent}, the id used (ARGV[1],
+# or the matched first copy's), the door's figure in ms or false, 1 or 0}.
 DECIDE_LUA = (
     _GC_FN
     + _ENQUEUE_FN
     + _LEAVE_FN
+    + _MATCH_FN
     + """
 local function score(reply) if #reply > 0 then return reply[2] end return '' end
+local now = tonumber(ARGV[6])
+local k = 8
+local spent_key, fp = nil, nil
+if ARGV[9] == '1' then spent_key = KEYS[k]; k = k + 1 end
+if ARGV[10] ~= '' then fp = KEYS[k]; k = k + 1 end
+local rec, id, matched = KEYS[1], ARGV[1], false
+if fp and tonumber(ARGV[10]) >= 1 then
+  local found = match(fp, tonumber(ARGV[10]), now, ARGV[12], FP_SCAN)
+  if found then rec, id, matched = ARGV[12] .. found, found, true end
+end
 local stats = {
   redis.call('ZCARD', KEYS[2]),
   score(redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')),
@@ -250,26 +304,28 @@ local stats = {
   redis.call('ZCARD', KEYS[4]),
   score(redis.call('ZRANGE', KEYS[6], -1, -1, 'WITHSCORES')),
 }
-enqueue()
-local record = redis.call('HMGET', KEYS[1], 'route', 'tenant', 'enqueued_ms', 'deadline_ms', 'retry_count',
+enqueue(rec, id)
+if matched then
+  redis.call('HSET', rec, 'matched_retry', ARGV[10])
+elseif fp then
+  -- a first copy (or a retry whose first copy is not known): listed for its retries
+  redis.call('HSET', rec, 'match_until', ARGV[11], 'matched_retry', ARGV[10])
+  match(fp, 0, now, ARGV[12], FP_PRUNE)
+  redis.call('ZADD', fp, ARGV[6], id)
+  redis.call('ZREMRANGEBYRANK', fp, 0, -(FP_MAX + 1))
+  local ttl = math.max(1, tonumber(ARGV[11]) - now)
+  if redis.call('PTTL', fp) < ttl then redis.call('PEXPIRE', fp, ttl) end
+end
+local record = redis.call('HMGET', rec, 'route', 'tenant', 'enqueued_ms', 'deadline_ms', 'retry_count',
                           'attempts', 'token_units', 'attempt_units_max', 'http_status', 'state')
-local k = 8
 local spent = false
-if ARGV[9] == '1' then
-  spent = redis.call('GET', KEYS[k])
-  k = k + 1
-end
-if ARGV[10] ~= '' then
-  redis.call('SET', KEYS[k], ARGV[10], 'PX', ARGV[11])
-  k = k + 1
-end
-local n = tonumber(ARGV[12] or '0') or 0
+if spent_key then spent = redis.call('GET', spent_key) end
+local n = tonumber(ARGV[13] or '0') or 0
 local ages = {}
 for i = k, k + n - 1 do ages[#ages + 1] = redis.call('GET', KEYS[i]) end
 local door, covers = false, 0
 if n > 0 then
   local inflight = KEYS[k + 2 * n]
-  local now = tonumber(ARGV[6])
   redis.call('ZREMRANGEBYSCORE', inflight, '-inf', string.format('(%d', now - tonumber(ARGV[7])))
   local waiting, held, read = 0, 0, 0
   for i = k + n, k + 2 * n - 1 do
@@ -289,10 +345,10 @@ if n > 0 then
       if #e > 0 then door = math.max(0, now - tonumber(e[2])) end
     end
   end
-  redis.call('ZADD', inflight, ARGV[6], ARGV[1])
+  redis.call('ZADD', inflight, ARGV[6], id)
 end
-leave(ARGV[1], 'running', '', ARGV[6], '0')
-return {stats, record, spent, ages, door, covers}
+leave(rec, id, 'running', '', ARGV[6], '0')
+return {stats, record, spent, ages, id, door, covers}
 """
 )
 

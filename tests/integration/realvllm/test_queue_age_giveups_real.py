@@ -1,0 +1,252 @@
+"""Clients that give up while others arrive, on a REAL vLLM (the shared server,
+`--max-num-seqs 4`, throttled as the live tests are) behind both doors at once:
+`llm-health gate` and nginx + `llm-health decide` (the shipped files) share the route
+`chat`, whose `backends:` name that vLLM; `llm-health serve` reads it every second and
+publishes its queue age and its waiting and running counts to a real redis-server.
+
+Eight streaming requests, four more 2 s later, then four of the old ones still waiting give
+up, each as a new one arrives, a second apart (vLLM counts such a request nowhere: the
+counters' figure then keeps the age of requests that left, docs/engines.md). Throughout,
+probes go through both doors: a refusal's body carries the engine queue age the door acted
+on. Against the clients' own record (sent, not yet streaming, not given up):
+
+* the age acted on is never above the age of the oldest request that was truly waiting at
+  some instant of the last round (G, the largest gap between two of the exporter's reads
+  in this run): it may date from the round's read, never from a request that had left;
+* nor below the oldest request waiting now by more than G and an engine step each for the
+  request's intake and its first token (what the client counts and the engine's queue
+  does not; test_queue_age_real.py);
+* a fresh request with 8 s of slack is refused `reject_age_beats_slack` only while a
+  request that waited at least its slack less G was waiting.
+
+It prints the counters' figure beside, which ran above the truth in the issue's run."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import itertools
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import redis
+import yaml
+from aiohttp import web
+
+from llm_health.config.gate import parse_gate_config
+from llm_health.gate.app import Gate
+from llm_health.gate.doors import Doors
+from llm_health.store.keys import QueueKeys
+from tests.fixtures.doors import serve
+from tests.fixtures.nginx import Nginx
+from tests.fixtures.stack import http_json, wait_until
+from tests.harness import vllm as harness
+from tests.integration.realvllm.test_queue_age_real import PERIOD_MS, RUN_MS
+from tests.integration.test_door_nginx import free_udp_port
+
+pytestmark = pytest.mark.realvllm
+
+SLACK_MS = 8000
+EPS = 0.5  # seconds: HTTP on loopback, nginx's report of a give-up, the decision's own time
+
+
+@dataclass
+class Client:
+    door: str
+    sent: float = 0.0
+    first: float | None = None
+    given_up: float | None = None
+    longest_gap: float = 0.0
+    sock: socket.socket | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def waiting(self, t: float) -> bool:
+        return self.sent <= t and (self.first is None or t < self.first) and (self.given_up is None or t < self.given_up)
+
+
+def stream(url: str, c: Client, max_tokens: int) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    body = {"model": harness.SERVED_MODEL_NAME, "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    try:
+        c.sent = time.time()
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", "X-Request-Timeout-Ms": "120000"})
+        c.sock = conn.sock
+        c.ready.set()
+        resp = conn.getresponse()
+        last = 0.0
+        while line := resp.readline():
+            if line.startswith(b"data: {"):
+                now = time.time()
+                if c.first is not None:
+                    c.longest_gap = max(c.longest_gap, now - last)
+                c.first = c.first or now
+                last = now
+    except OSError:
+        pass  # given up: the socket shut under it
+    finally:
+        c.ready.set()
+        conn.close()
+
+
+def give_up(c: Client) -> None:
+    c.given_up = time.time()
+    if c.sock is not None:
+        c.sock.shutdown(socket.SHUT_RDWR)
+
+
+@dataclass
+class Probe:
+    door: str
+    slack_ms: int
+    t: float
+    status: int
+    code: str | None
+    age_ms: int | None
+
+
+def probe(url: str, door: str, slack_ms: int) -> Probe:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    body = json.dumps({"model": harness.SERVED_MODEL_NAME, "prompt": "probe", "max_tokens": 1})
+    t = time.time()
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json", "X-Request-Timeout-Ms": str(slack_ms)})
+        resp = conn.getresponse()
+        data = resp.read()
+        age = resp.getheader("x-queue-age-ms")
+        code = json.loads(data)["error"]["code"] if resp.status != 200 else None
+        return Probe(door, slack_ms, t, resp.status, code, int(age) if age is not None else None)
+    finally:
+        conn.close()
+
+
+async def test_the_doors_act_on_the_true_age_when_clients_give_up(exporter_factory, idle_vllm_server, own_redis_server, tmp_path):
+    srv = idle_vllm_server
+    cfg = tmp_path / "llm-health.yml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "global": {"interval": "1s", "hung_after_seconds": 60},
+                "backends": [{"name": "gpu0", "url": srv.url}],
+                "redis": {"url": own_redis_server.url, "routes": ["chat"]},
+            }
+        )
+    )
+    exporter = exporter_factory(cfg)
+    keys = QueueKeys()
+    runners: list[web.AppRunner] = []
+    threads: list[threading.Thread] = []
+    reads: list[int] = []  # the exporter's read times (ms), as published
+    counters: list[tuple[float, int]] = []  # (t, the counters' figure as published)
+    stop = threading.Event()
+
+    def watch() -> None:
+        with redis.Redis.from_url(own_redis_server.url) as r:
+            while not stop.is_set():
+                w, a = r.get(keys.engine_waiting("gpu0")), r.get(keys.engine_age("gpu0"))
+                if w is not None and (not reads or int(w.split()[2]) != reads[-1]):
+                    reads.append(int(w.split()[2]))
+                if a is not None:
+                    counters.append((time.time(), int(a)))
+                time.sleep(0.05)
+
+    try:
+        await asyncio.to_thread(wait_until, lambda: http_json(f"http://127.0.0.1:{exporter.port}/status"), 60, 0.25, "the exporter up")
+        gate_cfg = {"gate": {"redis": own_redis_server.url, "routes": {"chat": {"upstream": srv.url, "default_deadline_ms": 120_000, "backends": ["gpu0"]}}}}
+        grunner, gurl = await serve(Gate(parse_gate_config(gate_cfg, "gate.yml")).app(), handler_cancellation=True)
+        runners.append(grunner)
+        syslog_port = free_udp_port()
+        drunner, durl = await serve(Doors(parse_gate_config(gate_cfg, "gate.yml")).app(syslog=("127.0.0.1", syslog_port)))
+        runners.append(drunner)
+        nginx = Nginx(tmp_path, decide_port=int(durl.rsplit(":", 1)[1]), engine_port=srv.port, syslog_port=syslog_port)
+        with nginx:
+            doors = {"gate": gurl, "nginx": nginx.url}
+            with redis.Redis.from_url(own_redis_server.url) as r:
+                await asyncio.to_thread(wait_until, lambda: r.get(keys.engine_waiting("gpu0")) is not None, 60, 0.25, "the waiting count published")
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            clients: list[Client] = []
+            probes: list[Probe] = []
+
+            def send(n: int) -> None:
+                for _ in range(n):
+                    door = "gate" if len(clients) % 2 == 0 else "nginx"
+                    c = Client(door)
+                    t = threading.Thread(target=stream, args=(doors[door], c, 48), daemon=True)
+                    t.start()
+                    c.ready.wait(10)
+                    clients.append(c)
+                    threads.append(t)
+                    time.sleep(0.1)
+
+            def prober() -> None:
+                i = 0
+                while not stop.is_set():
+                    door = ("gate", "nginx")[i % 2]
+                    slack = 1 if i % 3 else SLACK_MS  # 1 ms: refused whenever anything waits, no load added
+                    probes.append(probe(doors[door], door, slack))
+                    i += 1
+                    time.sleep(0.3)
+
+            with srv.throttle(run_ms=RUN_MS, period_ms=PERIOD_MS):
+                send(8)
+                time.sleep(2.0)
+                send(4)  # they wait behind the first eight
+                p = threading.Thread(target=prober, daemon=True)
+                p.start()
+                await asyncio.sleep(5.0)
+                for _ in range(4):
+                    oldest = min((c for c in clients if c.waiting(time.time())), key=lambda c: c.sent, default=None)
+                    if oldest is not None:
+                        give_up(oldest)
+                    await asyncio.to_thread(send, 1)
+                    await asyncio.sleep(1.0)
+                await asyncio.sleep(4.0)
+                stop.set()
+                await asyncio.to_thread(p.join, 120)
+            for t in threads:
+                await asyncio.to_thread(t.join, 300)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        for runner in reversed(runners):
+            await runner.cleanup()
+
+    assert sum(c.given_up is not None for c in clients) >= 3, "the give-ups happened while their requests waited"
+    gaps = [(b - a) / 1000 for a, b in itertools.pairwise(reads)]
+    G = max(gaps) if gaps else 1.0
+    step = max([c.longest_gap for c in clients] + [PERIOD_MS / 1000])
+
+    def oldest_waiting(t0: float, t1: float, at: float) -> float:
+        """The age at `at` of the oldest request waiting at some instant of [t0, t1]."""
+        ages = [at - c.sent for c in clients if c.sent <= t1 and (c.first is None or c.first > t0) and (c.given_up is None or c.given_up > t0)]
+        return max(ages, default=0.0)
+
+    judged, over, refused_fresh = 0, [], []
+    for pr in probes:
+        if pr.age_ms is None or pr.status == 200:
+            continue
+        judged += 1
+        acted = pr.age_ms / 1000
+        high = oldest_waiting(pr.t - G - EPS, pr.t, pr.t) + EPS
+        low = oldest_waiting(pr.t, pr.t, pr.t) - G - 2 * step - EPS
+        if not low <= acted <= high:
+            over.append((round(pr.t - clients[0].sent, 2), pr.door, acted, round(low, 2), round(high, 2)))
+        if pr.slack_ms == SLACK_MS and pr.code == "reject_age_beats_slack":
+            refused_fresh.append(pr)
+            assert oldest_waiting(pr.t - G - EPS, pr.t, pr.t) >= SLACK_MS / 1000 - G - EPS, (pr, G)
+    start = clients[0].sent
+    excess = [a / 1000 - oldest_waiting(t - G, t, t) for t, a in counters if t >= start]
+    print(
+        f"rounds up to {G:.2f} s apart, engine steps up to {step:.2f} s; {judged} ages acted on judged, {len(over)} outside; "
+        f"{len(refused_fresh)} fresh requests refused, each behind a request that had waited its slack; "
+        f"the counters' figure at most {max(excess, default=0):.2f} s above the oldest waiting in its round"
+    )
+    assert judged >= 10, f"too few refusals to judge: {probes}"
+    assert not over, f"ages acted on outside [truth - G - 2 steps, oldest waiting in the round] (t, door, acted, low, high): {over}"
