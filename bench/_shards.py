@@ -9,8 +9,9 @@ charged per backend as in the measured run, on the machine the run measured.
 
 Printed: the largest and smallest shard and the largest's share of one core for 10, 16, 20
 and 32 shards, and the fewest shards whose largest is under one core and under SHARD_HEADROOM
-of one. Goal: that last count no larger than what a round at the one-core goal's cost
-(`goal_round_ms`, 1 ms: 10,000 backends in one core at 10 s rounds) needs with the same split.
+of one, beside what a round at the one-core cost (`goal_round_ms`, 1 ms: 10,000 backends in
+one core at 10 s rounds) needs with the same split. A projection, labelled so: it judges no
+goal (bench/_unjudged.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from bench._goal import goal_line, printed
+from bench._goal import printed
+from bench._unjudged import projected_line
 from llm_health.core.shard import hashmod
 
 FLEET = 100_000
@@ -69,7 +71,7 @@ def _fewest(s: Split | None) -> str:
 def report(backends: int, per_round_ms: float, goal_round_ms: float) -> tuple[list[str], str]:
     """The table for FLEET backends from a round's CPU ms measured at `backends` (taken as
     printed, 3 decimals, so the table can be recomputed from the line that states it), and
-    the goal line."""
+    the projected line."""
     round_ms = printed(per_round_ms, 3)
     fleet = fleet_hashes(FLEET)
     core = fewest(fleet, round_ms, 100.0)
@@ -89,11 +91,10 @@ def report(backends: int, per_round_ms: float, goal_round_ms: float) -> tuple[li
         f"fewest shards with the largest under one core: {_fewest(core)}; under {SHARD_HEADROOM:g}% of one core: {_fewest(headroom)}; "
         f"under {SHARD_HEADROOM:g}% at the {goal_round_ms:.3f} ms a round the one-core goal allows: {_fewest(at_goal)}"
     )
-    goal = (
-        f"{FLEET} backends at 10 s rounds split by hashmod, from a round's cost at {backends} backends: the largest shard under "
-        f"{SHARD_HEADROOM:g}% of one core in at most {at_goal.shards} shards (what the one-core goal's {goal_round_ms:g} ms round needs)"
+    what = (
+        f"{FLEET} backends at 10 s rounds split by hashmod, from a round's cost at {backends} backends: the fewest shards with the largest "
+        f"under {SHARD_HEADROOM:g}% of one core (at the one-core round of {goal_round_ms:g} ms: {at_goal.shards})"
     )
     if headroom is None:
-        return lines, goal_line(goal, f"no shard count up to {MAX_SHARDS}", False)
-    measured = f"{headroom.shards} shards, the largest {headroom.largest:,} backends at {headroom.percent:.1f}% of one core"
-    return lines, goal_line(goal, measured, headroom.shards <= at_goal.shards)
+        return lines, projected_line(what, f"no shard count up to {MAX_SHARDS}")
+    return lines, projected_line(what, f"{headroom.shards} shards, the largest {headroom.largest:,} backends at {headroom.percent:.1f}% of one core")

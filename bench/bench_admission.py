@@ -61,6 +61,7 @@ from tests.harness.processes import descendants, free_port
 from bench._goal import added_latency, goal_line, not_run, printed
 from bench._machine import machine_line
 from bench._stats import percentile
+from bench._unjudged import failed_line
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIBRATION_PAYLOAD = ROOT / "tests" / "data" / "real-world" / "metrics" / "vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom"
@@ -138,17 +139,25 @@ def wait_port(port: int, proc: subprocess.Popen | mp.Process | None = None, time
 
 @contextlib.contextmanager
 def llm_health(*args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`llm-health ARGS` for the run; one that exited before the end says so on stderr, with
+    its exit status and the last lines of its own stderr (its requests failed: the tables
+    count them)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'exporter'}:{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-m", "llm_health", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen([sys.executable, "-m", "llm_health", *args], env=env, stdout=subprocess.DEVNULL, stderr=log)
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            yield proc
+        finally:
+            if proc.poll() is not None:
+                log.seek(0)
+                tail = b"\n".join(log.read().splitlines()[-15:]).decode(errors="replace")
+                print(f"bench_admission: llm-health {args[0]} exited {proc.returncode} during the run; its stderr ends:\n{tail}", file=sys.stderr)
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 # --- load --------------------------------------------------------------------------------
@@ -171,7 +180,11 @@ class Run:
 
     @property
     def sent(self) -> int:
-        return len(self.lat) + self.errors
+        return len(self.lat) + self.not_ok + self.errors
+
+    @property
+    def failed(self) -> int:
+        return self.not_ok + self.errors
 
     def cpu_ms_per_request(self, role: str | None = None) -> float:
         seconds = sum(self.cpu.values()) if role is None else self.cpu.get(role, 0.0)
@@ -184,8 +197,9 @@ async def open_loop(session: aiohttp.ClientSession, path: Target, rate: float, s
         try:
             async with session.post(path.url, json=BODY, headers={**path.headers, "X-Request-Id": f"{tag}-{i}"}) as r:
                 await r.read()
-                if r.status != 200:
+                if r.status != 200:  # a failed request's time is in no latency figure
                     run.not_ok += 1
+                    return
         except (aiohttp.ClientError, TimeoutError):
             run.errors += 1
             return
@@ -251,7 +265,7 @@ def ms(values: list[float], q: float) -> float:
 
 def report(runs: Runs, ceilings: dict) -> list[str]:
     lines = [
-        f"{'path':<13} {'req/s':>5} {'answers':>7} {'non-200':>7} {'errors':>6} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'path':<13} {'req/s':>5} {'sent':>7} {'non-200':>7} {'errors':>6} {'p50 ms':>7} {'p99 ms':>7} "
         f"{'+p50 ms':>8} {'+p99 ms':>8} {'over':<8} {'CPU ms/req':>10}"
     ]
     for rate, group in runs:
@@ -263,7 +277,7 @@ def report(runs: Runs, ceilings: dict) -> list[str]:
             else:
                 added = f"{'':>8} {'':>8} {'':<8}"
             lines.append(
-                f"{name:<13} {rate:>5g} {len(run.lat):>7} {run.not_ok:>7} {run.errors:>6} {ms(run.lat, 50):>7.2f} {ms(run.lat, 99):>7.2f} "
+                f"{name:<13} {rate:>5g} {run.sent:>7} {run.not_ok:>7} {run.errors:>6} {ms(run.lat, 50):>7.2f} {ms(run.lat, 99):>7.2f} "
                 f"{added} {run.cpu_ms_per_request():>10.2f}"
             )
     lines.append("")
@@ -278,6 +292,11 @@ def report(runs: Runs, ceilings: dict) -> list[str]:
         ratio = f"{ceiling / ceilings[base][0]:.2f} ({base})" if base in ceilings and ceilings[base][0] else ""
         lines.append(f"{name:<13} {ceiling:>13.0f} {bad:>14} {ratio:>18}")
     return lines
+
+
+def failures(runs: dict[str, Run]) -> str:
+    """How many requests of each of `runs` failed (not 200, or no answer); empty if none."""
+    return ", ".join(f"{name} {run.failed} of {run.sent} requests failed" for name, run in runs.items() if run.failed)
 
 
 def goals(runs: Runs, ceilings: dict) -> list[str]:
@@ -297,14 +316,19 @@ def goals(runs: Runs, ceilings: dict) -> list[str]:
             out.append(not_run(text, why))
             continue
         run, b = at_goal[name], at_goal[base].lat
+        if failed := failures({n: at_goal[n] for n in (name, base)}):
+            out.append(failed_line(text, failed))
+            continue
         measured, met = added_latency(ms(run.lat, 50) - ms(b, 50), ms(run.lat, 99) - ms(b, 99), goal)
-        failed = run.not_ok + run.errors
-        out.append(goal_line(text, f"{measured}, {failed} not 200", met and failed == 0))
+        out.append(goal_line(text, f"{measured}, 0 not 200", met))
     for name in ("gate", "nginx+door"):
         base = BASELINE[name]
         text = f"{name} keeps at least {GOAL_CEILING_RATIO:g} of {base}'s ceiling"
         if name not in ceilings or base not in ceilings or not ceilings[base][0]:
             out.append(not_run(text, "no ceiling measured"))
+            continue
+        if bad := [f"{n} {ceilings[n][1]}" for n in (name, base) if ceilings[n][1]]:
+            out.append(failed_line(text, f"requests failed in the closed loop: {', '.join(bad)}"))
             continue
         ratio = printed(ceilings[name][0] / ceilings[base][0])
         out.append(goal_line(text, f"ratio {ratio:.2f}", ratio >= GOAL_CEILING_RATIO))
@@ -312,6 +336,9 @@ def goals(runs: Runs, ceilings: dict) -> list[str]:
         text = f"{role}'s CPU per request at most {limit:g}x nginx's own per proxied request, at {GOAL_RATE:g} requests/s"
         if name not in at_goal or "nginx" not in at_goal:
             out.append(not_run(text, f"no {name} and nginx runs at {GOAL_RATE:g} requests/s"))
+            continue
+        if failed := failures({n: at_goal[n] for n in (name, "nginx")}):
+            out.append(failed_line(text, failed))
             continue
         mine, theirs = printed(at_goal[name].cpu_ms_per_request(role), 3), printed(at_goal["nginx"].cpu_ms_per_request("nginx"), 3)
         if not theirs:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import multiprocessing as mp
 import statistics
 import time
@@ -30,6 +31,10 @@ from tests.harness.processes import free_port
 from bench._goal import added_latency, goal_line, not_run
 from bench._machine import machine_line
 from bench._stats import percentile
+from bench._unjudged import failed_line
+from llm_health.config.gate import Route
+from llm_health.gate.outcome import Attempt
+from llm_health.store.queue import QueueRecord, RouteStats
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_ADDED_P99_MS = 1.0
@@ -50,24 +55,49 @@ def upstream_proc(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
+async def _enqueue_and_read(
+    request_id: str, route: Route, tenant: str, deadline_ms: int, now: int, fingerprint: str | None = None
+) -> tuple[QueueRecord, RouteStats, float | None, int | None]:
+    """The `hop` stand-in for Admission._enqueue_and_read: admitted as a first attempt on an
+    empty queue, no tenant budget, no engine queue age."""
+    record = QueueRecord(request_id, route.name, tenant, enqueued_ms=now, deadline_ms=deadline_ms, state="running")
+    return record, RouteStats(0, None, None, 0, 0, None), None, None
+
+
+async def _finish_once(attempt: Attempt, status: int | None, units: int) -> None:
+    """The `hop` stand-in for Admission._finish_once: nothing recorded."""
+
+
+STANDINS = {"_enqueue_and_read": _enqueue_and_read, "_finish_once": _finish_once}
+
+
+def standin_drift() -> list[str]:
+    """How each `hop` stand-in's signature (names, defaults, annotations, the return type)
+    differs from the Admission method it replaces; empty when they match. The run refuses to
+    start on a difference (a stand-in of the wrong shape made every `hop` request fail once)."""
+    from llm_health.gate.decision import Admission
+
+    out = []
+    for name, standin in STANDINS.items():
+        real = inspect.signature(getattr(Admission, name))
+        real = real.replace(parameters=list(real.parameters.values())[1:])  # less `self`
+        if (mine := inspect.signature(standin)) != real:
+            out.append(f"{name}{mine} is not Admission.{name}{real}")
+    return out
+
+
 def gate_proc(port: int, upstream: str, redis_url: str, without_redis: bool = False) -> None:
     from llm_health.config.gate import parse_gate_config
     from llm_health.gate.app import Gate, tune_gc
-    from llm_health.store.queue import QueueRecord, RouteStats
     from llm_health.web import run_app
 
     cfg = parse_gate_config({"gate": {"redis": redis_url, "routes": {"bench": {"upstream": upstream, "default_deadline_ms": 30000}}}}, "<bench>")
     gate = Gate(cfg)
     if without_redis:  # the `hop` decomposition: the same handler, no Redis round trips
-
-        async def enqueue_and_read(request_id, route, tenant, deadline_ms, now):
-            record = QueueRecord(request_id, route, tenant, enqueued_ms=now, deadline_ms=deadline_ms, state="running")
-            return record, RouteStats(0, None, None, 0, 0, None), None
-
-        async def finish(*_args):
-            return None
-
-        gate.admission._enqueue_and_read, gate.admission._finish_once = enqueue_and_read, finish  # type: ignore[method-assign]
+        if drift := standin_drift():
+            raise SystemExit("bench_gate: " + "; ".join(drift))
+        for name, standin in STANDINS.items():
+            setattr(gate.admission, name, standin)
     tune_gc()
     run_app(gate.app(), "127.0.0.1", port, handler_cancellation=True)  # as `llm-health gate` runs it
 
@@ -84,17 +114,24 @@ async def wait_port(port: int) -> None:
 
 
 async def open_loop(session, url: str, rate: float, seconds: float) -> tuple[list[float], int]:
+    """(the latency of each answer, how many requests failed: an answer other than 200 or
+    none). A failed request's time is in no latency figure."""
     lat: list[float] = []
     errors = 0
 
     async def one(i):
         nonlocal errors
         t = time.perf_counter()
-        async with session.post(url, json=BODY, headers={"X-Request-Id": f"b{time.time_ns()}-{i}"}) as r:
-            await r.read()
-            if r.status != 200:
-                errors += 1
-        lat.append(time.perf_counter() - t)
+        try:
+            async with session.post(url, json=BODY, headers={"X-Request-Id": f"b{time.time_ns()}-{i}"}) as r:
+                await r.read()
+                ok = r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            ok = False
+        if ok:
+            lat.append(time.perf_counter() - t)
+        else:
+            errors += 1
 
     tasks = []
     start = time.perf_counter()
@@ -108,26 +145,31 @@ async def open_loop(session, url: str, rate: float, seconds: float) -> tuple[lis
     return lat, errors
 
 
-async def closed_loop(session, url: str, concurrency: int, seconds: float) -> float:
-    done = 0
+async def closed_loop(session, url: str, concurrency: int, seconds: float) -> tuple[float, int]:
+    """(200 answers per second, how many requests failed): only a 200 counts as throughput."""
+    done = failed = 0
     stop = time.perf_counter() + seconds
 
     async def worker(w):
-        nonlocal done
+        nonlocal done, failed
         i = 0
         while time.perf_counter() < stop:
-            async with session.post(url, json=BODY, headers={"X-Request-Id": f"c{w}-{i}-{time.time_ns()}"}) as r:
-                await r.read()
-            done += 1
+            try:
+                async with session.post(url, json=BODY, headers={"X-Request-Id": f"c{w}-{i}-{time.time_ns()}"}) as r:
+                    await r.read()
+                    ok = r.status == 200
+            except (aiohttp.ClientError, TimeoutError):
+                ok = False
+            done, failed = (done + 1, failed) if ok else (done, failed + 1)
             i += 1
 
     await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    return done / seconds
+    return done / seconds, failed
 
 
 def pct(values, p):
     """The percentile of latencies in seconds, in ms."""
-    return percentile(values, p) * 1000
+    return percentile(values, p) * 1000 if values else float("nan")
 
 
 PATHS = ("direct", "gate", "hop")
@@ -135,7 +177,7 @@ PATHS = ("direct", "gate", "hop")
 
 async def measure(urls: dict[str, str], rate: float, seconds: float) -> dict:
     conn = aiohttp.TCPConnector(limit=256)
-    async with aiohttp.ClientSession(connector=conn) as s:
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as s:
         for url in urls.values():  # warm up connections and scripts
             await open_loop(s, url, 100, 1)
         out = {key: {"lat": [], "errors": 0} for key in PATHS}
@@ -146,8 +188,57 @@ async def measure(urls: dict[str, str], rate: float, seconds: float) -> dict:
                 out[key]["lat"] += lat
                 out[key]["errors"] += err
         for key in PATHS:
-            out[key]["throughput"] = await closed_loop(s, urls[key], 64, 3)
+            out[key]["throughput"], out[key]["closed_errors"] = await closed_loop(s, urls[key], 64, 3)
     return out
+
+
+def report(r: dict, rate: float, seconds: float) -> list[str]:
+    """The table, the added figures and the goal line. A figure taken from a path that saw a
+    failed request (open or closed loop) is not printed: a FAILED line says how many failed,
+    and no goal is judged on it."""
+    sent = {key: len(r[key]["lat"]) + r[key]["errors"] for key in PATHS}
+    lines = [
+        f"open loop at {rate:g} req/s for {seconds:g} s per path (interleaved halves); closed loop: 64 clients, 3 s; "
+        "a request failed: an answer other than 200, or none (its time is in no figure)",
+        "hop = the gate with its Redis round trips replaced by constants (a decomposition, not a mode)",
+        "requests, failed, p50, p99, mean: the open loop's; max req/s: the closed loop's 200 answers a second, failed: its failed requests",
+        f"{'path':<8} {'requests':>8} {'failed':>6} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'max req/s':>10} {'failed':>6}",
+    ]
+    for key in PATHS:
+        lat = r[key]["lat"]
+        mean = statistics.mean(lat) * 1000 if lat else float("nan")
+        lines.append(
+            f"{key:<8} {sent[key]:>8} {r[key]['errors']:>6} {pct(lat, 50):>8.2f} {pct(lat, 99):>8.2f} {mean:>8.2f} "
+            f"{r[key]['throughput']:>10.0f} {r[key]['closed_errors']:>6}"
+        )
+    d = r["direct"]["lat"]
+
+    def failures(*keys: str) -> str:
+        return ", ".join(
+            f"{key} {r[key]['errors']} of {sent[key]} open-loop and {r[key]['closed_errors']} closed-loop requests failed"
+            for key in keys
+            if r[key]["errors"] or r[key]["closed_errors"]
+        )
+
+    for key, what in (("gate", "added by the gate"), ("hop", "added by the HTTP hop alone")):
+        if failed := failures("direct", key):
+            lines.append(failed_line(f"what is {what}", failed))
+            continue
+        g = r[key]["lat"]
+        lines.append(
+            f"{what}: p50 {pct(g, 50) - pct(d, 50):.2f} ms, p99 {pct(g, 99) - pct(d, 99):.2f} ms; "
+            f"throughput ratio {key}/direct {r[key]['throughput'] / r['direct']['throughput']:.2f}"
+        )
+    goal = f"the gate adds under {GOAL_ADDED_P99_MS:g} ms at p50 and p99 at {GOAL_RATE:g} requests/s over direct, no errors"
+    if rate != GOAL_RATE:
+        lines.append(not_run(goal, f"this run was at {rate:g} requests/s"))
+    elif failed := failures("direct", "gate"):
+        lines.append(failed_line(goal, failed))
+    else:
+        g = r["gate"]["lat"]
+        measured, met = added_latency(pct(g, 50) - pct(d, 50), pct(g, 99) - pct(d, 99), GOAL_ADDED_P99_MS)
+        lines.append(goal_line(goal, f"{measured}, 0 errors", met))
+    return lines
 
 
 def main() -> None:
@@ -157,6 +248,8 @@ def main() -> None:
     args = ap.parse_args()
     from llm_health.sim.drills import temporary_redis
 
+    if drift := standin_drift():
+        raise SystemExit("bench_gate: " + "; ".join(drift))
     up_port, gate_port, hop_port = free_port(), free_port(), free_port()
     upstream = f"http://127.0.0.1:{up_port}"
     with temporary_redis() as redis_url:
@@ -177,29 +270,7 @@ def main() -> None:
                 p.terminate()
                 p.join(5)
     print(f"machine: {machine_line()}")
-    print(f"open loop at {args.rate:g} req/s for {args.seconds:g} s per path (interleaved halves); closed loop: 64 clients, 3 s")
-    print("hop = the gate with its Redis round trips replaced by constants (a decomposition, not a mode)")
-    print(f"{'path':<8} {'requests':>8} {'errors':>6} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'max req/s':>10}")
-    for key in PATHS:
-        lat = r[key]["lat"]
-        print(
-            f"{key:<8} {len(lat):>8} {r[key]['errors']:>6} {pct(lat, 50):>8.2f} {pct(lat, 99):>8.2f} {statistics.mean(lat) * 1000:>8.2f} {r[key]['throughput']:>10.0f}"
-        )
-    d = r["direct"]["lat"]
-    for key, what in (("gate", "added by the gate"), ("hop", "added by the HTTP hop alone")):
-        g = r[key]["lat"]
-        print(
-            f"{what}: p50 {pct(g, 50) - pct(d, 50):.2f} ms, p99 {pct(g, 99) - pct(d, 99):.2f} ms; "
-            f"throughput ratio {key}/direct {r[key]['throughput'] / r['direct']['throughput']:.2f}"
-        )
-    goal = f"the gate adds under {GOAL_ADDED_P99_MS:g} ms at p50 and p99 at {GOAL_RATE:g} requests/s over direct, no errors"
-    if args.rate != GOAL_RATE:
-        print(not_run(goal, f"this run was at {args.rate:g} requests/s"))
-        return
-    g = r["gate"]["lat"]
-    measured, met = added_latency(pct(g, 50) - pct(d, 50), pct(g, 99) - pct(d, 99), GOAL_ADDED_P99_MS)
-    errors = r["gate"]["errors"]
-    print(goal_line(goal, f"{measured}, {errors} errors", met and errors == 0))
+    print("\n".join(report(r, args.rate, args.seconds)))
 
 
 if __name__ == "__main__":

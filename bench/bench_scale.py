@@ -34,9 +34,12 @@ unless `--server-keepalive` says otherwise (75, aiohttp's default, shows a reuse
 Goals: a backend round at most 1.5x the floor measured in the same run (a minimal asyncio
 GET of a backend's payload on a new connection plus the targeted parse, in this process
 after the rounds); 10,000 backends at 10 s rounds on new connections in under one core
-(judged at 10,000 backends only, else NOT RUN); a scrape under 1 s, and at least 10x
-cheaper than the old path (side by side); and what 100,000 backends take in shards, projected
-from the cost of a round measured here (bench/_shards.py, which states that goal).
+(judged at 10,000 backends only, else NOT RUN, and only on a run at 10 s rounds: at another
+interval the share at 10 s rounds is a round's cost times the rounds, printed as
+`projected`, which judges no goal); a scrape's body rendered and gzipped under 1 s (in this
+process, without HTTP: what /metrics does before it writes), and the render at least 10x
+cheaper than the old path (side by side); and what 100,000 backends take in shards,
+projected from the cost of a round measured here (bench/_shards.py).
 `--profile N` prints the N functions of the exporter that cost most over the measured
 rounds (cProfile; the CPU figures are then inflated by the profiler).
 """
@@ -62,8 +65,9 @@ from typing import Any
 from prometheus_client import generate_latest
 
 from bench import _shards
-from bench._goal import goal_line, not_run
+from bench._goal import goal_line, not_run, printed
 from bench._machine import machine_line, parse_calibration_ms, prometheus_parse_ms
+from bench._unjudged import projected_line
 from llm_health.config.exporter import Backend, Config, Timing
 from llm_health.exporter import slots
 from llm_health.exporter.app import Exporter, _clean, _dumps
@@ -403,7 +407,7 @@ def main() -> None:
         f"ratio {scrape_ratio:.0f}x"
     )
     print(
-        f"gzip of the scrape: level 1 (what /metrics sends) {r['gzip_ms']:.0f} ms -> {r['gzip_bytes'] / 1024:.0f} KiB "
+        f"gzip of the scrape (median of {args.scrapes}): level 1 (what /metrics sends) {r['gzip_ms']:.1f} ms -> {r['gzip_bytes'] / 1024:.0f} KiB "
         f"({r['new_bytes'] / r['gzip_bytes']:.0f}x smaller); gzip.compress's default level 9 {r['default_gzip_ms']:.0f} ms -> "
         f"{r['default_gzip_bytes'] / 1024:.0f} KiB"
     )
@@ -425,12 +429,19 @@ def main() -> None:
     )
     shard_table, shard_goal = _shards.report(n, r["per_round_ms"], GOAL_CORE_PERCENT / 100 * 10_000 / GOAL_BACKENDS)
     print("\n".join(shard_table))
-    share = float(f"{100 * r['share_at_10s']:.1f}")
     core_goal = f"{GOAL_BACKENDS} backends at 10 s rounds on new connections in under one core"
     if n != GOAL_BACKENDS or args.server_keepalive >= 10:
         print(not_run(core_goal, f"this run: {n} backends, connections kept {args.server_keepalive:g} s"))
-    else:
+    elif r["interval_s"] == 10.0:  # measured: the exporter's CPU over the rounds, against the wall clock
+        share = float(f"{100 * r['measured_share']:.1f}")
         print(goal_line(core_goal, f"{share:.1f}% of one core", share < GOAL_CORE_PERCENT))
+    else:  # a round's cost at another interval, times the rounds 10 s would take: not a measurement
+        print(
+            projected_line(
+                f"{core_goal}, from the cost of a backend round at {r['interval_s']:g} s rounds (judges no goal)",
+                f"{100 * r['share_at_10s']:.1f}% of one core",
+            )
+        )
     print(
         goal_line(
             f"{n} backends: a backend round at most {GOAL_FLOOR_RATIO:g}x the floor measured in the same run",
@@ -439,12 +450,20 @@ def main() -> None:
         )
     )
     print(shard_goal)
-    print(goal_line(f"{n} backends: a scrape under {GOAL_SCRAPE_MS:g} ms", f"{r['new_ms']:.0f} ms", r["new_ms"] < GOAL_SCRAPE_MS))
+    scrape_ms = printed(r["new_ms"], 1) + printed(r["gzip_ms"], 1)
+    print(
+        goal_line(
+            f"{n} backends: a scrape's body rendered and gzipped (level 1, as /metrics sends it) under {GOAL_SCRAPE_MS:g} ms, "
+            f"in this process, without HTTP (median of {args.scrapes})",
+            f"{r['new_ms']:.1f} ms + {r['gzip_ms']:.1f} ms = {scrape_ms:.1f} ms",
+            scrape_ms < GOAL_SCRAPE_MS,
+        )
+    )
     print(
         goal_line(
             f"{n} backends: a scrape at least {GOAL_SCRAPE_RATIO:g}x cheaper than prometheus_client rendering every snapshot",
             f"{scrape_ratio:.0f}x",
-            scrape_ratio >= GOAL_SCRAPE_RATIO,
+            printed(scrape_ratio, 0) >= GOAL_SCRAPE_RATIO,
         )
     )
 

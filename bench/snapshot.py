@@ -31,11 +31,14 @@ One snapshot, written by `make bench` (every benchmark once, at one commit, on o
 `bench/snapshot.py`) and `make bench-long` (real engines, the whole loop, with their own commit).
 Each output starts with its machine line: CPU, cores, memory, kernel, Python, a calibration (best
 of 5 runs of a fixed Python workload, `bench/_machine.py`: compare absolute times only at the same
-calibration) and the load average. Most goals are ratios or differences within one run. A section
-is **stale** when a path it measures changed since its commit (`python -m bench.summary`;
-`tests/unit/test_benchmarks_doc.py` fails when the marks do not match git); the smoke test
-(`tests/integration/test_bench_smoke.py`) checks every figure a goal line prints against the
-benchmark's own output. Earlier snapshots are in git (before one snapshot: `git show ceeb71b:docs/benchmarks.md`).
+calibration) and the load average. The machine is shared: compare figures within a section. A goal
+is judged on a measured figure only: a figure computed from one prints as `projected:`, a figure of
+a run with failed requests as `FAILED:` with the count; neither judges a goal, and the summary counts
+them apart. A section measures its benchmark's imports (computed from the source, `bench/_imports.py`)
+and what it runs; it is **stale** when one of those changed since its commit (`python -m bench.summary`,
+which exits 1 on a path that is not there). `tests/unit/test_bench_figures.py` and the smoke test
+recompute each goal figure from its section's table (`tests/fixtures/bench_tables.py`). Earlier
+snapshots are in git (before one snapshot: `git show ceeb71b:docs/benchmarks.md`).
 
 ```sh
 make bench && make bench-long                   # every section below

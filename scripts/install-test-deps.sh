@@ -15,6 +15,7 @@ command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need_apt+=(nginx-light)
 command -v gdb >/dev/null || need_apt+=(gdb)  # the restarter's native stacks: tests/integration/test_incidents.py
 command -v eu-stack >/dev/null || need_apt+=(elfutils)  # eu-stack, the fallback beside gdb
 command -v vmalert >/dev/null || need_apt+=(victoria-metrics)  # victoria-metrics, vmagent, vmalert: tests/integration/test_vmalert_rules.py, realllamacpp/test_loop_vmalert.py
+python3 -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)  # python3 -m venv: tests/integration/test_declared_dependencies.py
 command -v chromium >/dev/null || need_apt+=(chromium)  # headless, driven over DevTools: the status page, tests/integration/test_status_page.py (Debian 12: 156.0.8078.114, 23 s to install)
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

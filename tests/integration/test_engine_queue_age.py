@@ -7,6 +7,7 @@ Failure bounds only: no test asserts a wall-clock time."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -76,6 +77,11 @@ async def test_engine_queue_age_key_appears_tracks_goes_on_unknown_and_expires(s
         published = int(await get("busy") or 0)
         figures.append((await exporter_status(exporter, "busy"))["queue_age_ms"])
         assert None not in figures and min(figures) - 1 <= published <= max(figures) + 1, (published, figures)
+        # Beside it, the waiting and running counts and when they were read, on the doors'
+        # clock (Unix ms): what a door reads its own figure with (core.queue_age.door_age).
+        waiting, running, read_ms = (int(x) for x in (await r.get(key["busy"].replace("queue_age_ms", "waiting"))).split())
+        assert waiting > 0 and running >= 0 and abs(read_ms / 1000 - time.time()) < 5, (waiting, running, read_ms)
+        assert await r.get(key["router"].replace("queue_age_ms", "waiting")) is None
 
         # A restart with requests already waiting: their arrival is unknown, so is the age.
         busy.restart()

@@ -124,3 +124,23 @@ def test_reopen_guard_two_intervals():
     assert not g.observe(5000, 3000)  # a bad interval resets the count
     assert not g.observe(100, 3000)
     assert g.observe(200, 3000)
+
+
+def test_expected_service_is_added_to_the_age():
+    """A request that would start in time but finish late is refused before the engine
+    works on it: the route's expected_service_ms counts beside the queue's age."""
+    policy = Policy(reject_if_queue_age_ms_gte=600_000, expected_service_ms=2000)
+    late = decide(Request(queue_age_ms=4500, deadline_slack_ms=6000), policy)
+    assert (late.decision, late.status, late.retryable) == ("reject_age_beats_slack", 422, False)
+    assert "queue age 4500 ms + expected service 2000 ms >= deadline slack 6000 ms" in late.reason
+    room = decide(Request(queue_age_ms=3900, deadline_slack_ms=6000), policy)
+    assert room.decision == "admit_once" and "+ expected service 2000 ms" in room.reason
+    assert decide(Request(queue_age_ms=4500, deadline_slack_ms=60_000), policy).decision == "admit_once"  # time to spare
+    # A fixed age limit refuses with a Retry-After only where a retry could still be served in time.
+    capped = decide(Request(queue_age_ms=4500, deadline_slack_ms=60_000), Policy(reject_if_queue_age_ms_gte=4000, expected_service_ms=2000))
+    assert (capped.status, capped.retryable, capped.retry_after_s) == (503, True, (60_000 - 4500 - 2000) / 2000)
+    # Without it (the default), age against slack alone, as before.
+    assert decide(Request(queue_age_ms=4500, deadline_slack_ms=6000), Policy(reject_if_queue_age_ms_gte=600_000)).decision == "admit_once"
+    assert read_policy(Section({"expected_service_ms": 2500}, "gate.yml"), Policy()).expected_service_ms == 2500
+    with pytest.raises(ConfigError, match="expected_service_ms"):
+        read_policy(Section({"expected_service_ms": -1}, "gate.yml"), Policy())

@@ -221,26 +221,28 @@ def test_a_give_up_in_the_round_of_an_arrival_inflates_the_counters_not_the_door
     in_flight = [60_500.0]  # a gave up at 60.5 (gone from the door's set) as b was sent
     q.update(reading(unit(0, 0, 1)), now=61.0)
     assert q.backend == 61.0  # above the truth (0.5 s): the same-round give-up is invisible
-    door = door_age(in_flight, waiting=1, round_ms=61_000, now_ms=61_000)
+    door = door_age(in_flight, running=0, round_ms=61_000, now_ms=61_000)
     assert door == 500.0
     assert door_covers(in_flight, held=1, round_ms=61_000)
     assert acted_on(q.backend * 1000, door, covers=True) == 500.0
     q.update(reading(unit(0, 0, 1)), now=70.0)
     assert q.backend == 70.0
-    assert acted_on(q.backend * 1000, door_age(in_flight, 1, 70_000, 70_000), covers=True) == 9_500.0
-    # Requests the door never saw (they bypass it): the door cannot cover the engine, and
-    # the smaller figure is acted on.
+    assert acted_on(q.backend * 1000, door_age(in_flight, 0, 70_000, 70_000), covers=True) == 9_500.0
+    # Requests the door never saw (they bypass it): the door cannot cover the engine, and the
+    # larger figure is acted on (only the counters see the bypass; the door's is a lower bound).
     assert not door_covers(in_flight, held=3, round_ms=70_000)
-    assert acted_on(2_000.0, 9_500.0, covers=False) == 2_000.0
+    assert door_covers(in_flight, held=3, round_ms=70_000, ended=2)  # two ended or gave up: the engine may hold them yet
+    assert acted_on(12_000.0, 9_500.0, covers=False) == 12_000.0 and acted_on(2_000.0, 9_500.0, covers=False) == 9_500.0
     assert acted_on(None, 9_500.0) == 9_500.0 and acted_on(2_000.0, None) == 2_000.0
 
 
 def test_door_age_rules():
-    assert door_age([], waiting=0, round_ms=0, now_ms=5) == 0.0  # nothing waits: 0, known
-    assert door_age([1.0], waiting=2, round_ms=10, now_ms=20) is None  # fewer in flight than wait
-    # Sent after the round's read: not among the requests that read counted.
-    assert door_age([1.0, 2.0, 15.0], waiting=2, round_ms=10, now_ms=20) == 19.0
-    assert door_age([1.0, 2.0, 3.0], waiting=2, round_ms=10, now_ms=20) == 18.0
+    assert door_age([], running=0, round_ms=0, now_ms=5) == 0.0  # nothing in flight: 0, known
+    assert door_age([1.0, 2.0], running=2, round_ms=10, now_ms=20) == 0.0  # all of them run
+    # The oldest after the running ones, of those sent by the round's read.
+    assert door_age([1.0, 2.0, 3.0], running=1, round_ms=10, now_ms=20) == 18.0
+    assert door_age([1.0, 15.0, 2.0], running=1, round_ms=10, now_ms=20) == 18.0
+    assert door_age([1.0, 15.0], running=1, round_ms=10, now_ms=20) == 0.0
     assert door_covers([1.0, 2.0, 15.0], held=2, round_ms=10) and not door_covers([1.0, 2.0, 15.0], held=3, round_ms=10)
 
 
@@ -265,7 +267,7 @@ def test_with_clients_giving_up_the_door_figure_is_the_truth(slots, steps, round
             continue
         q.update(reading(unit(engine.finished, len(engine.running), len(engine.waiting))), now=now)
         sent = [a * 1000 for a in engine.waiting] + [a * 1000 for a, _ in engine.running]
-        door = door_age(sent, len(engine.waiting), now * 1000, now * 1000)
+        door = door_age(sent, len(engine.running), now * 1000, now * 1000)
         covers = door_covers(sent, len(engine.waiting) + len(engine.running), now * 1000)
         figure = acted_on(None if q.backend is None else q.backend * 1000, door, covers)
         assert covers and figure is not None

@@ -16,6 +16,17 @@ def test_naive_watchdog_restarts_a_healthy_server():
     assert o.true_restarts == 1
 
 
+def test_the_field_reports_8_restarts_only_when_no_busy_request_gets_through():
+    """The README's day: 8 restarts (7 false, the real hang's 1) with `naive_busy_success` 0,
+    3 when a quarter of the requests to the busy server come back in time, 1 at half."""
+    got = {}
+    for share in (0.0, 0.25, 0.5):
+        o = replay(dataclasses.replace(PLAN, naive_busy_success=share), ("naive",))
+        got[share] = (len(o.restarts), o.false_restarts, o.true_restarts)
+    assert PLAN.naive_busy_success == 0.0
+    assert got == {0.0: (8, 7, 1), 0.25: (3, 2, 1), 0.5: (1, 0, 1)}
+
+
 def test_cascade_makes_it_worse():
     assert replay(PLAN, ("naive", "cascade")).false_restarts > replay(PLAN, ("naive",)).false_restarts
 

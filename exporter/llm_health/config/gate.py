@@ -74,6 +74,7 @@ def read_policy(s: Section, base: Policy) -> Policy:
         redis_down=s.choice("redis_down", REDIS_DOWN_MODES, base.redis_down),
         engine_age_unknown=s.choice("engine_age_unknown", REDIS_DOWN_MODES, base.engine_age_unknown) if "engine_age_unknown" in s else base.engine_age_unknown,
         retry_match_window_ms=s.number("retry_match_window_ms", base.retry_match_window_ms, minimum=0, maximum=MAX_DEADLINE_MS),
+        expected_service_ms=s.number("expected_service_ms", base.expected_service_ms, minimum=0, maximum=MAX_DEADLINE_MS),
     )
 
 

@@ -15,8 +15,11 @@ Decisions, in order:
    multiplies the work. First, so that a late retry on a closed route is told it is late
    (not to come back in 30 s).
 2. `reject_route_closed`: an operator set the route to `reject_all` (the rollback step).
-3. `reject_age_beats_slack`: the queue's age is at least the request's slack (it cannot be
-   served in time) or at least `reject_if_queue_age_ms_gte`.
+3. `reject_age_beats_slack`: the queue's age, plus the route's `expected_service_ms` (how
+   long a request takes once it runs; default 0), is at least the request's slack (it
+   cannot be served in time) or the age is at least `reject_if_queue_age_ms_gte`. A
+   request admitted with less time left than its own service wastes the engine's work on
+   an answer that comes too late.
 4. `reject_tenant_budget`: the tenant has spent its token-unit budget for the window.
 5. otherwise `admit_once`.
 
@@ -79,6 +82,10 @@ class Policy:
     # retries when the client sends no id (the retry fingerprint's life): the OpenAI SDK
     # honours a Retry-After of up to 120 s.
     retry_match_window_ms: float = 120_000.0
+    # How long a request takes once it runs (its prefill and decode), added to the queue's
+    # age before it is weighed against the slack: a request that would start in time but
+    # finish late is refused before the engine works on it. 0: age against slack alone.
+    expected_service_ms: float = 0.0
 
     @property
     def unknown_age_mode(self) -> str:
@@ -144,6 +151,7 @@ def _decide(req: Request, policy: Policy) -> Decision:
     util = f"; worker util {req.worker_util:.2f} ignored: age first" if req.worker_util is not None else ""
     upstream = f"; last upstream {req.last_upstream_status}" if req.last_upstream_status else ""
     slack, age = req.deadline_slack_ms, req.queue_age_ms
+    service = policy.expected_service_ms
     if req.retry_count >= policy.reject_if_retry_count_gte and slack <= policy.ignore_worker_util_when_slack_ms_lte:
         return Decision(
             "reject_retry_late",
@@ -152,24 +160,26 @@ def _decide(req: Request, policy: Policy) -> Decision:
         )
     if policy.mode == "reject_all":
         return Decision("reject_route_closed", "route set to reject_all by an operator", 503, retry_after_s=30.0, retryable=True)
-    if age >= slack or age >= policy.reject_if_queue_age_ms_gte:
+    if age + service >= slack or age >= policy.reject_if_queue_age_ms_gte:
+        plus = f" + expected service {service:g} ms" if service else ""
         why = (
-            f"queue age {age:.0f} ms >= deadline slack {slack:.0f} ms"
-            if age >= slack
+            f"queue age {age:.0f} ms{plus} >= deadline slack {slack:.0f} ms"
+            if age + service >= slack
             else f"queue age {age:.0f} ms >= {policy.reject_if_queue_age_ms_gte:g} ms"
         )
         # Still worth a retry later only if the request itself has time left.
-        retryable = slack > age
+        retryable = slack > age + service
         return Decision(
             "reject_age_beats_slack",
             f"{why}{upstream}{util}",
             503 if retryable else policy.late_status,
-            retry_after_s=max(1.0, (slack - age) / 2000.0) if retryable else None,
+            retry_after_s=max(1.0, (slack - age - service) / 2000.0) if retryable else None,
             retryable=retryable,
         )
     if req.tenant_budget_left is not None and req.tenant_budget_left <= 0:
         return Decision("reject_tenant_budget", "tenant token-unit budget spent for this window", 429, retry_after_s=60.0, retryable=True)
-    return Decision(ADMIT, f"queue age {age:.0f} ms < deadline slack {slack:.0f} ms{upstream}", 200)
+    plus = f" + expected service {service:g} ms" if service else ""
+    return Decision(ADMIT, f"queue age {age:.0f} ms{plus} < deadline slack {slack:.0f} ms{upstream}", 200)
 
 
 @dataclass

@@ -128,7 +128,7 @@ class QueueAges:
         self.units: dict[tuple[str, str], float | None] = {}  # the last round's figure per unit
         self.waiting: int | None = None  # the last round's waiting count, every unit (None: unknown)
         self.running: int | None = None  # and its running count
-        self.read_at: float | None = None  # when that round's read ended
+        self.read_at: float | None = None  # when that round's read ended, Unix seconds (the doors compare it with their clocks)
 
     @property
     def backend(self) -> float | None:
@@ -142,9 +142,10 @@ class QueueAges:
         same process read again continues them, a new one is told by its start time)."""
         self.units = dict.fromkeys(self.units)
 
-    def update(self, reading: Reading | None, now: float, restarted: bool = False) -> None:
+    def update(self, reading: Reading | None, now: float, restarted: bool = False, wall: float | None = None) -> None:
         """One round's reading (None: nothing usable), read by `now`; `restarted` where the
-        health decision saw a new process (core.health)."""
+        health decision saw a new process (core.health); `wall`: the same instant in Unix
+        seconds (`read_at`, what the doors compare with)."""
         if reading is None:
             self.forget()
             self.waiting = self.running = None
@@ -153,7 +154,7 @@ class QueueAges:
         runs = [e.running for e in reading.engines.values()]
         known = waits and not any(math.isnan(x) for x in (*waits, *runs))
         self.waiting, self.running = (int(sum(waits)), int(sum(runs))) if known else (None, None)
-        self.read_at = now
+        self.read_at = wall
         units: dict[tuple[str, str], float | None] = {}
         curves: dict[tuple[str, str], Curve] = {}
         for key, e in reading.engines.items():
@@ -183,53 +184,52 @@ class QueueAges:
         self.curves, self.units = curves, units
 
 
-def door_age(admitted_ms: Sequence[float], waiting: int, round_ms: float, now_ms: float) -> float | None:
+def door_age(admitted_ms: Sequence[float], running: int, round_ms: float, now_ms: float) -> float:
     """The age of the oldest request waiting, as a door in front of the engine sees it
     (`store.scripts.DECIDE_LUA` runs the same rule inside Redis; a test holds them equal).
 
     ``admitted_ms``: when each request the door sent on and has not yet seen end was sent
-    (an end: its answer, an error, or its client giving up, which aborts it in the engine);
-    ``waiting``: the engine's waiting count read at ``round_ms`` (the exporter's last
-    round). Among the requests in flight at ``round_ms``, the ``waiting`` youngest are the
-    fewest-aged set that can be the waiting ones, so the oldest of them, the ``waiting``-th
-    youngest, arrived no earlier than the oldest request waiting: ``now_ms`` minus its time
-    is a lower bound of the true age whatever the scheduling order (while the door sees
-    every request the engine holds), and with first-come-first-served scheduling it is the
-    head itself (vLLM's preemption sends back the most recently scheduled request, the
-    youngest running, so the waiting ones are still the youngest in flight). A client that
-    gives up is gone from the set at once, so unlike the counters' figure (`QueueAges`)
-    it never keeps the age of a request that left. None when fewer requests were in
-    flight than wait (traffic that bypasses the door, a door that sees no end, as Envoy's
-    ext_authz). 0 when nothing waits."""
-    if waiting <= 0:
+    (an end: its answer, an error, or its client giving up, which aborts it in the engine;
+    a request past its deadline is dropped); ``running``: the engine's running count read
+    at ``round_ms`` (the exporter's last round). Of the requests in flight at ``round_ms``,
+    with first-come-first-served scheduling the ``running`` oldest are the ones running
+    (vLLM's preemption sends back the most recently scheduled, the youngest running), so
+    the next oldest is the head of the queue, counted from its send: the engine's waiting
+    queue and the requests its API server holds before the engine takes them in (on a busy
+    engine, seconds). A client that gives up is gone from the set at once, so unlike the
+    counters' figure (`QueueAges`) it never keeps the age of a request that left. 0 when no
+    more were in flight than run. Runs high where the door never hears of an end (a lost
+    report: until that request's deadline); low where other traffic bypasses the door
+    (`door_covers`)."""
+    before = sorted(t for t in admitted_ms if t <= round_ms)
+    if len(before) <= running:
         return 0.0
-    before = sorted((t for t in admitted_ms if t <= round_ms), reverse=True)
-    if len(before) < waiting:
-        return None
-    return max(0.0, now_ms - before[waiting - 1])
+    return max(0.0, now_ms - before[running])
 
 
-def door_covers(admitted_ms: Sequence[float], held: int, round_ms: float) -> bool:
-    """Whether the door sent at least as many requests still in flight at ``round_ms`` as
-    the engine then held (``held``: running + waiting): then nothing it holds bypassed the
-    door, and the door's figure stands alone."""
-    return sum(1 for t in admitted_ms if t <= round_ms) >= held
+def door_covers(admitted_ms: Sequence[float], held: int, round_ms: float, ended: int = 0) -> bool:
+    """Whether the door sent at least as many requests in flight at ``round_ms`` as the
+    engine then held (``held``: running + waiting). ``ended``: those that have ended since,
+    and those whose clients gave up within a minute before (the engine holds one until it
+    notices: a waiting request, possibly until it would have run). Then nothing it holds
+    bypassed the door, and the door's figure stands alone."""
+    return sum(1 for t in admitted_ms if t <= round_ms) + ended >= held
 
 
 def acted_on(counters_ms: float | None, door_ms: float | None, covers: bool = False) -> float | None:
-    """The engine queue age a door acts on. Where the door sent everything the engine holds
-    (``covers``), its own figure: exact with first-come-first-served scheduling and true
-    when clients give up. Otherwise the smaller of the two where both are known: each is a
-    lower bound but for its own error (the counters' a give-up in the round of an arrival;
-    the door's the requests that bypass it), so the smaller is one unless both strike at
-    once; either alone where only one is known."""
+    """The engine queue age a door acts on. Where the door sent everything the engines hold
+    (``covers``), its own figure: the head of the queue under first-come-first-served
+    scheduling, true when clients give up. Otherwise something bypasses the door, which
+    only the counters see: the larger of the two (the door's is then a lower bound, and
+    the counters' runs high only where a client gives up in an arrival's round); either
+    alone where only one is known."""
     if door_ms is not None and covers:
         return door_ms
     if counters_ms is None:
         return door_ms
     if door_ms is None:
         return counters_ms
-    return min(counters_ms, door_ms)
+    return max(counters_ms, door_ms)
 
 
 def to_ms(seconds: float | None) -> int | None:

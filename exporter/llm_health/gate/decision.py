@@ -41,7 +41,7 @@ from ..store.batch import WriteBatch
 from ..store.deployment import connect, wrap
 from ..store.errors import ERRORS, REDIS_DOWN, as_down, may_run_late, retryable
 from ..store.lean import Commands, LeanRedis
-from ..store.queue import AdmissionQueue, QueueRecord, RouteStats, engine_queue_age, now_ms, parse_decide
+from ..store.queue import ENDED, GAVE_UP, AdmissionQueue, QueueRecord, RouteStats, engine_queue_age, now_ms, parse_decide
 from ..tasks import cancel_and_wait
 from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant, retry_fingerprint
 from .outcome import UPSTREAM_REFUSALS, Attempt, Outcome, error_outcome, spent_units
@@ -424,7 +424,7 @@ class Admission:
 
         def add(pipe: Any) -> None:
             q.pipe_attempt(pipe, attempt.queue_id, attempt.route, units, status, attempt.retry_count, now, attempt.attempt_id, tenant_key)
-            q.pipe_leave(pipe, attempt.queue_id, attempt.route, "done", status, now)
+            q.pipe_leave(pipe, attempt.queue_id, attempt.route, "done", status, now, ended=GAVE_UP if status == 499 else ENDED)
 
         await self._finishes.run(add)
 

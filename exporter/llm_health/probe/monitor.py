@@ -75,6 +75,7 @@ class BackendMonitor:
     async def _engine_round(self, now: float, start: float, stats: RoundStats) -> Verdict:
         fetched = await self.client.metrics()
         read_at = now + (time.monotonic() - start)  # the counters are no older than this
+        read_wall = time.time()  # the same instant on the doors' clock (core.queue_age.door_age)
         stats.metrics = fetched
         reading = None
         error = fetched.error
@@ -115,7 +116,7 @@ class BackendMonitor:
             paused = await self.client.flag(profile.pause_path) if profile.pause_path else False
             obs = Observation(now=now, reading=reading, sleeping=sleeping, paused=paused)
         verdict = decide(self.memory, obs, self.settings, kind=self.kind)
-        self.queue_ages.update(reading, read_at, restarted=verdict.restarted)
+        self.queue_ages.update(reading, read_at, restarted=verdict.restarted, wall=read_wall)
         if verdict.probe_wanted:
             models_error = None
             if self.model is None:

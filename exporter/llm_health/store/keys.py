@@ -112,17 +112,20 @@ class QueueKeys:
 
     def engine_waiting(self, backend: str) -> str:
         """One backend's engine waiting and running counts and when the exporter read them,
-        `"W R READ_MS"` (Unix ms), beside `engine_age` with the same expiry: a door reads the age from
-        the requests it sent and has not seen end (`route_inflight`) with this count
-        (`core.queue_age.door_age`), which stays true when clients give up."""
+        `"W R READ_MS"` (Unix ms), beside `engine_age` with the same expiry: a door reads the
+        age from the requests it sent and has not seen end (`route_inflight`) with these
+        counts (`core.queue_age.door_age`), which stays true when clients give up."""
         return f"{self.prefix}engine:{backend}:waiting"
 
-    def route_inflight(self, route: str) -> str:
-        """The requests a door sent on for `route` and has not seen end, scored by when
-        they were sent (Unix ms): added by the decision script, removed by the attempt's
-        end (an answer, an error, the client giving up) or a refusal; entries older than
-        the queue's retention are dropped."""
-        return self.route(route, "inflight")
+    def route_inflight(self, route: str) -> tuple[str, str, str]:
+        """The requests a door sent on for `route` and has not seen end, scored by when they
+        were sent (Unix ms); the same scored by their deadline: added by the decision
+        script, removed by the attempt's end (an answer, an error, the client giving up) or
+        a refusal, and at the deadline at the latest; and the attempts that ended, scored by
+        when (kept two minutes), one whose client gave up (or that reached its deadline in
+        flight) a minute later: the engine holds such a request until it notices, which for
+        a waiting request may be only when it would have run it."""
+        return self.route(route, "inflight"), self.route(route, "inflight_ends"), self.route(route, "ended")
 
     def retry_match(self, digest: str) -> str:
         """The first copies of requests sent without an id with this retry fingerprint

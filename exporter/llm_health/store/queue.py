@@ -41,6 +41,9 @@ from .deployment import Deployment, connect, wrap
 from .keys import DEFAULT_QUEUE_PREFIX, DEFAULT_RETENTION_MS, QueueKeys
 from .scripts import DECIDE_LUA, ENQUEUE_LUA, GC_LIMIT, GC_LUA, LEAVE_QUEUE_LUA, RECORD_ATTEMPT_LUA
 
+# How an attempt left the route's in-flight set (AdmissionQueue.leave_call, scripts.LEAVE_QUEUE_LUA).
+ENDED, GAVE_UP = 1, 2
+
 
 def now_ms() -> int:
     return int(time.time() * 1000)
@@ -187,10 +190,13 @@ class AdmissionQueue:
         return keys, [request_id, route, tenant, int(deadline_ms), int(enqueued_ms), now, self.retention_ms, GC_LIMIT]
 
     def leave_call(
-        self, request_id: str, route: str, state: str, http_status: int | None, now: int, only_if_waiting: bool = False
+        self, request_id: str, route: str, state: str, http_status: int | None, now: int, only_if_waiting: bool = False, ended: int = 0
     ) -> tuple[list[Any], list[Any]]:
-        keys = [self.keys.record(request_id), *self.keys.route_keys(route)[:3], self.keys.route_inflight(route)]
-        return keys, [request_id, state, "" if http_status is None else int(http_status), now, int(only_if_waiting)]
+        """``ended``: ENDED where an attempt the door sent on ended, GAVE_UP where its client
+        went away before the answer (listed for the door's coverage, scripts.DECIDE_LUA),
+        0 for a refusal (never sent on)."""
+        keys = [self.keys.record(request_id), *self.keys.route_keys(route)[:3], *self.keys.route_inflight(route)]
+        return keys, [request_id, state, "" if http_status is None else int(http_status), now, int(only_if_waiting), ended]
 
     def attempt_call(
         self,
@@ -226,8 +232,8 @@ class AdmissionQueue:
     def pipe_enqueue(self, pipe: Any, request_id: str, route: str, tenant: str, deadline_ms: int, enqueued_ms: int, now: int) -> None:
         self._pipelined(pipe, self._enqueue, self.enqueue_call(request_id, route, tenant, deadline_ms, enqueued_ms, now))
 
-    def pipe_leave(self, pipe: Any, request_id: str, route: str, state: str, http_status: int | None, now: int) -> None:
-        self._pipelined(pipe, self._leave, self.leave_call(request_id, route, state, http_status, now))
+    def pipe_leave(self, pipe: Any, request_id: str, route: str, state: str, http_status: int | None, now: int, ended: int = 0) -> None:
+        self._pipelined(pipe, self._leave, self.leave_call(request_id, route, state, http_status, now, ended=ended))
 
     def pipe_attempt(
         self,
@@ -278,7 +284,7 @@ class AdmissionQueue:
         keys.extend(self.keys.engine_age(b) for b in backends)
         if backends:
             keys.extend(self.keys.engine_waiting(b) for b in backends)
-            keys.append(self.keys.route_inflight(route))
+            keys.extend(self.keys.route_inflight(route))
         self._pipelined(pipe, self._decide, (keys, args))
 
     async def load_scripts(self) -> None:

@@ -205,12 +205,24 @@ end
 """
 # KEYS: record, enqueued, deadline, retried. ARGV: id, new state, http_status ('' keeps),
 # now_ms, only_if_waiting.
-# KEYS[5], where given: the route's in-flight set (keys.route_inflight), the id taken off it
-# whatever the record says (an attempt's end, a refusal).
+# KEYS[5..7], where given: the route's in-flight sets (keys.route_inflight), the id taken
+# off them whatever the record says (an attempt's end, a refusal), and where it was in
+# flight and ARGV[6] is '1' (an attempt the door sent on ended) or '2' (its client gave
+# up), listed as ended, a give-up a minute later (queue.ENDED, GAVE_UP).
+GAVE_UP_MS = 60_000
 LEAVE_QUEUE_LUA = (
     _LEAVE_FN
+    + f"local GAVE_UP_MS = {GAVE_UP_MS}\n"
     + """
-if KEYS[5] then redis.call('ZREM', KEYS[5], ARGV[1]) end
+if KEYS[7] then
+  if (ARGV[6] == '1' or ARGV[6] == '2') and redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then
+    local at = tonumber(ARGV[4])
+    if ARGV[6] == '2' then at = at + GAVE_UP_MS end
+    redis.call('ZADD', KEYS[7], string.format('%d', at), ARGV[1])
+  end
+  redis.call('ZREM', KEYS[5], ARGV[1])
+  redis.call('ZREM', KEYS[6], ARGV[1])
+end
 if not leave(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]) then return false end
 return redis.call('HGETALL', KEYS[1])
 """
@@ -260,17 +272,20 @@ end
 # tenant's spend this minute, the engine queue age of the route's backends, a first copy
 # listed under its fingerprint, and the id taken off the waiting set (state running).
 # With n backends, the door's own figure of their queue age (core.queue_age.door_age and
-# door_covers, the same rules): their waiting and running counts summed, "W R READ_MS"
-# each (keys.engine_waiting), and the W-th youngest of the route's requests in flight sent
-# by the latest READ_MS (keys.route_inflight): now minus when it was sent; 0 when nothing
-# waits, false when a count is unknown or fewer were in flight; and 1 where at least W + R
-# of them were (the door sent everything the engines hold), else 0. Then this request (or
-# the first copy it was matched to) joins the in-flight set (its refusal or its attempt's
-# end takes it off: LEAVE_QUEUE_LUA), whose entries older than the retention are dropped.
-# A resent id's entry is its newest copy's.
+# door_covers, the same rules): their running and waiting counts summed, "W R READ_MS" each
+# (keys.engine_waiting), and of the route's requests in flight sent by the latest READ_MS
+# (keys.route_inflight, scored by when each was sent) the oldest after the R running ones:
+# now minus when it was sent; 0 when no more than R were in flight, false when a count is
+# unknown; and 1 where at least W + R were in flight then, those that ended since counted
+# too, and those whose clients gave up (or that reached their deadline in flight) within a
+# minute before (keys.route_inflight's third set: the engine holds one until it notices),
+# else 0 (something bypasses the door). Then this request (or the first copy it was matched to) joins the
+# in-flight sets, the second scored by its deadline (keys.route_inflight): its refusal or
+# its attempt's end takes it off (LEAVE_QUEUE_LUA), and its deadline at the latest (an end
+# the door never heard of, a lost report, does not stay).
 # KEYS: record, enqueued, deadline, retried, live, dup, routes, [tenant's minute],
-#       [fingerprint], n engine age keys, n engine waiting keys, [the in-flight set when
-#       n > 0] (all under the queue's prefix: one slot on Cluster)
+#       [fingerprint], n engine age keys, n engine waiting keys, [the two in-flight sets
+#       when n > 0] (all under the queue's prefix: one slot on Cluster)
 # ARGV: ENQUEUE_LUA's eight, then '1' with a tenant key, the request's retry count with a
 #       fingerprint ('' none), its match_until (deadline + retry_match_window_ms), the
 #       record keys' prefix (a matched first copy's record is this prefix and its id: on
@@ -284,6 +299,7 @@ DECIDE_LUA = (
     + _ENQUEUE_FN
     + _LEAVE_FN
     + _MATCH_FN
+    + f"local GAVE_UP_MS = {GAVE_UP_MS}\n"
     + """
 local function score(reply) if #reply > 0 then return reply[2] end return '' end
 local now = tonumber(ARGV[6])
@@ -325,27 +341,35 @@ local ages = {}
 for i = k, k + n - 1 do ages[#ages + 1] = redis.call('GET', KEYS[i]) end
 local door, covers = false, 0
 if n > 0 then
-  local inflight = KEYS[k + 2 * n]
-  redis.call('ZREMRANGEBYSCORE', inflight, '-inf', string.format('(%d', now - tonumber(ARGV[7])))
-  local waiting, held, read = 0, 0, 0
+  local inflight, ends, ended = KEYS[k + 2 * n], KEYS[k + 2 * n + 1], KEYS[k + 2 * n + 2]
+  local gone = redis.call('ZRANGEBYSCORE', ends, '-inf', ARGV[6], 'LIMIT', 0, 64)
+  if #gone > 0 then  -- past their deadline in flight: their clients gone or late, the engine may hold them yet
+    redis.call('ZREM', inflight, unpack(gone))
+    redis.call('ZREM', ends, unpack(gone))
+    for _, g in ipairs(gone) do redis.call('ZADD', ended, string.format('%d', now + GAVE_UP_MS), g) end
+  end
+  redis.call('ZREMRANGEBYSCORE', ended, '-inf', string.format('(%d', now - 2 * GAVE_UP_MS))
+  local known, running, held, read = true, 0, 0, 0
   for i = k + n, k + 2 * n - 1 do
     local w, r, t = string.match(redis.call('GET', KEYS[i]) or '', '^(%d+) (%d+) (%d+)$')
-    if not w then waiting = false break end
-    waiting = waiting + tonumber(w)
+    if not w then known = false break end
+    running = running + tonumber(r)
     held = held + tonumber(w) + tonumber(r)
     read = math.max(read, tonumber(t))
   end
-  if waiting then
-    local sent = redis.call('ZCOUNT', inflight, '-inf', string.format('%d', read))
-    if sent >= held then covers = 1 end
-    if waiting == 0 then
+  if known then
+    local before = string.format('%d', read)
+    local sent = redis.call('ZCOUNT', inflight, '-inf', before)
+    if sent + redis.call('ZCOUNT', ended, '(' .. before, '+inf') >= held then covers = 1 end
+    if sent <= running then
       door = 0
     else
-      local e = redis.call('ZREVRANGEBYSCORE', inflight, string.format('%d', read), '-inf', 'WITHSCORES', 'LIMIT', waiting - 1, 1)
-      if #e > 0 then door = math.max(0, now - tonumber(e[2])) end
+      local e = redis.call('ZRANGEBYSCORE', inflight, '-inf', before, 'WITHSCORES', 'LIMIT', running, 1)
+      door = math.max(0, now - tonumber(e[2]))
     end
   end
   redis.call('ZADD', inflight, ARGV[6], id)
+  redis.call('ZADD', ends, record[4], id)
 end
 leave(rec, id, 'running', '', ARGV[6], '0')
 return {stats, record, spent, ages, id, door, covers}
