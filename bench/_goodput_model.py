@@ -125,6 +125,16 @@ def table(results: list[Result]) -> list[str]:
     return lines
 
 
+def failed_lines(results: list[Result]) -> list[str]:
+    """A FAILED line per policy and load with failed requests (its figures judge nothing)."""
+    out = []
+    for r in results:
+        if r.failed:
+            first = next(o.failed for o in r.outcomes if o.failed)
+            out.append(f"FAILED: {r.policy} at {r.load:g}x: {r.failed} failed requests (first: {first})")
+    return out
+
+
 def age_checks(results: list[Result]) -> list[str]:
     """Per door and load: the queue age each `reject_age_beats_slack` acted on (its
     `x-queue-age-ms`) against the client-side truth at that moment, and how many such

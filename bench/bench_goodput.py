@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from bench import _goodput_sim
-from bench._goodput_model import DEADLINE_MIX, age_checks, goals, table, write_svg
+from bench._goodput_model import DEADLINE_MIX, age_checks, failed_lines, goals, table, write_svg
 from bench._machine import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def real(args: argparse.Namespace, loads: list[float]) -> list[str]:
     ]
     if args.seconds < ASKED_SECONDS:
         out.append(f"SHORT RUN: {args.seconds:g} s per policy and load, not the {ASKED_SECONDS} s the issue asks (the whole matrix in the time this run had)")
-    out += ["", *table(results), "", *age_checks(results), "", *goals(results)]
+    out += ["", *table(results), *failed_lines(results), "", *age_checks(results), "", *goals(results)]
     if not args.no_plot:
         write_svg(PLOT_REAL, results, f"Goodput on a real vLLM (C = {capacity:.2f} answers/s, {args.seconds:g} s windows)")
         out.append(f"plot: {PLOT_REAL.relative_to(ROOT)}")
@@ -73,6 +73,7 @@ def sim(args: argparse.Namespace, loads: list[float]) -> list[str]:
         f"deadlines {', '.join(f'{m * 2.0:.0f}' for m in DEADLINE_MIX)} s; window {args.sim_seconds:g} s (virtual time); the one door row is both doors' decision",
         "",
         *table(results),
+        *failed_lines(results),
         "",
         *goals(results, "sim: ", ("door",)),
     ]
