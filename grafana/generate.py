@@ -410,6 +410,43 @@ def admission(cfg: dict) -> dash_b.Dashboard:
                 w=8,
             )
         )
+        .with_row(dash_b.Row("Goodput"))
+        .with_panel(
+            timeseries(
+                "Admitted against refused",
+                "Requests per second each door sent on (admit_once, admit_unrecorded) and refused (every reject_*): under overload the "
+                "admitted rate should sit at the engines' capacity, the rest refused at once (docs/benchmarks.md, bench_goodput).",
+                "reqps",
+                [
+                    query(f'sum by (route) (rate(llm_gate_decisions_total{{{gate}, decision=~"admit_.*"}}[$__rate_interval]))', "{{route}} admitted"),
+                    query(f'sum by (route) (rate(llm_gate_decisions_total{{{gate}, decision=~"reject_.*"}}[$__rate_interval]))', "{{route}} refused", "B"),
+                ],
+            )
+        )
+        .with_panel(
+            timeseries(
+                "Late token units",
+                "Share of the token units the engines spent (upstream usage) on answers that arrived after their deadline: work that "
+                "bought nothing. Near 0 while the door refuses what cannot make it.",
+                "percentunit",
+                [
+                    query(
+                        f"sum by (route) (rate(llm_gate_late_token_units_total{{{gate}}}[$__rate_interval])) / "
+                        f"sum by (route) (rate(llm_gate_token_units_total{{{gate}}}[$__rate_interval]))",
+                        "{{route}} late share",
+                    )
+                ],
+            )
+        )
+        .with_panel(
+            timeseries(
+                "Engine refusals by code",
+                "Upstream answers that shed the request (an engine's own queue cap or router: 429, 503, 529) per second: refusals with "
+                "no tokens spent, not work done.",
+                "reqps",
+                [query(f"sum by (route, code) (rate(llm_gate_upstream_refusals_total{{{gate}}}[$__rate_interval]))", "{{route}} {{code}}")],
+            )
+        )
         .with_row(dash_b.Row("Duplication and the gate"))
         .with_panel(
             timeseries(

