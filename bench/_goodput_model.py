@@ -13,6 +13,10 @@ from bench._goal import goal_line, printed
 from bench._stats import percentile
 
 DEADLINE_MIX = (3, 10, 30)  # a third each, in units of the unloaded service time S
+# The doors' configuration, as docs/admission.md advises under overload: expected_service_ms
+# = S, and reject_if_queue_age_ms_gte = this many S (a queue no older than it keeps the engine
+# busy; an older one only holds requests whose answers come late).
+AGE_CAP_SERVICES = 5
 SDK_MAX_RETRIES = 2  # the openai SDK's default
 TOKENS = 16  # completion tokens a request asks for (ignore_eos: every answer has them all)
 GOAL_CAPACITY = 0.90  # at 2x and 4x: the door's goodput at least 90% of capacity

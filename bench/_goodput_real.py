@@ -49,8 +49,8 @@ from tests.fixtures.redis_server import RedisServer
 from tests.harness import vllm as harness
 from tests.harness.processes import free_port
 
+from bench._goodput_model import AGE_CAP_SERVICES, TOKENS, Arrival, Outcome, Result, schedule
 from bench._goodput_model import DOORS as DOOR_NAMES
-from bench._goodput_model import TOKENS, Arrival, Outcome, Result, schedule
 from llm_health.store.keys import QueueKeys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -360,7 +360,10 @@ class Bench:
         gate_yml.write_text(
             yaml.safe_dump(
                 {
-                    "admission": {"reject_if_queue_age_ms_gte": longest_ms},
+                    # The door as docs/admission.md advises for overload: the route's expected
+                    # service (S, measured above) beside the age, and a queue no older than
+                    # AGE_CAP_SERVICES services (bench/_goodput_model.py).
+                    "admission": {"reject_if_queue_age_ms_gte": int(AGE_CAP_SERVICES * service * 1000), "expected_service_ms": int(service * 1000)},
                     "gate": {
                         "redis": redis.url,
                         "routes": {"chat": {"upstream": up_url, "default_deadline_ms": longest_ms, "backends": ["gpu0"]}},

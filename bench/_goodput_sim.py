@@ -19,7 +19,9 @@ TTL); the age-first door: `llm_health.core.admission.decide` itself, on the rout
 engine queue age as the gate reads it (the youngest oldest-waiting age among the
 engines, as of the last 1 s exporter round: the figure as it should be, within a round
 of the truth), the request's slack, and its retry count (the door knows every attempt by
-its X-Request-Id). Both doors run the same decision, so the simulation has one door row.
+its X-Request-Id), configured as docs/admission.md advises under overload
+(`expected_service_ms` = S, `reject_if_queue_age_ms_gte` = AGE_CAP_SERVICES x S). Both
+doors run the same decision, so the simulation has one door row.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from bench._goodput_model import SDK_MAX_RETRIES, TOKENS, Arrival, Outcome, Result, schedule
+from bench._goodput_model import AGE_CAP_SERVICES, SDK_MAX_RETRIES, TOKENS, Arrival, Outcome, Result, schedule
 from llm_health.core import admission
 
 ROUND_S = 1.0  # the exporter's round
@@ -73,7 +75,9 @@ class Fleet:
         self.now = 0.0
         self.door_age_s = 0.0  # the route's engine queue age as of the last round
         longest = max(60.0, service_s * 30 * 1000)
-        self.policy_cfg = admission.Policy(reject_if_queue_age_ms_gte=longest, default_deadline_ms=longest)
+        self.policy_cfg = admission.Policy(
+            reject_if_queue_age_ms_gte=AGE_CAP_SERVICES * service_s * 1000, default_deadline_ms=longest, expected_service_ms=service_s * 1000
+        )
 
     def at(self, t: float, kind: str, what: object) -> None:
         heapq.heappush(self.events, (t, next(self.seq), kind, what))

@@ -11,7 +11,8 @@ Poisson schedule, each request with a deadline of 3, 10 or 30 x S (a third each)
 the openai SDK (default retries, per-attempt timeout = the deadline) through each policy
 in turn: direct, a fixed queue TTL (10 x S, as llm-d's router sheds), `llm-health gate`,
 nginx + `llm-health decide` (exporter at 1 s rounds publishing the engine's queue age to
-Redis), then vLLM restarted with `--max-num-queued-reqs` at each cap (the best cap per
+Redis; both doors with `expected_service_ms` = S and `reject_if_queue_age_ms_gte` = 5 x S,
+as docs/admission.md advises under overload), then vLLM restarted with `--max-num-queued-reqs` at each cap (the best cap per
 load is the one the doors are judged against). The simulated fleet (bench/_goodput_sim.py)
 runs the same comparison in virtual time. Each window's figures: answers on time within
 the window, per second and as a fraction of C; the engine's generated tokens (vLLM's

