@@ -53,6 +53,7 @@ async def test_the_script_and_the_reference_agree(redis_url):
             # The request itself joined the sets, sent now, until its deadline.
             assert await client.zscore(keys.route_inflight(route)[0], f"t/new-{case}") == now
             assert await client.zscore(keys.route_inflight(route)[1], f"t/new-{case}") == now + 60_000
+            assert 60_000 < await client.pttl(keys.route_inflight(route)[0]) <= 120_000  # nothing outlives the traffic
         # A request whose end the door never heard of (a lost report) stays until its deadline.
         route, now = "lost", int(time.time() * 1000)
         await client.set(q.keys.engine_waiting("lb"), f"1 0 {now}")

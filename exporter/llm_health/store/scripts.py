@@ -219,6 +219,7 @@ if KEYS[7] then
     local at = tonumber(ARGV[4])
     if ARGV[6] == '2' then at = at + GAVE_UP_MS end
     redis.call('ZADD', KEYS[7], string.format('%d', at), ARGV[1])
+    redis.call('PEXPIRE', KEYS[7], 2 * GAVE_UP_MS)
   end
   redis.call('ZREM', KEYS[5], ARGV[1])
   redis.call('ZREM', KEYS[6], ARGV[1])
@@ -279,12 +280,13 @@ end
 # unknown; and 1 where at least W + R were in flight then, those that ended since counted
 # too, and those whose clients gave up (or that reached their deadline in flight) within a
 # minute before (keys.route_inflight's third set: the engine holds one until it notices),
-# else 0 (something bypasses the door). Then this request (or the first copy it was matched to) joins the
-# in-flight sets, the second scored by its deadline (keys.route_inflight): its refusal or
-# its attempt's end takes it off (LEAVE_QUEUE_LUA), and its deadline at the latest (an end
-# the door never heard of, a lost report, does not stay).
+# else 0 (something bypasses the door). Then this request (or the first copy it was
+# matched to) joins the in-flight sets, the second scored by its deadline
+# (keys.route_inflight): its refusal or its attempt's end takes it off (LEAVE_QUEUE_LUA),
+# and its deadline at the latest (an end the door never heard of, a lost report, does not
+# stay).
 # KEYS: record, enqueued, deadline, retried, live, dup, routes, [tenant's minute],
-#       [fingerprint], n engine age keys, n engine waiting keys, [the two in-flight sets
+#       [fingerprint], n engine age keys, n engine waiting keys, [the three in-flight sets
 #       when n > 0] (all under the queue's prefix: one slot on Cluster)
 # ARGV: ENQUEUE_LUA's eight, then '1' with a tenant key, the request's retry count with a
 #       fingerprint ('' none), its match_until (deadline + retry_match_window_ms), the
@@ -374,6 +376,12 @@ if n > 0 then
   end
   redis.call('ZADD', inflight, ARGV[6], id)
   redis.call('ZADD', ends, record[4], id)
+  -- Nothing outlives the traffic: the sets expire after the latest deadline in them.
+  local keep = math.max(1, tonumber(record[4]) - now) + GAVE_UP_MS
+  for _, key in ipairs({inflight, ends}) do
+    if redis.call('PTTL', key) < keep then redis.call('PEXPIRE', key, keep) end
+  end
+  if #gone > 0 then redis.call('PEXPIRE', ended, 2 * GAVE_UP_MS) end
 end
 leave(rec, id, 'running', '', ARGV[6], '0')
 return {stats, record, spent, ages, id, door, covers}
