@@ -275,13 +275,21 @@ def test_engine_queue_age_on_a_real_vllm_across_preemptions(exporter_factory, vl
 
         wait_until(lambda: status()["queue_age_ms"] == 0, timeout=60, what="the idle engine's queue age, 0 and known")
         sampler.start()
-        reqs, threads = burst(srv.url, 8, 400, stagger=0.1, prompt=harness.prompt_ids(200))
-        for t in threads:
-            t.join(240)
-        wait_until(lambda: status()["queue_age_ms"] == 0, timeout=60, what="the drained queue back at 0")
-        time.sleep(3 * INTERVAL)
-        preemptions = harness.metric_sum(srv.metrics_text(), "vllm:num_preemptions_total")
-        assert preemptions, "no preemption provoked"
+        reqs, preemptions = [], None
+        # Whether eight requests overlap enough to preempt is the engine's timing: on a loaded
+        # machine the API server can hand them over one by one (a CI run saw none). Up to
+        # three bursts, each drained before the next; every one is checked.
+        for _ in range(3):
+            more, threads = burst(srv.url, 8, 400, stagger=0.1, prompt=harness.prompt_ids(200))
+            reqs += more
+            for t in threads:
+                t.join(240)
+            wait_until(lambda: status()["queue_age_ms"] == 0, timeout=60, what="the drained queue back at 0")
+            time.sleep(3 * INTERVAL)
+            preemptions = harness.metric_sum(srv.metrics_text(), "vllm:num_preemptions_total")
+            if preemptions:
+                break
+        assert preemptions, "no preemption provoked in three bursts"
         worst, raw, gap, lag, intake, checked = check(list(sampler.samples), reqs, srv.max_num_seqs, preempting=True)
         print(
             f"\nqueue age on a real vLLM across {preemptions:.0f} preemptions: {checked} figures checked, none above the oldest "
