@@ -338,7 +338,7 @@ class Bench:
         r = Result(name, load, self.seconds, capacity, outcomes, generated, ages=ages)
         if self.redis_url and name in DOOR_NAMES:
             with redis_lib.Redis.from_url(self.redis_url) as rc:
-                left = rc.zcard(QueueKeys().route_inflight("chat"))
+                left = rc.zcard(QueueKeys().route_inflight("chat")[0])
             self.log.append(f"after {name} at {load:g}x, the engine idle: {left} requests left in the route's in-flight set in Redis")
         print(f"bench_goodput: {name} at {load:g}x: {len(r.on_time())} of {len(outcomes)} on time, {r.failed} failed", file=sys.stderr, flush=True)
         return r
