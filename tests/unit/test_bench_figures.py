@@ -13,6 +13,7 @@ from bench._unjudged import failed_line, projected_line
 from bench.sections import SECTIONS
 
 from tests.fixtures import bench_tables
+from tests.unit.test_benchmarks_doc import _git
 
 RAN = [b for b in summary.blocks(summary.DOC.read_text(encoding="utf-8")) if b.commit != summary.NOT_RUN and b.name in bench_tables.CHECKS]
 
@@ -47,11 +48,6 @@ def test_the_sections_measure_what_their_code_imports():
     assert "exporter/llm_health/__main__.py" in by["bench_admission"]  # a `python -m llm_health` it starts
     assert "tests/fixtures/loop.py" in by["loop_recovery"]  # imported by the test file it runs
     assert "exporter/llm_health/gate/decision.py" in by["bench_gate"]
-
-
-def _git(repo, *args: str) -> str:
-    argv = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args]
-    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
 
 
 @pytest.fixture
