@@ -111,6 +111,7 @@ async def test_a_client_that_gives_up_leaves_the_door_figure_at_once(stack, redi
     c = asyncio.create_task(post(url, {"X-Request-Id": "c"}))
     await until(lambda: len(up.calls) == 3, "c admitted and sent on")
     assert up.calls[2][0] == "c"
+    await asyncio.sleep(0.3)  # c is older than the 50 ms of slack the last request (f) brings: a CI run got there in less
     # The engine holds four where the gate sent two (b, c) and one client gave up (a, which
     # the engine may hold until it notices): something bypasses the gate, and only the
     # counters see it: the larger figure stands, theirs here (the door's is b's).

@@ -223,11 +223,21 @@ def test_engine_queue_age_on_a_real_vllm_across_a_restart(exporter_factory, idle
         sampler.start()
         results = []
         for phase in ("first", "after the restart"):
-            with srv.throttle(run_ms=RUN_MS, period_ms=PERIOD_MS):
-                reqs, threads = burst(srv.url, 12, 24, stagger=0.2)  # 3 waves of 4: the last waits ~2 waves
-                for t in threads:
-                    t.join(240)
-            wait_until(lambda: status()["queue_age_ms"] == 0, timeout=60, what="the drained queue back at 0")
+            # 3 waves of 4: the last waits ~2 waves. How long a wave takes is the machine's
+            # speed under the throttle (a CI run stepped twice as fast as this one's and built a
+            # queue 1.8 s old): up to three bursts, each drained and with twice the tokens of the
+            # one before, until one builds a queue several rounds old. Every one is checked.
+            reqs, max_tokens = [], 24
+            for _ in range(3):
+                with srv.throttle(run_ms=RUN_MS, period_ms=PERIOD_MS):
+                    more, threads = burst(srv.url, 12, max_tokens, stagger=0.2)
+                    for t in threads:
+                        t.join(240)
+                reqs += more
+                wait_until(lambda: status()["queue_age_ms"] == 0, timeout=60, what="the drained queue back at 0")
+                if max((r.first or 0) - r.sent for r in more) > 4 * INTERVAL:
+                    break
+                max_tokens *= 2
             time.sleep(3 * INTERVAL)  # samples of the empty queue, against the same truth
             checked = check(list(sampler.samples), reqs, srv.max_num_seqs, arrivals=list(sampler.arrivals))
             results.append((phase, *checked, max((r.first or 0) - r.sent for r in reqs)))
@@ -248,7 +258,7 @@ def test_engine_queue_age_on_a_real_vllm_across_a_restart(exporter_factory, idle
                 f"by the engine up to {intake:.2f} s, scheduled to first token up to {lag:.2f} s; longest wait for a first token "
                 f"{longest:.1f} s)"
             )
-            assert longest > 4 * INTERVAL  # the burst built a queue several rounds old
+            assert longest > 4 * INTERVAL, "no burst in three built a queue several rounds old"
     finally:
         sampler.stop.set()
         srv.cont_engine("both")

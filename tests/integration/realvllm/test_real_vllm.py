@@ -110,7 +110,9 @@ def test_throttled_slow_engine_is_busy_never_hung(srv):
     for rc, r in results:
         assert (rc, r["state"]) == (0, "busy"), r
         assert r["probe_sent"] is False, r
-        assert 0 < r["steps_per_second"] < 20, r  # slow, but moving
+        # Moving. How fast is the machine's: the same throttle gave 7-12 steps/s here and 21 on
+        # a CI machine, so no upper bound holds everywhere.
+        assert r["steps_per_second"] > 0, r
 
 
 class Stillness(threading.Thread):
