@@ -57,11 +57,11 @@ def upstream_proc(port: int) -> None:
 
 async def _enqueue_and_read(
     request_id: str, route: Route, tenant: str, deadline_ms: int, now: int, fingerprint: str | None = None, retries: int = 0
-) -> tuple[QueueRecord, RouteStats, float | None, int | None]:
+) -> tuple[QueueRecord, RouteStats, float | None, int | None, int | None]:
     """The `hop` stand-in for Admission._enqueue_and_read: admitted as a first attempt on an
-    empty queue, no tenant budget, no engine queue age."""
+    empty queue, no tenant budget, no engine queue age, nothing ahead."""
     record = QueueRecord(request_id, route.name, tenant, enqueued_ms=now, deadline_ms=deadline_ms, state="running")
-    return record, RouteStats(0, None, None, 0, 0, None), None, None
+    return record, RouteStats(0, None, None, 0, 0, None), None, None, None
 
 
 async def _finish_once(attempt: Attempt, status: int | None, units: int) -> None:

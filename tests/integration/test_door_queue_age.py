@@ -15,7 +15,7 @@ import time
 import redis
 from redis import asyncio as aioredis
 
-from llm_health.core.queue_age import door_age, door_covers
+from llm_health.core.queue_age import door_age, door_ahead, door_covers
 from llm_health.store.keys import QueueKeys
 from llm_health.store.queue import AdmissionQueue, parse_decide
 from tests.integration.test_gate import post, stack  # noqa: F401  (the fixture)
@@ -24,7 +24,8 @@ from tests.integration.test_gate import post, stack  # noqa: F401  (the fixture)
 async def test_the_script_and_the_reference_agree(redis_url):
     """Seeded cases: random requests in flight (some sent after the round's read), waiting
     and running counts over one to three backends; the script's figure and coverage are the
-    Python reference's, to the millisecond. And a request past its deadline leaves the set."""
+    Python reference's, to the millisecond, and so are the requests that must end before
+    the new one starts (door_ahead). And a request past its deadline leaves the set."""
     rng = random.Random(48)
     client = aioredis.Redis.from_url(redis_url)
     q = AdmissionQueue(client, prefix=f"t{rng.randrange(10**9)}:")
@@ -50,6 +51,7 @@ async def test_the_script_and_the_reference_agree(redis_url):
             running, held = sum(r for _, r in counts), sum(w + r for w, r in counts)
             assert got.door_age_ms == int(door_age(sent, running, read, now)), (case, sent, counts, read)
             assert got.door_covers == door_covers(sent, held, read), case
+            assert (got.ahead, got.running) == (door_ahead(sent, running, held, got.door_covers), running), (case, sent, counts)
             # The request itself joined the sets, sent now, until its deadline.
             assert await client.zscore(keys.route_inflight(route)[0], f"t/new-{case}") == now
             assert await client.zscore(keys.route_inflight(route)[1], f"t/new-{case}") == now + 60_000

@@ -144,3 +144,25 @@ def test_expected_service_is_added_to_the_age():
     assert read_policy(Section({"expected_service_ms": 2500}, "gate.yml"), Policy()).expected_service_ms == 2500
     with pytest.raises(ConfigError, match="expected_service_ms"):
         read_policy(Section({"expected_service_ms": -1}, "gate.yml"), Policy())
+
+
+def test_a_projected_wait_is_judged_after_the_age_and_takes_the_cap():
+    """With a wait projected from the requests ahead (core.queue_age.door_wait), a request
+    whose wait plus service reaches its slack is refused (reject_wait_beats_slack), as is
+    one whose wait reaches the cap, with a Retry-After only where a retry could still be
+    served in time. The cap is then judged on the wait, not on the head's age, which stays
+    over it after the queue behind has shortened; the head's age against the slack stands."""
+    policy = Policy(reject_if_queue_age_ms_gte=2000, expected_service_ms=300)
+    late = decide(Request(queue_age_ms=100, deadline_slack_ms=1000, wait_ms=800), policy)
+    assert (late.decision, late.status, late.retryable) == ("reject_wait_beats_slack", 422, False)
+    assert "projected wait 800 ms + expected service 300 ms >= deadline slack 1000 ms" in late.reason
+    capped = decide(Request(queue_age_ms=100, deadline_slack_ms=12_000, wait_ms=2500), policy)
+    assert (capped.decision, capped.status, capped.retry_after_s) == ("reject_wait_beats_slack", 503, (12_000 - 2500 - 300) / 2000)
+    # The head waited past the cap, the queue behind it is short: admitted.
+    assert decide(Request(queue_age_ms=2600, deadline_slack_ms=4000, wait_ms=300), policy).decision == "admit_once"
+    # Without a projection the cap is the head's age, as before.
+    assert decide(Request(queue_age_ms=2600, deadline_slack_ms=4000), policy).decision == "reject_age_beats_slack"
+    # The head's age against the slack still refuses first (an engine that stopped: its head ages).
+    aged = decide(Request(queue_age_ms=3800, deadline_slack_ms=4000, wait_ms=300), policy)
+    assert aged.decision == "reject_age_beats_slack"
+    assert decide(Request(queue_age_ms=100, deadline_slack_ms=4000, wait_ms=0), policy).decision == "admit_once"

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from llm_health.core import engines
 from llm_health.core.engines import EngineReading, Reading
-from llm_health.core.queue_age import MAX_POINTS, QueueAges, acted_on, door_age, door_covers, to_ms
+from llm_health.core.queue_age import MAX_POINTS, QueueAges, acted_on, door_age, door_ahead, door_covers, door_wait, to_ms
 
 NAN = math.nan
 
@@ -244,6 +244,37 @@ def test_door_age_rules():
     assert door_age([1.0, 15.0, 2.0], running=1, round_ms=10, now_ms=20) == 18.0
     assert door_age([1.0, 15.0], running=1, round_ms=10, now_ms=20) == 0.0
     assert door_covers([1.0, 2.0, 15.0], held=2, round_ms=10) and not door_covers([1.0, 2.0, 15.0], held=3, round_ms=10)
+
+
+def test_door_ahead_and_wait_rules():
+    # A free sequence: nothing must end first.
+    assert door_ahead([1.0], running=2, held=1, covers=True) == 0
+    assert door_ahead([], running=0, held=0, covers=True) == 0
+    # Every sequence taken: the waiting ones, plus a running one, end first; those sent
+    # since the read (15.0) count, a round before the engine's counters would show them.
+    assert door_ahead([1.0, 2.0], running=2, held=2, covers=True) == 1
+    assert door_ahead([1.0, 2.0, 3.0, 15.0], running=2, held=3, covers=True) == 3
+    # Nothing running at the read (the engine not yet taking them in): one sequence assumed.
+    assert door_ahead([1.0, 2.0, 3.0], running=0, held=3, covers=True) == 3
+    # Something bypasses the door: at least what the engine held.
+    assert door_ahead([1.0, 2.0], running=2, held=9, covers=False) == 8
+    # One ends every service / running: 4 ahead on 2 sequences at 300 ms a request.
+    assert door_wait(4, 2, 300.0) == 600.0
+    assert door_wait(4, 0, 300.0) == 1200.0
+    # Nothing projected without a service time or the counts.
+    assert door_wait(4, 2, 0.0) is None and door_wait(None, 2, 300.0) is None and door_wait(4, None, 300.0) is None
+
+
+def test_the_projected_wait_sees_a_burst_the_head_age_does_not():
+    """A burst sent since the engine's last read: the head's age (door_age) counts only what
+    was sent by the read, so it is 0; the wait projected for the next request counts the
+    whole burst."""
+    read, now = 10_000.0, 10_500.0
+    sent = [9_000.0, 9_100.0] + [10_000.0 + 20 * i for i in range(1, 21)]  # 2 running at the read, 20 since
+    assert door_age(sent, running=2, round_ms=read, now_ms=now) == 0.0
+    ahead = door_ahead(sent, running=2, held=2, covers=door_covers(sent, 2, read))
+    assert ahead == 21
+    assert door_wait(ahead, 2, 400.0) == 4200.0
 
 
 @settings(max_examples=80, deadline=None)

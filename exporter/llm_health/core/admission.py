@@ -16,12 +16,21 @@ Decisions, in order:
    (not to come back in 30 s).
 2. `reject_route_closed`: an operator set the route to `reject_all` (the rollback step).
 3. `reject_age_beats_slack`: the queue's age, plus the route's `expected_service_ms` (how
-   long a request takes once it runs; default 0), is at least the request's slack (it
-   cannot be served in time) or the age is at least `reject_if_queue_age_ms_gte`. A
-   request admitted with less time left than its own service wastes the engine's work on
-   an answer that comes too late.
-4. `reject_tenant_budget`: the tenant has spent its token-unit budget for the window.
-5. otherwise `admit_once`.
+   long a request takes once it runs while the engine is full; default 0), is at least the
+   request's slack (it cannot be served in time) or, where no wait is projected, the age
+   is at least `reject_if_queue_age_ms_gte`. A request admitted with less time left than
+   its own service wastes the engine's work on an answer that comes too late.
+4. `reject_wait_beats_slack`: the wait projected for this request (`wait_ms`: the requests
+   ahead of it, each taking `expected_service_ms` on one of the engine's running
+   sequences; core.queue_age.door_wait; projected only with `expected_service_ms` set),
+   plus its service, is at least its slack, or the wait is at least
+   `reject_if_queue_age_ms_gte` (the age it would reach). The head's age lags a burst
+   sent since the engine's last read, and stays over the cap after the queue behind it
+   has shortened; the wait does neither, so a door at many times the engine's capacity
+   keeps a queue as short as the cap, and the engine busy, instead of admitting a round's
+   arrivals at once and then refusing everything until the queue has drained.
+5. `reject_tenant_budget`: the tenant has spent its token-unit budget for the window.
+6. otherwise `admit_once`.
 
 Worker utilisation never admits what age rejects: spare capacity cannot create time. The
 last upstream status (429: the worker protecting itself; 503: the route unsafe for more
@@ -53,6 +62,7 @@ DECISIONS = (
     ADMIT,
     "reject_retry_late",
     "reject_age_beats_slack",
+    "reject_wait_beats_slack",
     "reject_route_closed",
     "reject_tenant_budget",
     ADMIT_UNRECORDED,
@@ -100,6 +110,7 @@ class Request:
     worker_util: float | None = None
     last_upstream_status: int | None = None
     tenant_budget_left: float | None = None  # token units; None: no budget set
+    wait_ms: float | None = None  # the wait projected for this request (core.queue_age.door_wait); None: none
 
 
 @dataclass(frozen=True)
@@ -160,7 +171,10 @@ def _decide(req: Request, policy: Policy) -> Decision:
         )
     if policy.mode == "reject_all":
         return Decision("reject_route_closed", "route set to reject_all by an operator", 503, retry_after_s=30.0, retryable=True)
-    if age + service >= slack or age >= policy.reject_if_queue_age_ms_gte:
+    wait = req.wait_ms
+    # With a projected wait, the cap is judged on it: the head's age lags the queue by the
+    # head's own wait, and stays over the cap after the queue behind it has shortened.
+    if age + service >= slack or (wait is None and age >= policy.reject_if_queue_age_ms_gte):
         plus = f" + expected service {service:g} ms" if service else ""
         why = (
             f"queue age {age:.0f} ms{plus} >= deadline slack {slack:.0f} ms"
@@ -174,6 +188,20 @@ def _decide(req: Request, policy: Policy) -> Decision:
             f"{why}{upstream}{util}",
             503 if retryable else policy.late_status,
             retry_after_s=max(1.0, (slack - age - service) / 2000.0) if retryable else None,
+            retryable=retryable,
+        )
+    if wait is not None and (wait + service >= slack or wait >= policy.reject_if_queue_age_ms_gte):
+        why = (
+            f"projected wait {wait:.0f} ms + expected service {service:g} ms >= deadline slack {slack:.0f} ms"
+            if wait + service >= slack
+            else f"projected wait {wait:.0f} ms >= {policy.reject_if_queue_age_ms_gte:g} ms"
+        )
+        retryable = slack > wait + service
+        return Decision(
+            "reject_wait_beats_slack",
+            f"{why}{upstream}{util}",
+            503 if retryable else policy.late_status,
+            retry_after_s=max(1.0, (slack - wait - service) / 2000.0) if retryable else None,
             retryable=retryable,
         )
     if req.tenant_budget_left is not None and req.tenant_budget_left <= 0:

@@ -216,6 +216,31 @@ def door_covers(admitted_ms: Sequence[float], held: int, round_ms: float, ended:
     return sum(1 for t in admitted_ms if t <= round_ms) + ended >= held
 
 
+def door_ahead(admitted_ms: Sequence[float], running: int, held: int, covers: bool) -> int:
+    """The requests that must end before one a door sends now can start
+    (`store.scripts.DECIDE_LUA` counts the same): every request it has in flight, those
+    sent since the engine's last read included (where the door does not cover what the
+    engine holds, at least the ``held`` it then held), less the ``running`` sequences, plus
+    one when every sequence is taken (a running one must end first); 0 while a sequence
+    is free. With nothing running at the read, one sequence is assumed."""
+    slots = max(running, 1)
+    held_now = len(admitted_ms) if covers else max(len(admitted_ms), held)
+    return held_now - slots + 1 if held_now >= slots else 0
+
+
+def door_wait(ahead: int | None, running: int | None, service_ms: float) -> float | None:
+    """How long a request sent now waits before the engine takes it in, projected from the
+    requests that must end first (``ahead``, `door_ahead`): each takes ``service_ms`` (the
+    route's `expected_service_ms`) on one of the ``running`` sequences the engine ran at its
+    last read (at least one), so one ends every ``service_ms / running``. The
+    age of the queue's head (`door_age`) says how long the head waited; when a burst was
+    sent since the last read, the requests behind it wait longer, and only this sees it.
+    None (nothing projected) with no service time configured or the counts unknown."""
+    if not service_ms or ahead is None or running is None:
+        return None
+    return ahead * service_ms / max(1, running)
+
+
 def acted_on(counters_ms: float | None, door_ms: float | None, covers: bool = False) -> float | None:
     """The engine queue age a door acts on. Where the door sent everything the engines hold
     (``covers``), its own figure: the head of the queue under first-come-first-served

@@ -36,7 +36,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from ..config.gate import GateConfig, Route
 from ..core import admission, forwarding
-from ..core.queue_age import acted_on
+from ..core.queue_age import acted_on, door_wait
 from ..store.batch import WriteBatch
 from ..store.deployment import connect, wrap
 from ..store.errors import ERRORS, REDIS_DOWN, as_down, may_run_late, retryable
@@ -249,7 +249,7 @@ class Admission:
         fields: dict[str, Any] = {"request_id": request_id}
         recorded, late = True, False
         try:
-            record, stats, budget, engine_age = await self._enqueue_and_read(queue_id, route, tenant, deadline_ms, now, fingerprint, header_retries)
+            record, stats, budget, engine_age, wait = await self._enqueue_and_read(queue_id, route, tenant, deadline_ms, now, fingerprint, header_retries)
             self._redis(True)
             if record.request_id != queue_id:  # a retry without an id, matched to its first copy
                 queue_id = record.request_id
@@ -265,13 +265,10 @@ class Admission:
             fields.update(queue_age_ms=queue_age_ms, deadline_slack_ms=slack, retry_count=retry_count)
             if route.backends:
                 fields["engine_queue_age_ms"] = engine_age
-            req = admission.Request(
-                queue_age_ms=queue_age_ms,
-                deadline_slack_ms=slack,
-                retry_count=retry_count,
-                last_upstream_status=record.http_status,
-                tenant_budget_left=budget,
-            )
+            if wait is not None:
+                fields["expected_wait_ms"] = wait
+            # And the wait projected for it from the requests ahead (None: none projected).
+            req = admission.Request(queue_age_ms, slack, retry_count, None, record.http_status, budget, wait)
             decision = admission.decide(req, route.policy)
             if route.backends and engine_age is None:
                 # No backend's figure is known (their exporter silent, every engine just
@@ -346,10 +343,11 @@ class Admission:
 
     async def _enqueue_and_read(
         self, request_id: str, route: Route, tenant: str, deadline_ms: int, now: int, fingerprint: str | None = None, retries: int = 0
-    ) -> tuple[QueueRecord, RouteStats, float | None, int | None]:
+    ) -> tuple[QueueRecord, RouteStats, float | None, int | None, int | None]:
         """One round trip: a retry without an id matched to its first copy (the record is
         then that copy's), enqueue (or a resent id recognised), the route's queue stats, the
-        tenant's spend, the backends' engine age, the id taken off the waiting set."""
+        tenant's spend, the backends' engine age, the wait projected for this request
+        (None: none), the id taken off the waiting set."""
         q = self.queue
         pipe = await self._pipeline()
         limit = self.cfg.tenants.get(tenant)
@@ -371,7 +369,8 @@ class Admission:
         budget = limit - got.spent if limit is not None else None
         # The counters' figure and the door's own, from the requests it sent (core.queue_age.acted_on).
         engine_age = acted_on(engine_queue_age(got.ages), got.door_age_ms, got.door_covers) if route.backends else None
-        return got.record, got.stats, budget, None if engine_age is None else int(engine_age)
+        wait = door_wait(got.ahead, got.running, route.policy.expected_service_ms)
+        return got.record, got.stats, budget, None if engine_age is None else int(engine_age), None if wait is None else int(wait)
 
     # --- finishing an attempt -------------------------------------------------------------
     async def finish(self, attempt: Attempt, status: int | None, units: int = 0) -> bool:

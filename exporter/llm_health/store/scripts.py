@@ -280,7 +280,10 @@ end
 # unknown; and 1 where at least W + R were in flight then, those that ended since counted
 # too, and those whose clients gave up (or that reached their deadline in flight) within a
 # minute before (keys.route_inflight's third set: the engine holds one until it notices),
-# else 0 (something bypasses the door). Then this request (or the first copy it was
+# else 0 (something bypasses the door). And the requests that must end before this one
+# starts (core.queue_age.door_ahead): every request the route has in flight now (where the
+# door does not cover, at least what the engines held) less the R running, plus one, where
+# every running sequence is taken. Then this request (or the first copy it was
 # matched to) joins the in-flight sets, the second scored by its deadline
 # (keys.route_inflight): its refusal or its attempt's end takes it off (LEAVE_QUEUE_LUA),
 # and its deadline at the latest (an end the door never heard of, a lost report, does not
@@ -295,7 +298,8 @@ end
 # Returns {stats (depth, oldest score, tightest score, past deadline, retried, max dup
 # score; '' where none), the record as enqueued (its ten fields, queue.parse_decide's order),
 # the tenant's spend or false, {the engine ages, false where absent}, the id used (ARGV[1],
-# or the matched first copy's), the door's figure in ms or false, 1 or 0}.
+# or the matched first copy's), the door's figure in ms or false, 1 or 0, the requests ahead
+# and the running count (false where a count is unknown)}.
 DECIDE_LUA = (
     _GC_FN
     + _ENQUEUE_FN
@@ -345,7 +349,7 @@ if spent_key then spent = redis.call('GET', spent_key) end
 local n = tonumber(ARGV[13] or '0') or 0
 local ages = {}
 for i = k, k + n - 1 do ages[#ages + 1] = redis.call('GET', KEYS[i]) end
-local door, covers = false, 0
+local door, covers, ahead, running = false, 0, false, false
 if n > 0 then
   local inflight, ends, ended = KEYS[k + 2 * n], KEYS[k + 2 * n + 1], KEYS[k + 2 * n + 2]
   local gone = redis.call('ZRANGEBYSCORE', ends, '-inf', ARGV[6], 'LIMIT', 0, 64)
@@ -355,7 +359,8 @@ if n > 0 then
     for _, g in ipairs(gone) do redis.call('ZADD', ended, string.format('%d', now + GAVE_UP_MS), g) end
   end
   redis.call('ZREMRANGEBYSCORE', ended, '-inf', string.format('(%d', now - 2 * GAVE_UP_MS))
-  local known, running, held, read = true, 0, 0, 0
+  local known, held, read = true, 0, 0
+  running = 0
   for i = k + n, k + 2 * n - 1 do
     local w, r, t = string.match(redis.call('GET', KEYS[i]) or '', '^(%d+) (%d+) (%d+)$')
     if not w then known = false break end
@@ -373,6 +378,16 @@ if n > 0 then
       local e = redis.call('ZRANGEBYSCORE', inflight, '-inf', before, 'WITHSCORES', 'LIMIT', running, 1)
       door = math.max(0, now - tonumber(e[2]))
     end
+    -- the requests that must end before this one starts (core.queue_age.door_ahead): all the
+    -- door has in flight now (those sent since the read included; where something bypasses
+    -- the door, at least what the engines held), less the sequences running, plus one, when
+    -- every sequence is taken
+    local slots, held_now = math.max(running, 1), redis.call('ZCARD', inflight)
+    if covers == 0 then held_now = math.max(held_now, held) end
+    ahead = 0
+    if held_now >= slots then ahead = held_now - slots + 1 end
+  else
+    running = false
   end
   redis.call('ZADD', inflight, ARGV[6], id)
   redis.call('ZADD', ends, record[4], id)
@@ -384,7 +399,7 @@ if n > 0 then
   if #gone > 0 then redis.call('PEXPIRE', ended, 2 * GAVE_UP_MS) end
 end
 leave(rec, id, 'running', '', ARGV[6], '0')
-return {stats, record, spent, ages, id, door, covers}
+return {stats, record, spent, ages, id, door, covers, ahead, running}
 """
 )
 
