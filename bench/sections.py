@@ -120,7 +120,7 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "bench_goodput",
         "Goodput under overload: the age-first door against vLLM's queue cap, a queue TTL and nothing",
-        ("--seconds", "60"),
+        ("--seconds", "120"),
         ("exporter/llm_health/__main__.py", "deploy/nginx", "tests/harness"),  # llm-health serve, gate and decide; nginx; vLLM and its throttle
         "Answers complete before their deadline per second, on a real vLLM (throttled to a known capacity C) and on a simulated "
         "fleet of 16, per policy and offered load (0.8x, 2x, 4x C), the same seeded schedule and the openai SDK's own retries for "
