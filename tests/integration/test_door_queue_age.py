@@ -135,3 +135,33 @@ async def test_a_client_that_gives_up_leaves_the_door_figure_at_once(stack, redi
     c.cancel()
     await asyncio.gather(b, c, return_exceptions=True)
     await until(lambda: in_flight() == [], "every give-up seen")
+
+
+async def test_a_burst_sent_since_the_read_is_in_the_projected_wait(stack, redis_url):  # noqa: F811
+    """With expected_service_ms set, the gate projects a request's wait from the requests
+    that must end before it starts: five in flight, sent after the exporter's last read
+    showed an idle engine, then a read of two running: 5 - 2 + 1 = 4 ahead at 1000 ms on 2
+    sequences, 2000 ms. The head's age (the third oldest's, milliseconds) admits a request
+    with 2.5 s left; its wait plus its service refuses it (reject_wait_beats_slack,
+    `expected_wait_ms` in the body). One with time to spare is admitted."""
+    routes = {"chat": {"upstream": "UPSTREAM", "default_deadline_ms": 60_000, "backends": ["gpu-a"], "expected_service_ms": 1000}}
+    url, up, gate = await stack(routes=routes, admission={"reject_if_queue_age_ms_gte": 600_000})
+    prefix = gate.cfg.queue_prefix
+    up.delay = 120.0  # the engine holds every request
+    publish(redis_url, prefix, "gpu-a", 0, 0, 0)
+    held = [asyncio.create_task(post(url, {"X-Request-Id": f"r{i}"})) for i in range(5)]
+    try:
+        await until(lambda: len(up.calls) == 5, "five at the engine")
+        publish(redis_url, prefix, "gpu-a", 0, 3, 2)
+        status, body, _ = await post(url, {"X-Request-Id": "tight", "X-Request-Timeout-Ms": "2500"})
+        err = json.loads(body)["error"]
+        assert (status, err["code"], err["expected_wait_ms"]) == (422, "reject_wait_beats_slack", 2000), body
+        assert err["queue_age_ms"] < 1000, body  # the head's age alone would have admitted it
+        assert "projected wait 2000 ms + expected service 1000 ms" in err["message"], body
+        loose = asyncio.create_task(post(url, {"X-Request-Id": "loose", "X-Request-Timeout-Ms": "30000"}))
+        await until(lambda: len(up.calls) == 6, "the request with time to spare admitted")
+        held.append(loose)
+    finally:
+        for t in held:
+            t.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
