@@ -18,10 +18,12 @@ router until an engine has a free sequence, and is shed with a 503 once it waite
 TTL); the age-first door: `llm_health.core.admission.decide` itself, on the route's
 engine queue age as the gate reads it (the youngest oldest-waiting age among the
 engines, as of the last 1 s exporter round: the figure as it should be, within a round
-of the truth), the request's slack, and its retry count (the door knows every attempt by
-its X-Request-Id), configured as docs/admission.md advises under overload
-(`expected_service_ms` = S, `reject_if_queue_age_ms_gte` = AGE_CAP_SERVICES x S). Both
-doors run the same decision, so the simulation has one door row.
+of the truth), the wait it projects (`core.queue_age.door_ahead` and `door_wait`: every
+attempt in flight now, against the running count of the last round), the request's slack,
+and its retry count (the door knows every attempt by its X-Request-Id), configured as
+docs/admission.md advises under overload (`expected_service_ms` = S, a request's service
+here whatever the engine runs beside it; `reject_if_queue_age_ms_gte` = AGE_CAP_SERVICES x
+S). Both doors run the same decision, so the simulation has one door row.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 
 from bench._goodput_model import AGE_CAP_SERVICES, SDK_MAX_RETRIES, TOKENS, Arrival, Outcome, Result, schedule
 from llm_health.core import admission
+from llm_health.core.queue_age import door_ahead, door_wait
 
 ROUND_S = 1.0  # the exporter's round
 
@@ -74,6 +77,7 @@ class Fleet:
         self.generated = 0.0
         self.now = 0.0
         self.door_age_s = 0.0  # the route's engine queue age as of the last round
+        self.read_running = 0  # the engines' running count as of the last round
         longest = max(60.0, service_s * 30 * 1000)
         self.policy_cfg = admission.Policy(
             reject_if_queue_age_ms_gte=AGE_CAP_SERVICES * service_s * 1000, default_deadline_ms=longest, expected_service_ms=service_s * 1000
@@ -132,7 +136,10 @@ class Fleet:
         self.at(self.now + a.deadline_s, "timeout", job)  # the per-attempt timeout
         if self.policy == "door":
             slack_ms = (a.at + a.deadline_s - self.now) * 1000
-            d = admission.decide(admission.Request(queue_age_ms=self.door_age_s * 1000, deadline_slack_ms=slack_ms, retry_count=attempt), self.policy_cfg)
+            in_flight = [0.0] * sum(len(e.running) + e.queued for e in self.engines)  # the door sees every attempt it sent
+            wait = door_wait(door_ahead(in_flight, self.read_running, 0, True), self.read_running, self.policy_cfg.expected_service_ms)
+            req = admission.Request(queue_age_ms=self.door_age_s * 1000, deadline_slack_ms=slack_ms, retry_count=attempt, wait_ms=wait)
+            d = admission.decide(req, self.policy_cfg)
             if not d.admitted:
                 self._answer(job, d.status, d.retry_after_s if d.retryable else None, final=not d.retryable)
                 return
@@ -198,6 +205,7 @@ class Fleet:
             self.now = t
             if kind == "tick":
                 self.door_age_s = self._oldest_waiting_s()
+                self.read_running = sum(len(e.running) for e in self.engines)
                 self.at(t + ROUND_S, "tick", None)
             elif kind == "retry":
                 assert isinstance(what, tuple)
