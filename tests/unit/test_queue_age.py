@@ -263,6 +263,10 @@ def test_door_ahead_and_wait_rules():
     assert door_wait(4, 0, 300.0) == 1200.0
     # Nothing projected without a service time or the counts.
     assert door_wait(4, 2, 0.0) is None and door_wait(None, 2, 300.0) is None and door_wait(4, None, 300.0) is None
+    # Where it is wrong (docs/admission.md): it knows the sequences running at the read, not
+    # the engine's: a 2-sequence engine running one at its read starts the next request at
+    # once, and the projection says one service; and every request ahead is one service long.
+    assert door_wait(door_ahead([1.0], running=1, held=1, covers=True), 1, 300.0) == 300.0
 
 
 def test_the_projected_wait_sees_a_burst_the_head_age_does_not():
