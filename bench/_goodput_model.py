@@ -209,11 +209,12 @@ def goals(results: list[Result], prefix: str = "", doors: tuple[str, ...] = DOOR
         d, direct = by.get((door, 0.8)), by.get(("direct", 0.8))
         if d is not None and direct is not None:
             gap = printed((direct.goodput - d.goodput) / direct.goodput * 100 if direct.goodput else math.inf, 1)
-            lines.append(f"{prefix}{door} at 0.8x: {d.goodput:.3f}/s, direct {direct.goodput:.3f}/s: {gap:.1f}% below direct")
+            side = f"{gap:.1f}% below" if gap >= 0 else f"{-gap:.1f}% above"
+            lines.append(f"{prefix}{door} at 0.8x: {d.goodput:.3f}/s, direct {direct.goodput:.3f}/s: {side} direct")
             lines.append(
                 goal_line(
                     f"{prefix}{door} at 0.8x: goodput within {GOAL_UNDERLOAD:.0%} of direct's",
-                    f"{d.goodput:.3f}/s against {direct.goodput:.3f}/s, {gap:.1f}% below; {d.failed} failed",
+                    f"{d.goodput:.3f}/s against {direct.goodput:.3f}/s, {side}; {d.failed} failed",
                     d.failed == 0 and gap <= GOAL_UNDERLOAD * 100,
                 )
             )

@@ -268,7 +268,7 @@ def exporter_settled(redis_url: str, timeout: float = 60) -> None:
     with redis_lib.Redis.from_url(redis_url) as r:
         while True:
             value = (r.get(key) or b"").decode().split()
-            if len(value) == 3 and value[:2] == ["0", "0"] and int(value[2]) >= since:
+            if len(value) >= 3 and value[:2] == ["0", "0"] and int(value[2]) >= since:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no read of the idle engine published in {timeout:g} s ({key}: {' '.join(value)})")

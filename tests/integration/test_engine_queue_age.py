@@ -79,8 +79,9 @@ async def test_engine_queue_age_key_appears_tracks_goes_on_unknown_and_expires(s
         assert None not in figures and min(figures) - 1 <= published <= max(figures) + 1, (published, figures)
         # Beside it, the waiting and running counts and when they were read, on the doors'
         # clock (Unix ms): what a door reads its own figure with (core.queue_age.door_age).
-        waiting, running, read_ms = (int(x) for x in (await r.get(key["busy"].replace("queue_age_ms", "waiting"))).split())
+        waiting, running, read_ms, slots = (int(x) for x in (await r.get(key["busy"].replace("queue_age_ms", "waiting"))).split())
         assert waiting > 0 and running >= 0 and abs(read_ms / 1000 - time.time()) < 5, (waiting, running, read_ms)
+        assert slots >= running, (slots, running)  # the most it ran at once, this read's count included
         assert await r.get(key["router"].replace("queue_age_ms", "waiting")) is None
 
         # A restart with requests already waiting: their arrival is unknown, so is the age.

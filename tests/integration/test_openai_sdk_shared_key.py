@@ -1,8 +1,9 @@
 """Issue 48: identical bodies from two callers sharing one API key, each with its own
 deadline, through the official `openai` SDK (pinned; its default retries, a per-attempt
-timeout equal to the deadline), through the gate, nginx + `llm-health decide`, and the
-Envoy ext_authz door (Envoy's documented filter behaviour, as test_door_envoy drives it,
-here in front of the SDK as an HTTP server).
+timeout equal to the deadline), through the gate, nginx + `llm-health decide`, the
+LiteLLM hook (the pinned LiteLLM proxy running deploy/litellm, its one master key shared
+by both callers), and the Envoy ext_authz door (Envoy's documented filter behaviour, as
+test_door_envoy drives it, here in front of the SDK as an HTTP server).
 
 - the issue's scenario ("slow"): route default deadline 3 s, the upstream takes 4 s; A at
   t=0, B at t=2 s; each SDK times out at its deadline and retries. Every retry is sent
@@ -11,8 +12,8 @@ here in front of the SDK as an HTTP server).
 - a quick refusal ("shed", deadline 8 s): A's copy is at the upstream (3 s), B's is shed
   at once (503, `retry-after-ms`), and B's SDK retries well within B's deadline: it is
   admitted, never refused because of A, and booked on B's record (B's attempts and tokens,
-  A's its own) where the door reports an attempt's end (the gate; nginx, which sees no
-  response body and so counts no tokens). Envoy's ext_authz
+  A's its own) where the door reports an attempt's end (the gate and the LiteLLM hook;
+  nginx, which sees no response body and so counts no tokens). Envoy's ext_authz
   reports no end: there the match is first in, first out alone and B's retry is booked on
   A's older record (docs/admission.md says so), still admitted.
 
@@ -37,6 +38,7 @@ from llm_health.gate.doors import Doors
 from llm_health.store.connection import text
 from llm_health.store.queue import AdmissionQueue, QueueRecord
 from tests.fixtures.doors import serve
+from tests.fixtures.litellm import LiteLLM, installed
 from tests.fixtures.nginx import Nginx
 from tests.integration.test_door_envoy import EnvoyExtAuthz
 from tests.integration.test_door_nginx import free_udp_port
@@ -85,15 +87,15 @@ def answer(units: int) -> web.Response:
     return web.json_response(body)
 
 
-def sdk(base_url: str, attempts: Attempts, timeout_s: float) -> openai.AsyncOpenAI:
+def sdk(base_url: str, attempts: Attempts, timeout_s: float, key: str = KEY) -> openai.AsyncOpenAI:
     """A caller as teams run one: the SDK's default retries, a per-attempt timeout = the deadline."""
     http = openai.DefaultAsyncHttpx2Client(transport=attempts.transport())
-    return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=KEY, timeout=timeout_s, http_client=http)
+    return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=key, timeout=timeout_s, http_client=http)
 
 
-async def ask(c: openai.AsyncOpenAI, prompt: str, headers: dict[str, str]) -> str:
+async def ask(c: openai.AsyncOpenAI, prompt: str, headers: dict[str, str], model: str = "m") -> str:
     try:
-        await c.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}], extra_headers=headers)
+        await c.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], extra_headers=headers)
         return "ok"
     except openai.APIStatusError as exc:
         return f"{exc.status_code} {exc.response.headers.get('x-llm-health-decision')}"
@@ -103,12 +105,14 @@ async def ask(c: openai.AsyncOpenAI, prompt: str, headers: dict[str, str]) -> st
         await c.close()
 
 
-async def two_callers(url: str, up: Upstream, prompt: str, headers: dict[str, str], timeout_s: float, b_after_s: float) -> tuple[list[str], list[Attempts]]:
+async def two_callers(
+    url: str, up: Upstream, prompt: str, headers: dict[str, str], timeout_s: float, b_after_s: float, key: str = KEY, model: str = "m"
+) -> tuple[list[str], list[Attempts]]:
     """A, then B once A's copy is at the upstream (and b_after_s after A began)."""
     logs = [Attempts(), Attempts()]
-    a = asyncio.ensure_future(ask(sdk(url, logs[0], timeout_s), prompt, headers))
+    a = asyncio.ensure_future(ask(sdk(url, logs[0], timeout_s, key), prompt, headers, model))
     await asyncio.gather(up.first_in[prompt].wait(), asyncio.sleep(b_after_s))
-    b = asyncio.ensure_future(ask(sdk(url, logs[1], timeout_s), prompt, headers))
+    b = asyncio.ensure_future(ask(sdk(url, logs[1], timeout_s, key), prompt, headers, model))
     return list(await asyncio.gather(a, b)), logs
 
 
@@ -132,21 +136,37 @@ def statuses(log: Attempts, prompt: str) -> list[int | None]:
     return [s for _, _, s in log.by_prompt[prompt]]
 
 
-async def scenario(url: str, up: Upstream, redis_url: str, prefix: str, ends_reported: bool, tokens: bool) -> None:
-    """``ends_reported``: the door learns an attempt's end (the gate, nginx's access log);
-    ``tokens``: and the answer's usage (the gate; nginx sees no response body)."""
+async def scenario(
+    url: str,
+    up: Upstream,
+    redis_url: str,
+    prefix: str,
+    ends_reported: bool,
+    tokens: bool,
+    key: str = KEY,
+    model: str = "m",
+    forwards_sdk_headers: bool = True,
+    finishes_abandoned: bool = False,
+) -> None:
+    """``ends_reported``: the door learns an attempt's end (the gate, nginx's access log, the
+    LiteLLM hook); ``tokens``: and the answer's usage (the gate, the LiteLLM hook; nginx
+    sees no response body); ``forwards_sdk_headers``: the SDK's headers reach the upstream
+    (LiteLLM makes its own call); ``finishes_abandoned``: a call whose client timed out
+    still runs to its answer (LiteLLM's, non-streaming), and that answer's tokens are booked
+    on its own caller's record."""
     # The issue's scenario: every retry after its own caller's deadline.
-    ends, logs = await two_callers(url, up, "slow", {"X-Tenant": "slow"}, DEADLINE_MS / 1000, 2.0)
+    ends, logs = await two_callers(url, up, "slow", {"X-Tenant": "slow"}, DEADLINE_MS / 1000, 2.0, key, model)
     report = f"slow: ends {ends}; upstream {dict(up.seen)}; A {logs[0].line('slow', 0)}; B {logs[1].line('slow', 0)}"
     assert ends == ["422 reject_retry_late"] * 2, report
     assert [statuses(log, "slow") for log in logs] == [[None, 422]] * 2, report  # a timeout, then the refused retry
     assert up.seen["slow"] == 2, report  # no retry reached the upstream
-    recs = await records(redis_url, prefix, "slow", 2, lambda r: r.state == "done")
-    assert [(r.retry_count, r.attempts, r.token_units) for r in recs] == [(1, 1, 0)] * 2, (report, recs)  # one retry each, no third record
+    recs = await records(redis_url, prefix, "slow", 2, lambda r: r.state == "done" and r.attempts >= 1)
+    spent = USAGE_A if finishes_abandoned else 0
+    assert [(r.retry_count, r.attempts, r.token_units) for r in recs] == [(1, 1, spent)] * 2, (report, recs)  # one retry each, no third record
 
     # A quick refusal: B's retry within B's deadline, while A's copy is still at the upstream.
     headers = {"X-Tenant": "shed", "X-Request-Timeout-Ms": str(SHED_DEADLINE_MS)}
-    ends, logs = await two_callers(url, up, "shed", headers, SHED_DEADLINE_MS / 1000, 0.0)
+    ends, logs = await two_callers(url, up, "shed", headers, SHED_DEADLINE_MS / 1000, 0.0, key, model)
     report = f"shed: ends {ends}; upstream {dict(up.seen)}; A {logs[0].line('shed', 0)}; B {logs[1].line('shed', 0)}"
     assert ends == ["ok", "ok"], report  # never refused because of the other caller
     assert [statuses(log, "shed") for log in logs] == [[200], [503, 200]], report
@@ -158,7 +178,8 @@ async def scenario(url: str, up: Upstream, redis_url: str, prefix: str, ends_rep
         assert got == want, (report, recs)  # each its own retries and tokens; the 503 spent none
     else:
         assert got == [(1, 2, 0), (0, 1, 0)], (report, recs)  # Envoy: no end, no tokens; first in, first out
-    assert set(up.retries) == {"0", "1"} and up.retries.count("1") == 1, up.retries  # the one retry that reached it: B's
+    if forwards_sdk_headers:
+        assert set(up.retries) == {"0", "1"} and up.retries.count("1") == 1, up.retries  # the one retry that reached it: B's
 
 
 def config(upstream: str, redis_url: str) -> Any:
@@ -234,3 +255,27 @@ async def test_through_envoy_ext_authz(upstream, own_redis_server):
         await frunner.cleanup()
         await session.close()
         await drunner.cleanup()
+
+
+@pytest.mark.skipif(not installed(), reason="the pinned LiteLLM: .ci/install-litellm.sh")
+async def test_through_the_litellm_hook(upstream, own_redis_server, tmp_path):
+    """The shipped deploy/litellm config and callback in the pinned LiteLLM proxy, in front
+    of the upstream; both callers use the proxy's one master key (LiteLLM hands the hook
+    its hash, never the key), the route chosen by the model."""
+    up, uurl = upstream
+    gate = tmp_path / "gate.yml"
+    route = f"{{upstream: 'http://127.0.0.1:1', models: [llama], default_deadline_ms: {DEADLINE_MS}}}"
+    gate.write_text(f"gate:\n  redis: {own_redis_server.url}\n  queue_prefix: 'shared-key:'\n  routes:\n    chat: {route}\n")
+    with LiteLLM(tmp_path, engine_port=int(uurl.rsplit(":", 1)[1]), gate_config=gate) as proxy:
+        await scenario(
+            proxy.url,
+            up,
+            own_redis_server.url,
+            "shared-key:",
+            ends_reported=True,
+            tokens=True,
+            key=proxy.master_key,
+            model="llama",
+            forwards_sdk_headers=False,
+            finishes_abandoned=True,
+        )

@@ -248,25 +248,37 @@ def test_door_age_rules():
 
 def test_door_ahead_and_wait_rules():
     # A free sequence: nothing must end first.
-    assert door_ahead([1.0], running=2, held=1, covers=True) == 0
-    assert door_ahead([], running=0, held=0, covers=True) == 0
+    assert door_ahead([1.0], slots=2, held=1, covers=True) == 0
+    assert door_ahead([], slots=0, held=0, covers=True) == 0
     # Every sequence taken: the waiting ones, plus a running one, end first; those sent
     # since the read (15.0) count, a round before the engine's counters would show them.
-    assert door_ahead([1.0, 2.0], running=2, held=2, covers=True) == 1
-    assert door_ahead([1.0, 2.0, 3.0, 15.0], running=2, held=3, covers=True) == 3
-    # Nothing running at the read (the engine not yet taking them in): one sequence assumed.
-    assert door_ahead([1.0, 2.0, 3.0], running=0, held=3, covers=True) == 3
+    assert door_ahead([1.0, 2.0], slots=2, held=2, covers=True) == 1
+    assert door_ahead([1.0, 2.0, 3.0, 15.0], slots=2, held=3, covers=True) == 3
+    # No sequence seen yet (the engine not yet taking them in): one assumed.
+    assert door_ahead([1.0, 2.0, 3.0], slots=0, held=3, covers=True) == 3
     # Something bypasses the door: at least what the engine held.
-    assert door_ahead([1.0, 2.0], running=2, held=9, covers=False) == 8
-    # One ends every service / running: 4 ahead on 2 sequences at 300 ms a request.
+    assert door_ahead([1.0, 2.0], slots=2, held=9, covers=False) == 8
+    # One ends every service / slots: 4 ahead on 2 sequences at 300 ms a request.
     assert door_wait(4, 2, 300.0) == 600.0
     assert door_wait(4, 0, 300.0) == 1200.0
     # Nothing projected without a service time or the counts.
     assert door_wait(4, 2, 0.0) is None and door_wait(None, 2, 300.0) is None and door_wait(4, None, 300.0) is None
-    # Where it is wrong (docs/admission.md): it knows the sequences running at the read, not
-    # the engine's: a 2-sequence engine running one at its read starts the next request at
-    # once, and the projection says one service; and every request ahead is one service long.
-    assert door_wait(door_ahead([1.0], running=1, held=1, covers=True), 1, 300.0) == 300.0
+    # Where it is wrong (docs/admission.md): it knows the most sequences seen running, not
+    # the engine's: a 2-sequence engine only ever seen running one starts the next request
+    # at once, and the projection says one service; and every request ahead is one service long.
+    assert door_wait(door_ahead([1.0], slots=1, held=1, covers=True), 1, 300.0) == 300.0
+
+
+def test_the_sequences_are_the_most_seen_running_since_the_process_started():
+    """At low load the running count at one read is often below what the engine runs when
+    full; the door's projection divides by the most it has run at once (QueueAges.slots),
+    which a restart forgets."""
+    ages = QueueAges()
+    for running, restarted, slots in ((1, False, 1), (2, False, 2), (0, False, 2), (1, False, 2), (1, True, 1)):
+        ages.update(reading(unit(10, running, 0)), now=1.0, restarted=restarted, wall=1.0)
+        assert (ages.running, ages.slots) == (running, slots)
+    ages.update(None, now=2.0)  # a round without a reading keeps what the process showed
+    assert ages.slots == 1
 
 
 def test_the_projected_wait_sees_a_burst_the_head_age_does_not():
@@ -276,7 +288,7 @@ def test_the_projected_wait_sees_a_burst_the_head_age_does_not():
     read, now = 10_000.0, 10_500.0
     sent = [9_000.0, 9_100.0] + [10_000.0 + 20 * i for i in range(1, 21)]  # 2 running at the read, 20 since
     assert door_age(sent, running=2, round_ms=read, now_ms=now) == 0.0
-    ahead = door_ahead(sent, running=2, held=2, covers=door_covers(sent, 2, read))
+    ahead = door_ahead(sent, slots=2, held=2, covers=door_covers(sent, 2, read))
     assert ahead == 21
     assert door_wait(ahead, 2, 400.0) == 4200.0
 

@@ -174,40 +174,32 @@ def _decide(req: Request, policy: Policy) -> Decision:
     wait = req.wait_ms
     # With a projected wait, the cap is judged on it: the head's age lags the queue by the
     # head's own wait, and stays over the cap after the queue behind it has shortened.
+    tail = f"{upstream}{util}"
     if age + service >= slack or (wait is None and age >= policy.reject_if_queue_age_ms_gte):
         plus = f" + expected service {service:g} ms" if service else ""
-        why = (
-            f"queue age {age:.0f} ms{plus} >= deadline slack {slack:.0f} ms"
-            if age + service >= slack
-            else f"queue age {age:.0f} ms >= {policy.reject_if_queue_age_ms_gte:g} ms"
-        )
-        # Still worth a retry later only if the request itself has time left.
-        retryable = slack > age + service
-        return Decision(
-            "reject_age_beats_slack",
-            f"{why}{upstream}{util}",
-            503 if retryable else policy.late_status,
-            retry_after_s=max(1.0, (slack - age - service) / 2000.0) if retryable else None,
-            retryable=retryable,
-        )
+        return _beats("reject_age_beats_slack", f"queue age {age:.0f} ms", plus, age, slack, policy, tail)
     if wait is not None and (wait + service >= slack or wait >= policy.reject_if_queue_age_ms_gte):
-        why = (
-            f"projected wait {wait:.0f} ms + expected service {service:g} ms >= deadline slack {slack:.0f} ms"
-            if wait + service >= slack
-            else f"projected wait {wait:.0f} ms >= {policy.reject_if_queue_age_ms_gte:g} ms"
-        )
-        retryable = slack > wait + service
-        return Decision(
-            "reject_wait_beats_slack",
-            f"{why}{upstream}{util}",
-            503 if retryable else policy.late_status,
-            retry_after_s=max(1.0, (slack - wait - service) / 2000.0) if retryable else None,
-            retryable=retryable,
-        )
+        return _beats("reject_wait_beats_slack", f"projected wait {wait:.0f} ms", f" + expected service {service:g} ms", wait, slack, policy, tail)
     if req.tenant_budget_left is not None and req.tenant_budget_left <= 0:
         return Decision("reject_tenant_budget", "tenant token-unit budget spent for this window", 429, retry_after_s=60.0, retryable=True)
     plus = f" + expected service {service:g} ms" if service else ""
     return Decision(ADMIT, f"queue age {age:.0f} ms{plus} < deadline slack {slack:.0f} ms{upstream}", 200)
+
+
+def _beats(name: str, what: str, plus: str, ms: float, slack: float, policy: Policy, tail: str) -> Decision:
+    """A refusal because ``ms`` (the queue's age, or the projected wait; ``what`` names it)
+    and the service beat the slack, or ``ms`` reached the cap: still worth a retry later
+    (503, `Retry-After`) only if the request itself has time left, else the late status."""
+    service = policy.expected_service_ms
+    why = f"{what}{plus} >= deadline slack {slack:.0f} ms" if ms + service >= slack else f"{what} >= {policy.reject_if_queue_age_ms_gte:g} ms"
+    retryable = slack > ms + service
+    return Decision(
+        name,
+        f"{why}{tail}",
+        503 if retryable else policy.late_status,
+        retry_after_s=max(1.0, (slack - ms - service) / 2000.0) if retryable else None,
+        retryable=retryable,
+    )
 
 
 @dataclass

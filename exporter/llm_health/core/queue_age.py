@@ -128,6 +128,10 @@ class QueueAges:
         self.units: dict[tuple[str, str], float | None] = {}  # the last round's figure per unit
         self.waiting: int | None = None  # the last round's waiting count, every unit (None: unknown)
         self.running: int | None = None  # and its running count
+        # The most sequences it ran at once since its process started: what it runs when
+        # full (a door's projected wait, `door_ahead`); at low load the running count at one
+        # read is often below it. None until a count is read; reset on a restart.
+        self.slots: int | None = None
         self.read_at: float | None = None  # when that round's read ended, Unix seconds (the doors compare it with their clocks)
 
     @property
@@ -154,6 +158,10 @@ class QueueAges:
         runs = [e.running for e in reading.engines.values()]
         known = waits and not any(math.isnan(x) for x in (*waits, *runs))
         self.waiting, self.running = (int(sum(waits)), int(sum(runs))) if known else (None, None)
+        if restarted:
+            self.slots = None
+        if self.running is not None:
+            self.slots = max(self.slots or 0, self.running)
         self.read_at = wall
         units: dict[tuple[str, str], float | None] = {}
         curves: dict[tuple[str, str], Curve] = {}
@@ -216,29 +224,31 @@ def door_covers(admitted_ms: Sequence[float], held: int, round_ms: float, ended:
     return sum(1 for t in admitted_ms if t <= round_ms) + ended >= held
 
 
-def door_ahead(admitted_ms: Sequence[float], running: int, held: int, covers: bool) -> int:
+def door_ahead(admitted_ms: Sequence[float], slots: int, held: int, covers: bool) -> int:
     """The requests that must end before one a door sends now can start
     (`store.scripts.DECIDE_LUA` counts the same): every request it has in flight, those
     sent since the engine's last read included (where the door does not cover what the
-    engine holds, at least the ``held`` it then held), less the ``running`` sequences, plus
-    one when every sequence is taken (a running one must end first); 0 while a sequence
-    is free. With nothing running at the read, one sequence is assumed."""
-    slots = max(running, 1)
+    engine holds, at least the ``held`` it then held), less the engine's ``slots`` (the
+    most sequences it has run at once, `QueueAges.slots`), plus one when every sequence is
+    taken (a running one must end first); 0 while a sequence is free. With no sequence
+    seen yet, one is assumed."""
+    slots = max(slots, 1)
     held_now = len(admitted_ms) if covers else max(len(admitted_ms), held)
     return held_now - slots + 1 if held_now >= slots else 0
 
 
-def door_wait(ahead: int | None, running: int | None, service_ms: float) -> float | None:
+def door_wait(ahead: int | None, slots: int | None, service_ms: float) -> float | None:
     """How long a request sent now waits before the engine takes it in, projected from the
     requests that must end first (``ahead``, `door_ahead`): each takes ``service_ms`` (the
-    route's `expected_service_ms`) on one of the ``running`` sequences the engine ran at its
-    last read (at least one), so one ends every ``service_ms / running``. The
-    age of the queue's head (`door_age`) says how long the head waited; when a burst was
-    sent since the last read, the requests behind it wait longer, and only this sees it.
-    None (nothing projected) with no service time configured or the counts unknown."""
-    if not service_ms or ahead is None or running is None:
+    route's `expected_service_ms`, a request's service while the engine is full) on one of
+    the engine's ``slots`` sequences (at least one), so one ends every ``service_ms /
+    slots``. The age of the queue's head (`door_age`) says how long the head waited; when
+    a burst was sent since the last read, the requests behind it wait longer, and only
+    this sees it. None (nothing projected) with no service time configured or the counts
+    unknown."""
+    if not service_ms or ahead is None or slots is None:
         return None
-    return ahead * service_ms / max(1, running)
+    return ahead * service_ms / max(1, slots)
 
 
 def acted_on(counters_ms: float | None, door_ms: float | None, covers: bool = False) -> float | None:

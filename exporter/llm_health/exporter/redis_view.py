@@ -154,7 +154,7 @@ class RedisView:
     ) -> None:
         """Read Redis once (constant round trips) and replace the snapshot; in the same
         pipeline, publish each backend's engine queue age (`engine_ages`, ms or None while
-        unknown) under QueueKeys.engine_age and its waiting and running counts (`waiting`, "W R READ_MS")
+        unknown) under QueueKeys.engine_age and its waiting and running counts (`waiting`, "W R READ_MS S")
         under QueueKeys.engine_waiting: SET with an expiry of `ttl_ms`, or DEL while
         unknown (absent means unknown, never 0). Never raises for Redis trouble:
         `llm_redis_up` goes to 0 (and a publish that did not land is counted in

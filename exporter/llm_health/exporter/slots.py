@@ -130,8 +130,9 @@ def engine_ages(slots: Iterable[Slot], now: float, interval: float) -> dict[str,
 
 def engine_waiting(slots: Iterable[Slot], now: float, interval: float) -> dict[str, str | None]:
     """Published beside `engine_ages` (QueueKeys.engine_waiting): each engine backend's
-    waiting and running counts and when its round's read ended, `"W R READ_MS"`; None
-    (deleted) while unknown or stale, as the age."""
+    waiting and running counts, when its round's read ended and the most sequences it has
+    run at once (`QueueAges.slots`), `"W R READ_MS S"`; None (deleted) while unknown or
+    stale, as the age."""
     out: dict[str, str | None] = {}
     for s in slots:
         if s.backend.kind == "proxy":
@@ -139,7 +140,8 @@ def engine_waiting(slots: Iterable[Slot], now: float, interval: float) -> dict[s
         ages = s.monitor.queue_ages
         fresh = s.verdict is not None and s.last_round_at is not None and now - s.last_round_at <= 3 * max(interval, s.backend.timing.interval)
         known = fresh and ages.waiting is not None and ages.running is not None and ages.read_at is not None
-        out[s.backend.name] = f"{ages.waiting} {ages.running} {int((ages.read_at or 0) * 1000)}" if known else None
+        seqs = max(ages.slots or 0, ages.running or 0)
+        out[s.backend.name] = f"{ages.waiting} {ages.running} {int((ages.read_at or 0) * 1000)} {seqs}" if known else None
     return out
 
 

@@ -369,7 +369,7 @@ class Admission:
         budget = limit - got.spent if limit is not None else None
         # The counters' figure and the door's own, from the requests it sent (core.queue_age.acted_on).
         engine_age = acted_on(engine_queue_age(got.ages), got.door_age_ms, got.door_covers) if route.backends else None
-        wait = door_wait(got.ahead, got.running, route.policy.expected_service_ms)
+        wait = door_wait(got.ahead, got.slots, route.policy.expected_service_ms)
         return got.record, got.stats, budget, None if engine_age is None else int(engine_age), None if wait is None else int(wait)
 
     # --- finishing an attempt -------------------------------------------------------------

@@ -442,8 +442,8 @@ class Decided:
     ages: list[Any]  # the backends' published engine ages (None where absent)
     door_age_ms: int | None  # the door's own figure (core.queue_age.door_age), None: unknown
     door_covers: bool  # the door sent everything the engines held (core.queue_age.door_covers)
-    ahead: int | None = None  # requests ahead of this one (core.queue_age.door_ahead), None: unknown
-    running: int | None = None  # the backends' running count at their last read, None: unknown
+    ahead: int | None = None  # the requests that must end before this one starts (core.queue_age.door_ahead), None: unknown
+    slots: int | None = None  # the backends' sequences, the most each ran at once (core.queue_age.QueueAges.slots), None: unknown
 
 
 def parse_decide(request_id: str, reply: Sequence[Any], now: int) -> Decided:
@@ -451,7 +451,7 @@ def parse_decide(request_id: str, reply: Sequence[Any], now: int) -> Decided:
     used: ``request_id``, or the first copy a retry without an id was matched to), the
     route's stats as the request found them, the tenant's spend this minute (0 when none),
     the engine ages and the door's own figure."""
-    stats, flat, spent, ages, used, door, covers, ahead, running = reply
+    stats, flat, spent, ages, used, door, covers, ahead, slots = reply
     if used is not None:
         request_id = text(used)
 
@@ -486,4 +486,4 @@ def parse_decide(request_id: str, reply: Sequence[Any], now: int) -> Decided:
     def count(value: Any) -> int | None:
         return int(value) if value is not None and value is not False else None
 
-    return Decided(record, route_stats, float(spent or 0), list(ages or []), door_ms, bool(covers), count(ahead), count(running))
+    return Decided(record, route_stats, float(spent or 0), list(ages or []), door_ms, bool(covers), count(ahead), count(slots))

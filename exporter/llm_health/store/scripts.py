@@ -273,8 +273,8 @@ end
 # tenant's spend this minute, the engine queue age of the route's backends, a first copy
 # listed under its fingerprint, and the id taken off the waiting set (state running).
 # With n backends, the door's own figure of their queue age (core.queue_age.door_age and
-# door_covers, the same rules): their running and waiting counts summed, "W R READ_MS" each
-# (keys.engine_waiting), and of the route's requests in flight sent by the latest READ_MS
+# door_covers, the same rules): their running and waiting counts summed, "W R READ_MS S" each
+# (keys.engine_waiting; S, the most sequences run at once, may be absent: then R), and of the route's requests in flight sent by the latest READ_MS
 # (keys.route_inflight, scored by when each was sent) the oldest after the R running ones:
 # now minus when it was sent; 0 when no more than R were in flight, false when a count is
 # unknown; and 1 where at least W + R were in flight then, those that ended since counted
@@ -282,8 +282,8 @@ end
 # minute before (keys.route_inflight's third set: the engine holds one until it notices),
 # else 0 (something bypasses the door). And the requests that must end before this one
 # starts (core.queue_age.door_ahead): every request the route has in flight now (where the
-# door does not cover, at least what the engines held) less the R running, plus one, where
-# every running sequence is taken. Then this request (or the first copy it was
+# door does not cover, at least what the engines held) less the engines' sequences (the S
+# summed), plus one, where every sequence is taken. Then this request (or the first copy it was
 # matched to) joins the in-flight sets, the second scored by its deadline
 # (keys.route_inflight): its refusal or its attempt's end takes it off (LEAVE_QUEUE_LUA),
 # and its deadline at the latest (an end the door never heard of, a lost report, does not
@@ -299,7 +299,7 @@ end
 # score; '' where none), the record as enqueued (its ten fields, queue.parse_decide's order),
 # the tenant's spend or false, {the engine ages, false where absent}, the id used (ARGV[1],
 # or the matched first copy's), the door's figure in ms or false, 1 or 0, the requests ahead
-# and the running count (false where a count is unknown)}.
+# and the sequences (false where a count is unknown)}.
 DECIDE_LUA = (
     _GC_FN
     + _ENQUEUE_FN
@@ -349,7 +349,7 @@ if spent_key then spent = redis.call('GET', spent_key) end
 local n = tonumber(ARGV[13] or '0') or 0
 local ages = {}
 for i = k, k + n - 1 do ages[#ages + 1] = redis.call('GET', KEYS[i]) end
-local door, covers, ahead, running = false, 0, false, false
+local door, covers, ahead, slots = false, 0, false, false
 if n > 0 then
   local inflight, ends, ended = KEYS[k + 2 * n], KEYS[k + 2 * n + 1], KEYS[k + 2 * n + 2]
   local gone = redis.call('ZRANGEBYSCORE', ends, '-inf', ARGV[6], 'LIMIT', 0, 64)
@@ -359,12 +359,13 @@ if n > 0 then
     for _, g in ipairs(gone) do redis.call('ZADD', ended, string.format('%d', now + GAVE_UP_MS), g) end
   end
   redis.call('ZREMRANGEBYSCORE', ended, '-inf', string.format('(%d', now - 2 * GAVE_UP_MS))
-  local known, held, read = true, 0, 0
-  running = 0
+  local known, held, read, running = true, 0, 0, 0
+  slots = 0
   for i = k + n, k + 2 * n - 1 do
-    local w, r, t = string.match(redis.call('GET', KEYS[i]) or '', '^(%d+) (%d+) (%d+)$')
+    local w, r, t, s = string.match(redis.call('GET', KEYS[i]) or '', '^(%d+) (%d+) (%d+) ?(%d*)$')
     if not w then known = false break end
     running = running + tonumber(r)
+    slots = slots + math.max(tonumber(r), tonumber(s) or 0)
     held = held + tonumber(w) + tonumber(r)
     read = math.max(read, tonumber(t))
   end
@@ -380,14 +381,14 @@ if n > 0 then
     end
     -- the requests that must end before this one starts (core.queue_age.door_ahead): all the
     -- door has in flight now (those sent since the read included; where something bypasses
-    -- the door, at least what the engines held), less the sequences running, plus one, when
+    -- the door, at least what the engines held), less the engines' sequences, plus one, when
     -- every sequence is taken
-    local slots, held_now = math.max(running, 1), redis.call('ZCARD', inflight)
+    local seqs, held_now = math.max(slots, 1), redis.call('ZCARD', inflight)
     if covers == 0 then held_now = math.max(held_now, held) end
     ahead = 0
-    if held_now >= slots then ahead = held_now - slots + 1 end
+    if held_now >= seqs then ahead = held_now - seqs + 1 end
   else
-    running = false
+    slots = false
   end
   redis.call('ZADD', inflight, ARGV[6], id)
   redis.call('ZADD', ends, record[4], id)
@@ -399,7 +400,7 @@ if n > 0 then
   if #gone > 0 then redis.call('PEXPIRE', ended, 2 * GAVE_UP_MS) end
 end
 leave(rec, id, 'running', '', ARGV[6], '0')
-return {stats, record, spent, ages, id, door, covers, ahead, running}
+return {stats, record, spent, ages, id, door, covers, ahead, slots}
 """
 )
 
