@@ -25,10 +25,12 @@ of 7, in ms: runs on machines of different speed compare through it.
 
     python -m bench.bench_admission [--rates 100,500] [--litellm-rates 25,50] [--seconds 6] [--closed-seconds 3] [--no-litellm]
 
-Goals, all judged at 500 requests/s (a run that did not reach that rate for a path prints
+Goals, judged at 500 requests/s (a run that did not reach that rate for a path prints
 NOT RUN for its goals): the gate and the nginx door each add under 1 ms at p50 and p99 over
-their baseline, the LiteLLM hook under 0.5 ms over LiteLLM alone (one LiteLLM process does
-not reach 500 requests/s on one core: NOT RUN there); the gate and the nginx door keep at
+their baseline; the LiteLLM hook under 0.5 ms over LiteLLM alone, judged at 50 requests/s
+(one LiteLLM process does not reach 500 requests/s on one core: its closed-loop ceiling,
+in the same run, is near 150; at 50 it is a third of that, as 500 is for the others'
+ceilings or less); the gate and the nginx door keep at
 least half of their baseline's ceiling; `decide`'s CPU per request is at most nginx's own
 per proxied request, the gate's at most twice it.
 """
@@ -68,6 +70,8 @@ CALIBRATION_PAYLOAD = ROOT / "tests" / "data" / "real-world" / "metrics" / "vllm
 GOAL_ADDED_P99_MS = {"gate": 1.0, "nginx+door": 1.0, "litellm+hook": 0.5}
 GOAL_CEILING_RATIO = 0.5
 GOAL_RATE = 500.0  # every door's latency and CPU goals are judged at this rate, or print NOT RUN
+# ... except the LiteLLM hook's latency: one LiteLLM process tops out near 150 requests/s here
+GOAL_RATES = {"litellm+hook": 50.0}
 GOAL_DECIDE_CPU_RATIO = 1.0  # decide's CPU per request against nginx's own per proxied request
 GOAL_GATE_CPU_RATIO = 2.0
 BASELINE = {"gate": "direct", "nginx+door": "nginx", "litellm": "direct", "litellm+hook": "litellm"}
@@ -300,7 +304,8 @@ def failures(runs: dict[str, Run]) -> str:
 
 
 def goals(runs: Runs, ceilings: dict) -> list[str]:
-    """Each door's goals, judged at GOAL_RATE only (NOT RUN where the run did not reach it):
+    """Each door's goals, judged at GOAL_RATE only (GOAL_RATES for LiteLLM's latency; NOT
+    RUN where the run did not reach it):
     the added latency from matched quantiles of interleaved halves (bench/_goal.py), the
     ceiling against its baseline's, and the CPU per request of the decision (`decide`) and of
     the gate against nginx's own per proxied request in the same run. Each ratio is printed
@@ -309,14 +314,15 @@ def goals(runs: Runs, ceilings: dict) -> list[str]:
     at_goal = next((group for rate, group in runs if rate == GOAL_RATE), {})
     highest = {name: max(rate for rate, group in runs if name in group) for _, group in runs for name in group}
     for name, goal in GOAL_ADDED_P99_MS.items():
-        base = BASELINE[name]
-        text = f"{name} adds under {goal:g} ms at p50 and p99 at {GOAL_RATE:g} requests/s over {base}, every answer 200"
-        if name not in at_goal or base not in at_goal:
+        base, rate = BASELINE[name], GOAL_RATES.get(name, GOAL_RATE)
+        at_rate = next((group for r, group in runs if r == rate and name in group), {})
+        text = f"{name} adds under {goal:g} ms at p50 and p99 at {rate:g} requests/s over {base}, every answer 200"
+        if name not in at_rate or base not in at_rate:
             why = f"highest rate measured: {highest[name]:g} requests/s" if name in highest else "not measured in this run"
             out.append(not_run(text, why))
             continue
-        run, b = at_goal[name], at_goal[base].lat
-        if failed := failures({n: at_goal[n] for n in (name, base)}):
+        run, b = at_rate[name], at_rate[base].lat
+        if failed := failures({n: at_rate[n] for n in (name, base)}):
             out.append(failed_line(text, failed))
             continue
         measured, met = added_latency(ms(run.lat, 50) - ms(b, 50), ms(run.lat, 99) - ms(b, 99), goal)
