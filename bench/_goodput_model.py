@@ -20,7 +20,12 @@ AGE_CAP_SERVICES = 5
 SDK_MAX_RETRIES = 2  # the openai SDK's default
 TOKENS = 16  # completion tokens a request asks for (ignore_eos: every answer has them all)
 GOAL_CAPACITY = 0.90  # at 2x and 4x: the door's goodput at least 90% of capacity
-GOAL_OVER_CAP = 1.2  # and at least 1.2x the best queue cap's
+GOAL_OVER_CAP = 1.2  # and at least 1.2x the best queue cap's,
+# or, where 1.2x the cap's is above it, this share of C: no policy passes C (the physical
+# limit), and a window's edges (answers still running when it ends) keep even a saturated
+# engine with no deadline to miss about 1% under it; a cap at 0.82 C or more leaves 1.2x no
+# room. The simulated fleet's cap of 2 makes 0.98-0.99 C (a refusal there costs nothing).
+GOAL_NEAR_CAPACITY = 0.98
 GOAL_WASTED = 0.05  # wasted engine tokens at most 5% of those generated
 GOAL_UNDERLOAD = 0.02  # at 0.8x within 2% of direct's goodput
 DOORS = ("gate", "nginx+decide")
@@ -183,10 +188,11 @@ def goals(results: list[Result], prefix: str = "", doors: tuple[str, ...] = DOOR
             )
             lines.append(
                 goal_line(
-                    f"{prefix}{door} at {load:g}x capacity: goodput >= {GOAL_CAPACITY:.0%} of C and >= {GOAL_OVER_CAP:g}x the best vLLM queue cap's",
+                    f"{prefix}{door} at {load:g}x capacity: goodput >= {GOAL_CAPACITY:.0%} of C and >= {GOAL_OVER_CAP:g}x the best vLLM queue cap's "
+                    f"(or >= {GOAL_NEAR_CAPACITY:.0%} of C where that is above it: C is the limit)",
                     f"{frac:.2f} C, {over:.2f}x {cap.policy} ({printed(cap.fraction):.2f} C); direct {printed(direct.fraction):.2f} C, "
                     f"{door}/direct {vs_direct:.2f}x; {d.failed} failed",
-                    d.failed == 0 and frac >= GOAL_CAPACITY and over >= GOAL_OVER_CAP,
+                    d.failed == 0 and frac >= GOAL_CAPACITY and (over >= GOAL_OVER_CAP or frac >= GOAL_NEAR_CAPACITY),
                 )
             )
             lines.append(

@@ -19,7 +19,8 @@ TTL); the age-first door: `llm_health.core.admission.decide` itself, on the rout
 engine queue age as the gate reads it (the youngest oldest-waiting age among the
 engines, as of the last 1 s exporter round: the figure as it should be, within a round
 of the truth), the wait it projects (`core.queue_age.door_ahead` and `door_wait`: every
-attempt in flight now, against the most sequences seen running at a round), the request's slack,
+attempt in flight now, against the most sequences each engine was seen running at a round,
+once every engine has been seen full at one; none projected before), the request's slack,
 and its retry count (the door knows every attempt by its X-Request-Id), configured as
 docs/admission.md advises under overload (`expected_service_ms` = S, a request's service
 here whatever the engine runs beside it; `reject_if_queue_age_ms_gte` = AGE_CAP_SERVICES x
@@ -77,7 +78,8 @@ class Fleet:
         self.generated = 0.0
         self.now = 0.0
         self.door_age_s = 0.0  # the route's engine queue age as of the last round
-        self.read_slots = 0  # the most sequences the engines ran at once, as the rounds saw (QueueAges.slots)
+        self.most_running = [0] * engines  # the most sequences each engine ran at once, as the rounds saw
+        self.seen_full = [False] * engines  # and whether a round found it full (QueueAges.slots)
         longest = max(60.0, service_s * 30 * 1000)
         self.policy_cfg = admission.Policy(
             reject_if_queue_age_ms_gte=AGE_CAP_SERVICES * service_s * 1000, default_deadline_ms=longest, expected_service_ms=service_s * 1000
@@ -137,7 +139,8 @@ class Fleet:
         if self.policy == "door":
             slack_ms = (a.at + a.deadline_s - self.now) * 1000
             in_flight = [0.0] * sum(len(e.running) + e.queued for e in self.engines)  # the door sees every attempt it sent
-            wait = door_wait(door_ahead(in_flight, self.read_slots, 0, True), self.read_slots, self.policy_cfg.expected_service_ms)
+            slots = sum(self.most_running) if all(self.seen_full) else None  # the route's S summed, unknown while any is
+            wait = door_wait(door_ahead(in_flight, slots, 0, True), slots, self.policy_cfg.expected_service_ms)
             req = admission.Request(queue_age_ms=self.door_age_s * 1000, deadline_slack_ms=slack_ms, retry_count=attempt, wait_ms=wait)
             d = admission.decide(req, self.policy_cfg)
             if not d.admitted:
@@ -205,7 +208,9 @@ class Fleet:
             self.now = t
             if kind == "tick":
                 self.door_age_s = self._oldest_waiting_s()
-                self.read_slots = max(self.read_slots, sum(len(e.running) for e in self.engines))
+                for i, e in enumerate(self.engines):
+                    self.most_running[i] = max(self.most_running[i], len(e.running))
+                    self.seen_full[i] = self.seen_full[i] or e.head() is not None
                 self.at(t + ROUND_S, "tick", None)
             elif kind == "retry":
                 assert isinstance(what, tuple)

@@ -37,8 +37,9 @@ async def test_the_script_and_the_reference_agree(redis_url):
             read = now - rng.randint(0, 3000)
             sent = [now - rng.randint(0, 20_000) for _ in range(rng.randint(0, 12))]
             counts = [(rng.randint(0, 6), rng.randint(0, 4)) for _ in backends]
-            # the most sequences each ran at once: absent (an older exporter: R), or at least R
-            seen = [rng.choice([None, r, r + rng.randint(0, 3)]) for _, r in counts]
+            # what each runs when full: absent (an older exporter: R), 0 (not yet seen full:
+            # nothing projected for the route), or the most it ran at once, at least R
+            seen = [rng.choice([None, 0, r, r + rng.randint(0, 3)]) for _, r in counts]
             keys = q.keys
             pipe = client.pipeline(transaction=False)
             if sent:
@@ -51,7 +52,8 @@ async def test_the_script_and_the_reference_agree(redis_url):
             q.pipe_decide(pipe, f"t/new-{case}", route, "t", now + 60_000, now, tenant_key=None, fingerprint=None, backends=backends)
             got = parse_decide(f"t/new-{case}", (await pipe.execute())[0], now)
             running, held = sum(r for _, r in counts), sum(w + r for w, r in counts)
-            slots = sum(r if most is None else most for (_, r), most in zip(counts, seen))
+            sized = all(most != 0 for most in seen)
+            slots = sum(r if most is None else most for (_, r), most in zip(counts, seen)) if sized else None
             assert got.door_age_ms == int(door_age(sent, running, read, now)), (case, sent, counts, read)
             assert got.door_covers == door_covers(sent, held, read), case
             assert (got.ahead, got.slots) == (door_ahead(sent, slots, held, got.door_covers), slots), (case, sent, counts, seen)

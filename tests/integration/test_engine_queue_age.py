@@ -82,6 +82,9 @@ async def test_engine_queue_age_key_appears_tracks_goes_on_unknown_and_expires(s
         waiting, running, read_ms, slots = (int(x) for x in (await r.get(key["busy"].replace("queue_age_ms", "waiting"))).split())
         assert waiting > 0 and running >= 0 and abs(read_ms / 1000 - time.time()) < 5, (waiting, running, read_ms)
         assert slots >= running, (slots, running)  # the most it ran at once, this read's count included
+        # An engine never found full: what it runs when full is not known, S 0 (no wait projected).
+        never_full = (await r.get(key["steady"].replace("queue_age_ms", "waiting"))).split()
+        assert [never_full[0], never_full[3]] in (["0", "0"], [b"0", b"0"]), never_full
         assert await r.get(key["router"].replace("queue_age_ms", "waiting")) is None
 
         # A restart with requests already waiting: their arrival is unknown, so is the age.

@@ -254,8 +254,10 @@ def test_door_ahead_and_wait_rules():
     # since the read (15.0) count, a round before the engine's counters would show them.
     assert door_ahead([1.0, 2.0], slots=2, held=2, covers=True) == 1
     assert door_ahead([1.0, 2.0, 3.0, 15.0], slots=2, held=3, covers=True) == 3
-    # No sequence seen yet (the engine not yet taking them in): one assumed.
+    # 0 sequences (an older exporter's engine seen running none): one assumed.
     assert door_ahead([1.0, 2.0, 3.0], slots=0, held=3, covers=True) == 3
+    # Not yet known (the engine not yet seen full): nothing projected.
+    assert door_ahead([1.0, 2.0, 3.0], slots=None, held=3, covers=True) is None
     # Something bypasses the door: at least what the engine held.
     assert door_ahead([1.0, 2.0], slots=2, held=9, covers=False) == 8
     # One ends every service / slots: 4 ahead on 2 sequences at 300 ms a request.
@@ -264,19 +266,29 @@ def test_door_ahead_and_wait_rules():
     # Nothing projected without a service time or the counts.
     assert door_wait(4, 2, 0.0) is None and door_wait(None, 2, 300.0) is None and door_wait(4, None, 300.0) is None
     # Where it is wrong (docs/admission.md): it knows the most sequences seen running, not
-    # the engine's: a 2-sequence engine only ever seen running one starts the next request
-    # at once, and the projection says one service; and every request ahead is one service long.
+    # the engine's; every request ahead is one service long.
     assert door_wait(door_ahead([1.0], slots=1, held=1, covers=True), 1, 300.0) == 300.0
+    assert door_wait(door_ahead([1.0, 2.0, 3.0], slots=None, held=3, covers=True), None, 300.0) is None
 
 
-def test_the_sequences_are_the_most_seen_running_since_the_process_started():
+def test_the_sequences_are_the_most_seen_running_once_the_engine_was_full():
     """At low load the running count at one read is often below what the engine runs when
     full; the door's projection divides by the most it has run at once (QueueAges.slots),
-    which a restart forgets."""
+    known only once a read has found requests waiting (before, the most seen is only a
+    lower bound), and a restart forgets both."""
     ages = QueueAges()
-    for running, restarted, slots in ((1, False, 1), (2, False, 2), (0, False, 2), (1, False, 2), (1, True, 1)):
-        ages.update(reading(unit(10, running, 0)), now=1.0, restarted=restarted, wall=1.0)
-        assert (ages.running, ages.slots) == (running, slots)
+    steps = (  # running, waiting, restarted: the sequences published
+        (1, 0, False, None),  # light load: one running, none waiting, not yet known
+        (2, 0, False, None),
+        (2, 3, False, 2),  # full: two running, three waiting
+        (0, 0, False, 2),  # idle again: still known
+        (3, 0, False, 3),  # the most seen rises (a KV cache that freed up)
+        (1, 0, True, None),  # a new process: forgotten until full again
+        (1, 2, False, 1),
+    )
+    for running, waiting, restarted, slots in steps:
+        ages.update(reading(unit(10, running, waiting)), now=1.0, restarted=restarted, wall=1.0)
+        assert (ages.running, ages.waiting, ages.slots) == (running, waiting, slots)
     ages.update(None, now=2.0)  # a round without a reading keeps what the process showed
     assert ages.slots == 1
 

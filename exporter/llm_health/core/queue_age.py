@@ -128,11 +128,23 @@ class QueueAges:
         self.units: dict[tuple[str, str], float | None] = {}  # the last round's figure per unit
         self.waiting: int | None = None  # the last round's waiting count, every unit (None: unknown)
         self.running: int | None = None  # and its running count
-        # The most sequences it ran at once since its process started: what it runs when
-        # full (a door's projected wait, `door_ahead`); at low load the running count at one
-        # read is often below it. None until a count is read; reset on a restart.
-        self.slots: int | None = None
+        # The most sequences it ran at once since its process started (at low load the
+        # running count at one read is often below it), and whether a read has found it
+        # full (requests waiting: it ran all it could); both reset on a restart.
+        self.most_running: int | None = None
+        self.seen_full = False
         self.read_at: float | None = None  # when that round's read ended, Unix seconds (the doors compare it with their clocks)
+
+    @property
+    def slots(self) -> int | None:
+        """What it runs when full, for a door's projected wait (`door_ahead`): the most
+        sequences it ran at once since its process started, known only once a read has
+        found requests waiting. Before that the most seen is only a lower bound (a
+        2-sequence engine at low load may never have run two), and a wait projected on it
+        too long: a door would refuse requests that would have made their deadlines (an
+        engine just started, filling, is read with a few running and none waiting). None:
+        not yet known."""
+        return self.most_running if self.seen_full else None
 
     @property
     def backend(self) -> float | None:
@@ -159,9 +171,10 @@ class QueueAges:
         known = waits and not any(math.isnan(x) for x in (*waits, *runs))
         self.waiting, self.running = (int(sum(waits)), int(sum(runs))) if known else (None, None)
         if restarted:
-            self.slots = None
+            self.most_running, self.seen_full = None, False
         if self.running is not None:
-            self.slots = max(self.slots or 0, self.running)
+            self.most_running = max(self.most_running or 0, self.running)
+            self.seen_full = self.seen_full or bool(self.waiting)
         self.read_at = wall
         units: dict[tuple[str, str], float | None] = {}
         curves: dict[tuple[str, str], Curve] = {}
@@ -224,14 +237,17 @@ def door_covers(admitted_ms: Sequence[float], held: int, round_ms: float, ended:
     return sum(1 for t in admitted_ms if t <= round_ms) + ended >= held
 
 
-def door_ahead(admitted_ms: Sequence[float], slots: int, held: int, covers: bool) -> int:
+def door_ahead(admitted_ms: Sequence[float], slots: int | None, held: int, covers: bool) -> int | None:
     """The requests that must end before one a door sends now can start
     (`store.scripts.DECIDE_LUA` counts the same): every request it has in flight, those
     sent since the engine's last read included (where the door does not cover what the
     engine holds, at least the ``held`` it then held), less the engine's ``slots`` (the
     most sequences it has run at once, `QueueAges.slots`), plus one when every sequence is
-    taken (a running one must end first); 0 while a sequence is free. With no sequence
-    seen yet, one is assumed."""
+    taken (a running one must end first); 0 while a sequence is free. With 0 sequences
+    (an older exporter's engine seen running none), one is assumed; None (the engine not
+    yet seen full, so what it runs when full unknown): None, no wait projected."""
+    if slots is None:
+        return None
     slots = max(slots, 1)
     held_now = len(admitted_ms) if covers else max(len(admitted_ms), held)
     return held_now - slots + 1 if held_now >= slots else 0

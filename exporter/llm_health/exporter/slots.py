@@ -114,34 +114,31 @@ class Slot:
         return out
 
 
+def _fresh(s: Slot, now: float, interval: float) -> bool:
+    """Its last round ended within 3 intervals: a round stuck on a slow read leaves no
+    figure behind that would outlive it."""
+    return s.verdict is not None and s.last_round_at is not None and now - s.last_round_at <= 3 * max(interval, s.backend.timing.interval)
+
+
 def engine_ages(slots: Iterable[Slot], now: float, interval: float) -> dict[str, int | None]:
     """What the exporter publishes to Redis (QueueKeys.engine_age) for its engine backends
     (a proxy has no engine queue): each one's queue age in ms, None (the key deleted) while
-    unknown or when its last round ended more than 3 intervals ago (a round stuck on a
-    slow read leaves no figure behind that would outlive it)."""
-    out: dict[str, int | None] = {}
-    for s in slots:
-        if s.backend.kind == "proxy":
-            continue
-        fresh = s.verdict is not None and s.last_round_at is not None and now - s.last_round_at <= 3 * max(interval, s.backend.timing.interval)
-        out[s.backend.name] = to_ms(s.monitor.queue_ages.backend) if fresh else None
-    return out
+    unknown or stale (`_fresh`)."""
+    return {s.backend.name: to_ms(s.monitor.queue_ages.backend) if _fresh(s, now, interval) else None for s in slots if s.backend.kind != "proxy"}
 
 
 def engine_waiting(slots: Iterable[Slot], now: float, interval: float) -> dict[str, str | None]:
     """Published beside `engine_ages` (QueueKeys.engine_waiting): each engine backend's
-    waiting and running counts, when its round's read ended and the most sequences it has
-    run at once (`QueueAges.slots`), `"W R READ_MS S"`; None (deleted) while unknown or
-    stale, as the age."""
+    waiting and running counts, when its round's read ended and what it runs when full
+    (`QueueAges.slots`; 0 while not yet known: no read has found it full since it
+    started), `"W R READ_MS S"`; None (deleted) while unknown or stale, as the age."""
     out: dict[str, str | None] = {}
     for s in slots:
         if s.backend.kind == "proxy":
             continue
         ages = s.monitor.queue_ages
-        fresh = s.verdict is not None and s.last_round_at is not None and now - s.last_round_at <= 3 * max(interval, s.backend.timing.interval)
-        known = fresh and ages.waiting is not None and ages.running is not None and ages.read_at is not None
-        seqs = max(ages.slots or 0, ages.running or 0)
-        out[s.backend.name] = f"{ages.waiting} {ages.running} {int((ages.read_at or 0) * 1000)} {seqs}" if known else None
+        known = _fresh(s, now, interval) and ages.waiting is not None and ages.running is not None and ages.read_at is not None
+        out[s.backend.name] = f"{ages.waiting} {ages.running} {int((ages.read_at or 0) * 1000)} {ages.slots or 0}" if known else None
     return out
 
 

@@ -112,8 +112,9 @@ class QueueKeys:
 
     def engine_waiting(self, backend: str) -> str:
         """One backend's engine waiting and running counts, when the exporter read them and
-        the most sequences it ran at once, `"W R READ_MS S"` (Unix ms; S may be absent, read
-        as R), beside `engine_age` with the same expiry: a door reads the
+        what it runs when full, `"W R READ_MS S"` (Unix ms; S the most sequences it ran at
+        once, 0 until a read has found it full since it started; absent from an older
+        exporter, read as R), beside `engine_age` with the same expiry: a door reads the
         age from the requests it sent and has not seen end (`route_inflight`) with these
         counts (`core.queue_age.door_age`), which stays true when clients give up."""
         return f"{self.prefix}engine:{backend}:waiting"

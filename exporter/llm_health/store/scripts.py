@@ -274,7 +274,8 @@ end
 # listed under its fingerprint, and the id taken off the waiting set (state running).
 # With n backends, the door's own figure of their queue age (core.queue_age.door_age and
 # door_covers, the same rules): their running and waiting counts summed, "W R READ_MS S" each
-# (keys.engine_waiting; S, the most sequences run at once, may be absent: then R), and of the route's requests in flight sent by the latest READ_MS
+# (keys.engine_waiting; S, what the engine runs when full: absent from an older exporter,
+# then R; 0 while not yet known), and of the route's requests in flight sent by the latest READ_MS
 # (keys.route_inflight, scored by when each was sent) the oldest after the R running ones:
 # now minus when it was sent; 0 when no more than R were in flight, false when a count is
 # unknown; and 1 where at least W + R were in flight then, those that ended since counted
@@ -283,7 +284,7 @@ end
 # else 0 (something bypasses the door). And the requests that must end before this one
 # starts (core.queue_age.door_ahead): every request the route has in flight now (where the
 # door does not cover, at least what the engines held) less the engines' sequences (the S
-# summed), plus one, where every sequence is taken. Then this request (or the first copy it was
+# summed), plus one, where every sequence is taken; unknown (false) while any S is 0. Then this request (or the first copy it was
 # matched to) joins the in-flight sets, the second scored by its deadline
 # (keys.route_inflight): its refusal or its attempt's end takes it off (LEAVE_QUEUE_LUA),
 # and its deadline at the latest (an end the door never heard of, a lost report, does not
@@ -359,13 +360,14 @@ if n > 0 then
     for _, g in ipairs(gone) do redis.call('ZADD', ended, string.format('%d', now + GAVE_UP_MS), g) end
   end
   redis.call('ZREMRANGEBYSCORE', ended, '-inf', string.format('(%d', now - 2 * GAVE_UP_MS))
-  local known, held, read, running = true, 0, 0, 0
+  local known, sized, held, read, running = true, true, 0, 0, 0
   slots = 0
   for i = k + n, k + 2 * n - 1 do
     local w, r, t, s = string.match(redis.call('GET', KEYS[i]) or '', '^(%d+) (%d+) (%d+) ?(%d*)$')
     if not w then known = false break end
     running = running + tonumber(r)
-    slots = slots + math.max(tonumber(r), tonumber(s) or 0)
+    if s == '' then s = r elseif tonumber(s) == 0 then sized = false end
+    slots = slots + math.max(tonumber(r), tonumber(s))
     held = held + tonumber(w) + tonumber(r)
     read = math.max(read, tonumber(t))
   end
@@ -383,10 +385,14 @@ if n > 0 then
     -- door has in flight now (those sent since the read included; where something bypasses
     -- the door, at least what the engines held), less the engines' sequences, plus one, when
     -- every sequence is taken
-    local seqs, held_now = math.max(slots, 1), redis.call('ZCARD', inflight)
-    if covers == 0 then held_now = math.max(held_now, held) end
-    ahead = 0
-    if held_now >= seqs then ahead = held_now - seqs + 1 end
+    if sized then
+      local seqs, held_now = math.max(slots, 1), redis.call('ZCARD', inflight)
+      if covers == 0 then held_now = math.max(held_now, held) end
+      ahead = 0
+      if held_now >= seqs then ahead = held_now - seqs + 1 end
+    else
+      slots = false  -- an engine not yet seen full: what it runs when full unknown
+    end
   else
     slots = false
   end
