@@ -11,7 +11,7 @@ WORKERS ?= 2
 XDIST = $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadgroup)
 LINTED = exporter tests bench rules grafana deploy
 
-.PHONY: demo test test-unit test-integration lint deps install bench bench-long
+.PHONY: demo test test-unit test-integration lint deps install bench bench-long mixin
 
 install:
 	$(PYTHON) -m pip install -q --disable-pip-version-check -e .
@@ -44,6 +44,16 @@ lint:
 
 deps:
 	bash scripts/install-test-deps.sh
+
+# The monitoring mixin rendered with its defaults (the committed rules and dashboards, as a
+# jsonnet user gets them): mixin/out/alerts.yaml, rules.yaml and dashboards/*.json. Needs
+# the jsonnet command (Debian: apt-get install jsonnet).
+MIXIN_OUT = mixin/out
+mixin:
+	mkdir -p $(MIXIN_OUT)/dashboards
+	jsonnet -J . -S -e "std.manifestYamlDoc((import 'mixin/mixin.libsonnet').prometheusAlerts)" > $(MIXIN_OUT)/alerts.yaml
+	jsonnet -J . -S -e "std.manifestYamlDoc((import 'mixin/mixin.libsonnet').prometheusRules)" > $(MIXIN_OUT)/rules.yaml
+	jsonnet -J . -m $(MIXIN_OUT)/dashboards -e "(import 'mixin/mixin.libsonnet').grafanaDashboards" >/dev/null
 
 # docs/benchmarks.md: every benchmark once at this commit (bench/snapshot.py), then the
 # long ones (real engines, the whole loop) with their own commit.

@@ -45,17 +45,23 @@ from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as dash
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 OUT = HERE / "dashboards"
-RULES_GENERATOR = HERE.parent / "rules" / "generate.py"
+RULES_GENERATOR = ROOT / "rules" / "generate.py"
+MIXIN_DASHBOARDS = ROOT / "mixin" / "generated" / "dashboards.libsonnet"
 
 
-def load_config(overrides: list[str] | tuple[str, ...] = ()) -> dict:
-    """rules/config.yaml, through the rules generator's own reader (and its --set)."""
+def _rules_generate():
     spec = importlib.util.spec_from_file_location("rules_generate", RULES_GENERATOR)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.load_config(overrides=overrides)
+    return module
+
+
+def load_config(overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """rules/config.yaml, through the rules generator's own reader (and its --set)."""
+    return _rules_generate().load_config(overrides=overrides)
 
 
 DATASOURCE = dash.DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -642,6 +648,25 @@ def render_all(config: dict | None = None) -> dict[str, str]:
     return {name: render(make(config)) for name, make in DASHBOARDS.items()}
 
 
+def placeholders(config: dict, prefix: str = "") -> dict:
+    """The config with each value replaced by `${its.dotted.key}`: dashboards rendered
+    with it are the mixin's templates (mixin/generated/dashboards.libsonnet), into which
+    the mixin puts its _config's values, derived as the rules' are."""
+    return {k: placeholders(v, f"{prefix}{k}.") if isinstance(v, dict) else f"${{{prefix}{k}}}" for k, v in config.items()}
+
+
+def mixin_templates(config: dict | None = None) -> str:
+    """mixin/generated/dashboards.libsonnet: each dashboard's JSON text with `${section.key}`
+    where a config value goes."""
+    module = _rules_generate()
+    config = config if config is not None else load_config()
+    marked = placeholders(config)
+    keys = set(re.findall(r"\$\{([^}]*)\}", json.dumps(marked)))  # a dashboard's own `${datasource}` stays as it is
+    values = {name: module.templated(json.loads(render(make(marked))), keys.__contains__) for name, make in DASHBOARDS.items()}
+    what = "The dashboards, `${section.key}` cut out of their strings where a value of rules/config.yaml goes (rules/generate.py `templated`)"
+    return module.libsonnet(what, "the dashboards' code", "grafana/generate.py", values)
+
+
 def panels(dashboard: dict) -> list[dict]:
     """Every panel that shows data (rows' nested panels included, rows themselves not)."""
     out = []
@@ -672,19 +697,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.set and not args.queries:
         parser.error("--set only with --queries: the committed dashboards follow rules/config.yaml")
-    files = render_all(load_config(args.set))
+    config = load_config(args.set)
+    files = render_all(config)
     if args.queries:
         out = {name: [{"panel": title, "expr": concrete(expr)} for title, expr in queries(json.loads(text))] for name, text in files.items()}
         print(json.dumps(out, indent=2))
         return 0
     stale = []
-    for name, text in files.items():
-        path = OUT / name
+    targets = {OUT / name: text for name, text in files.items()}
+    targets[MIXIN_DASHBOARDS] = mixin_templates(config)
+    for path, text in targets.items():
+        name = str(path.relative_to(ROOT))
         if args.check:
             if not path.exists() or path.read_text() != text:
                 stale.append(name)
         else:
-            OUT.mkdir(exist_ok=True)
+            path.parent.mkdir(exist_ok=True)
             path.write_text(text)
     if stale:
         print("stale, run `python grafana/generate.py`: " + ", ".join(stale), file=sys.stderr)

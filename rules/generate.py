@@ -16,21 +16,27 @@ Every window that counts samples is derived from the scrape interval of the job 
 (`scrape_intervals:`): the config's value is its floor, and the window spans at least
 `evidence.still_scrapes` scrapes (stillness: changes, resets) or `evidence.rate_scrapes`
 scrapes (rate, increase). `variants:` renders the same templates for the scrape intervals
-of the stacks this repository ships (compose, Kubernetes) into rules/<variant>/.
+of the stacks this repository ships (compose, Kubernetes) into rules/<variant>/. The
+derivation has one definition, mixin/lib/derive.libsonnet, which the monitoring mixin runs
+too (so this needs the jsonnet Python package); the committed render also writes the
+mixin's copies of the config and the templates into mixin/generated/ (rules/README.md,
+"The mixin").
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import math
+import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 HERE = Path(__file__).resolve().parent
+MIXIN = HERE.parent / "mixin"
 TEMPLATES = HERE / "templates"
 CONFIG = HERE / "config.yaml"
 MANIFEST = "prometheusrule.yaml"
@@ -49,24 +55,13 @@ def _str_representer(dumper: yaml.SafeDumper, value: str):
 _BlockDumper.add_representer(str, _str_representer)
 
 
-# Windows derived from a job's scrape interval, by what they count: stillness (changes,
-# resets) or a rate. Every engine's rules section has the two engine windows; an engine
-# section is a job of `scrape_intervals:` with a template of its name (rules/templates/
-# <job>.rules.yml.tmpl), so adding an engine's section is its template and its config.
-STILL, RATE = "still_scrapes", "rate_scrapes"
-ENGINE_WINDOWS = {"progress_window": STILL, "rate_window": RATE}
-EXPORTER_WINDOWS = {
-    "restart_loop_window": RATE,
-    "probe_window": RATE,
-    "lease_expiry_window": RATE,
-    "round_errors_window": RATE,
-}
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION = re.compile(r"((?:[0-9]+(?:ms|s|m|h|d))+)")
 
 
 def seconds(text: object, where: str) -> float:
-    """A Prometheus duration (30s, 5m, 1m30s) in seconds; SystemExit naming `where` otherwise."""
+    """A Prometheus duration (30s, 5m, 1m30s) in seconds, as the derivation reads it; for
+    the tests and tools that read a rendered window back. SystemExit naming `where`."""
     value = str(text).strip()
     if not _DURATION.fullmatch(value):
         raise SystemExit(f"{where}: {value!r} is not a Prometheus duration (30s, 5m, 1h)")
@@ -76,132 +71,46 @@ def seconds(text: object, where: str) -> float:
     return total
 
 
-def duration(total: float) -> str:
-    """Seconds as the shortest Prometheus duration: 120 -> 2m, 105 -> 1m45s."""
-    ms = round(total * 1000)
-    out = ""
-    for unit, size in (("h", 3_600_000), ("m", 60_000), ("s", 1000), ("ms", 1)):
-        if ms >= size:
-            out += f"{ms // size}{unit}"
-            ms %= size
-    return out or "0s"
-
-
 def engine_sections(config: dict) -> list[str]:
     """The engines' rules sections: each job of `scrape_intervals:` with a template of its
-    name (each engine with a raw layer); the exporter's job has its own template (llm-health)."""
-    return [job for job in config["scrape_intervals"] if (TEMPLATES / f"{job}.rules.yml.tmpl").is_file()]
+    name (each engine with a raw layer); the exporter's job has its own template (llm-health).
+    Adding an engine's section is its template and its config (two windows: progress_window
+    and rate_window)."""
+    intervals = config.get("scrape_intervals")
+    return [job for job in intervals if (TEMPLATES / f"{job}.rules.yml.tmpl").is_file()] if isinstance(intervals, dict) else []
 
 
-def derived_windows(config: dict) -> dict[str, tuple[str, str]]:
-    """{dotted key: (job, evidence key)}: every window derived from a job's scrape
-    interval, the engine sections' (ENGINE_WINDOWS) and the exporter's."""
-    out: dict[str, tuple[str, str]] = {}
-    for job in engine_sections(config):
-        section = config.get(job)
-        missing = [key for key in ENGINE_WINDOWS if not isinstance(section, dict) or key not in section]
-        if missing:
-            raise SystemExit(f"config: the engine section `{job}:` (rules/templates/{job}.rules.yml.tmpl) needs {', '.join(missing)}")
-        out.update({f"{job}.{key}": (job, kind) for key, kind in ENGINE_WINDOWS.items()})
-    out.update({f"exporter.{key}": ("exporter", kind) for key, kind in EXPORTER_WINDOWS.items()})
-    return out
+_DERIVE = "local d = import 'derive.libsonnet'; function(config, engines) d.derive(config, engines)"
+
+
+def derived(config: dict) -> dict[str, dict]:
+    """{section: {key: value}}: every window derived from its job's scrape interval, each
+    job's evidence window and samples, the engines' queue-age windows and the exporter
+    layer's route records, by mixin/lib/derive.libsonnet: the one definition, which the
+    monitoring mixin runs on its `_config` too (so a jsonnet user's overrides give what
+    `--set` gives here). Needs the jsonnet Python package. SystemExit with the config error."""
+    try:
+        import _jsonnet  # the jsonnet package (pip install jsonnet): the mixin's own evaluator
+    except ImportError as e:
+        raise SystemExit(
+            "rules/generate.py needs the jsonnet Python package (pip install jsonnet): the windows are derived by mixin/lib/derive.libsonnet"
+        ) from e
+    codes = {"config": json.dumps(config), "engines": json.dumps(engine_sections(config))}
+    try:
+        out = _jsonnet.evaluate_snippet("derive", _DERIVE, jpathdir=[str(MIXIN / "lib")], tla_codes=codes)
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else "the derivation failed"
+        raise SystemExit(first.removeprefix("RUNTIME ERROR: ")) from None
+    return json.loads(out)
 
 
 def derive(config: dict) -> dict:
-    """Raise every derived window (derived_windows) to span its job's evidence scrapes, and add
-    `<job>.evidence_window` (the shortest window of the job that counts samples, in which
-    the `<Job>ScrapeTooSlow` warning counts scrapes) and `<job>.evidence_samples` (the
-    scrapes every such window must hold to be evidence)."""
-    intervals = config.get("scrape_intervals")
-    evidence = config.get("evidence")
-    if not isinstance(intervals, dict) or not isinstance(evidence, dict):
-        raise SystemExit("config: `scrape_intervals:` and `evidence:` sections are required")
-    for key in (STILL, RATE, "min_samples"):
-        n = evidence.get(key)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 2:
-            raise SystemExit(f"config: evidence.{key} must be a whole number of scrapes, at least 2 (got {n!r})")
-    if evidence[STILL] <= evidence["min_samples"] or evidence[RATE] <= evidence["min_samples"]:
-        raise SystemExit("config: evidence.still_scrapes and rate_scrapes must exceed min_samples (one scrape spare)")
-    windows = derived_windows(config)
-    every = {job: seconds(intervals.get(job), f"scrape_intervals.{job}") for job, _ in windows.values()}
-    shortest: dict[str, float] = {}
-    for dotted, (job, kind) in windows.items():
-        section, key = dotted.split(".")
-        window = max(seconds(config[section][key], dotted), evidence[kind] * every[job])
-        config[section][key] = duration(window)
-        shortest[job] = min(shortest.get(job, window), window)
-    for job, window in shortest.items():
-        config[job]["evidence_window"] = duration(window)
-        # All but one of the scrapes the window holds at the configured interval (and at
-        # least min_samples): one spare for a late scrape, and a scrape slower than the
-        # rules were made for shows as too few.
-        held = math.floor(window / every[job] + 1e-9)
-        config[job]["evidence_samples"] = max(evidence["min_samples"], held - 1)
-    for job in engine_sections(config):
-        if "queue_age_deadline" in config[job]:
-            derive_engine_queue_age(config, job)
-    return derive_routes(config)
-
-
-def derive_engine_queue_age(config: dict, job: str) -> None:
-    """An engine section's raw bound on its queue age (vLLM's): raise
-    `<job>.queue_age_deadline` to 2 scrapes of the job into `<job>.queue_age_window`."""
-    every = seconds(config["scrape_intervals"].get(job), f"scrape_intervals.{job}")
-    deadline = seconds(config[job].get("queue_age_deadline"), f"{job}.queue_age_deadline")
-    window = max(deadline, 2 * every)
-    config[job]["queue_age_window"] = duration(window)
-    # The range the guards read (restarts, failed scrapes): the window and one scrape, so
-    # that it holds the sample `offset <window>` reads too.
-    config[job]["queue_age_range"] = duration(window + every)
-
-
-NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # a route's or backend's name (the exporter's backend names)
-
-
-def _regex(names: list[str]) -> str:
-    """A PromQL regex matching exactly these names (RE2, anchored by PromQL; `.` escaped)."""
-    return "|".join(name.replace(".", "\\\\.") for name in names)
-
-
-def derive_routes(config: dict) -> dict:
-    """Validate `routes:` and render the exporter layer's route records into
-    `exporter.route_rules` (YAML list items, indented for the template's rules list)."""
-    routes = config.get("routes")
-    if routes is None:
-        routes = {}
-    if not isinstance(routes, dict):
-        raise SystemExit("config: routes: must be a mapping of route name to {deadline, backends}")
-    selector, replicas = config["selectors"]["exporter"], config["exporter"]["replica_labels"]
-    rules: list[str] = []
-    for route, spec in routes.items():
-        where = f"routes.{route}"
-        if not isinstance(route, str) or not NAME.fullmatch(route):
-            raise SystemExit(f"config: {where}: a route name uses letters, digits and _ . : - only (at most 128)")
-        if not isinstance(spec, dict) or set(spec) != {"deadline", "backends"}:
-            got = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
-            raise SystemExit(f"config: {where}: needs exactly `deadline` and `backends` (got {got})")
-        limit = seconds(spec["deadline"], f"{where}.deadline")
-        backends = spec["backends"]
-        if not isinstance(backends, list) or not backends:
-            raise SystemExit(f"config: {where}.backends: a non-empty list of the exporter's backend names")
-        for name in backends:
-            if not isinstance(name, str) or not NAME.fullmatch(name):
-                raise SystemExit(f"config: {where}.backends: {name!r} is not a backend name (letters, digits and _ . : - only)")
-        if len(set(backends)) != len(backends):
-            raise SystemExit(f"config: {where}.backends: a backend is named twice")
-        names = ",".join(backends)
-        rules.append(
-            f"- record: route:llm_engine_queue_age_seconds:min\n"
-            f"  # Route {route}: the youngest known head among {names}.\n"
-            f"  expr: |\n"
-            f"    label_replace(label_replace(\n"
-            f'      min(max without ({replicas}) (llm_backend_queue_age_seconds{{{selector}, backend=~"{_regex(backends)}"}})),\n'
-            f'      "route", "{route}", "", ""), "backends", "{names}", "", "")\n'
-            f"- record: route:llm_deadline_seconds:config\n"
-            f'  expr: label_replace(vector({limit:g}), "route", "{route}", "", "")'
-        )
-    text = "\n".join(rules) or "# No routes in rules/config.yaml (routes:): LLMEngineQueueAgeOverDeadline has nothing to read."
-    config["exporter"]["route_rules"] = text.replace("\n", "\n      ")
+    """`config` with its derived values set (`derived`): every window that counts samples
+    raised to span its job's evidence scrapes, `<job>.evidence_window` and
+    `<job>.evidence_samples`, `<job>.queue_age_window` and `queue_age_range` where the
+    engine has a `queue_age_deadline`, and `exporter.route_rules`."""
+    for section, values in derived(config).items():
+        config[section].update(values)
     return config
 
 
@@ -322,6 +231,67 @@ def render_all(config: dict, variant: str | None = None) -> dict[str, str]:
     return out
 
 
+def libsonnet(what: str, source: str, by: str, value: object) -> str:
+    """A generated file of the mixin (mixin/generated/): a header saying what it holds,
+    from which source and by which generator, then the value as JSON, which jsonnet reads
+    as it is."""
+    return f"// {what}.\n// GENERATED by {by} from {source}. Do not edit: change that and run `python {by}`.\n" + json.dumps(value, indent=2) + "\n"
+
+
+# A placeholder that stands for YAML list items (a line of its own), and the derived value
+# that holds the same items as values, for the mixin.
+FRAGMENTS = {"exporter.route_rules": "exporter.route_records"}
+
+
+def templated(value: object, known: Callable[[str], bool] = lambda key: True) -> object:
+    """`value` with each string that holds a `${section.key}` the config has (`known`) cut
+    into `{__parts__: [text, {key: section.key}, text, ...]}`, the mixin's templates
+    (mixin/generated/): the mixin joins the parts with its _config's values, scanning no
+    string (jsonnet's string functions are slow: scanning every string of the dashboards
+    took seconds a render)."""
+    if isinstance(value, dict):
+        return {k: templated(v, known) for k, v in value.items()}
+    if isinstance(value, list):
+        return [templated(v, known) for v in value]
+    if not isinstance(value, str) or not any(known(m.group(1)) for m in PLACEHOLDER.finditer(value)):
+        return value
+    parts: list[object] = []
+    at = 0
+    for m in PLACEHOLDER.finditer(value):
+        if known(m.group(1)):
+            parts += [value[at : m.start()], {"key": m.group(1)}]
+            at = m.end()
+    parts.append(value[at:])
+    return {"__parts__": [p for p in parts if p != ""]}
+
+
+def template_values(text: str) -> object:
+    """A template as values (`templated`), each fragment's line a marker item
+    `{__fragment__: <the key of its values>}`: what the mixin fills in. (The mixin does not
+    parse YAML itself: Debian 12's jsonnet 0.18 parses block scalars wrong.)"""
+    for key, values in FRAGMENTS.items():
+        text = re.sub(rf"^( *)\$\{{{re.escape(key)}\}}[ \t]*$", lambda m, v=values: f"{m.group(1)}- __fragment__: {v}", text, flags=re.M)
+    return templated(yaml.safe_load(text))
+
+
+def mixin_files(path: Path = CONFIG) -> dict[str, str]:
+    """The mixin's copies of this pack's sources (mixin/generated/: a mixin installed by
+    jsonnet-bundler has only its own directory): the config as written (the mixin derives
+    its windows itself, by the definition `derive` runs) and the templates as values."""
+    raw = yaml.safe_load(path.read_text())
+    raw.pop("variants", None)
+    templates = {t.name.removesuffix(".tmpl"): template_values(t.read_text()) for t in sorted(TEMPLATES.glob("*.rules.yml.tmpl"))}
+    return {
+        "config.libsonnet": libsonnet("The defaults of the mixin's _config (less `variants:`)", "rules/config.yaml", "rules/generate.py", raw),
+        "templates.libsonnet": libsonnet(
+            "The rule templates as values, by the file each renders, `${section.key}` cut out of their strings (`templated`)",
+            "rules/templates/*.rules.yml.tmpl",
+            "rules/generate.py",
+            templates,
+        ),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=CONFIG)
@@ -336,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--set needs --out: the committed files are rendered from the config as it is")
         for name, config in variant_configs(args.config).items():
             outputs[HERE / name] = render_all(config, name)
+        outputs[MIXIN / "generated"] = mixin_files(args.config)
     stale = []
     for directory, files in outputs.items():
         for name, text in files.items():

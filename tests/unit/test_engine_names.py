@@ -48,6 +48,8 @@ PLACES = (
     "rules/prometheusrule.yaml",  # generated: every rules section in one PrometheusRule
     "rules/fast/prometheusrule.yaml",
     "deploy/kubernetes/prometheusrule.yaml",
+    "mixin/generated/config.libsonnet",  # generated: the mixin's copy of rules/config.yaml
+    "mixin/generated/templates.libsonnet",  # generated: the mixin's copy of the templates
     "compose/prometheus.yml",  # the compose example's scrape job for its rules section
     ".ci/install-{name}.sh",  # its installer, for its real-engine tests
     "scripts/install-test-deps.sh",  # one line: runs its installer
