@@ -28,6 +28,7 @@ panel helpers and the CLI are the rest.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import re
@@ -51,7 +52,9 @@ RULES_GENERATOR = ROOT / "rules" / "generate.py"
 MIXIN_DASHBOARDS = ROOT / "mixin" / "generated" / "dashboards.libsonnet"
 
 
+@functools.cache
 def _rules_generate():
+    """rules/generate.py, loaded once (load_config and mixin_templates both use it)."""
     spec = importlib.util.spec_from_file_location("rules_generate", RULES_GENERATOR)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
