@@ -57,6 +57,7 @@ from llm_health.store.keys import QueueKeys
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = TOKENS
 PROMPT_TOKENS = 8
+LONE = 10  # lone requests that measure S
 
 
 class Upstream:
@@ -236,26 +237,41 @@ def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: fl
 
 
 ENGINE_NICE = -10
+ENGINE_RT_PRIORITY = 1  # SCHED_FIFO, below the throttler's 10 (tests/harness/throttler.py)
 
 
-def prioritize(srv: harness.VLLMServer) -> int:
-    """Every thread of the engine's processes (its API server, EngineCore, Worker) at nice
-    ENGINE_NICE: on a GPU the clients' and the doors' CPU never slows the engine, and here
-    they share the machine's cores with it, so a policy that sends more copies would lower
-    the engine's capacity. Threads started later get it at the next call. The threads
-    raised; 0 where this user may not raise a priority."""
-    raised = 0
+def prioritize(srv: harness.VLLMServer) -> str:
+    """On a GPU the clients' and the doors' CPU never slows the engine's steps; here they
+    share the machine's two cores with it, so a policy that sends more copies (or a door
+    that costs more CPU) would lower the engine's capacity, in the engine's 20 ms run
+    windows where every lost millisecond is a lost step. So the engine's compute (every
+    thread of EngineCore and its Worker, the processes the throttle cycles) runs at
+    SCHED_FIFO ENGINE_RT_PRIORITY: within a run window nothing else takes its cores, and
+    between windows (stopped) it takes nothing. Its API server (HTTP, tokenizing, a queue
+    cap's 503s) stays an ordinary process at nice ENGINE_NICE, as on a GPU host where it
+    shares the CPU with everything else. Threads started later get it at the next call.
+    Returns what was done, for the log."""
+    compute = set(srv.engine_pids() + srv.worker_pids())
+    fifo = nice = 0
     for pid in srv.all_pids():
         with contextlib.suppress(FileNotFoundError):
             for tid in os.listdir(f"/proc/{pid}/task"):
                 try:
+                    if pid in compute:
+                        with contextlib.suppress(PermissionError):  # not permitted: nice below, as the API server
+                            os.sched_setscheduler(int(tid), os.SCHED_FIFO, os.sched_param(ENGINE_RT_PRIORITY))
+                            fifo += 1
+                            continue
                     os.setpriority(os.PRIO_PROCESS, int(tid), ENGINE_NICE)
-                    raised += 1
+                    nice += 1
                 except PermissionError:
-                    return 0
+                    return "the engine's priority not raised (not permitted): the clients' and doors' CPU slows it"
                 except ProcessLookupError:
                     pass
-    return raised
+    return (
+        f"the engine's compute ({fifo} threads of EngineCore and Worker) at SCHED_FIFO {ENGINE_RT_PRIORITY}, its other {nice} threads "
+        f"at nice {ENGINE_NICE} (a GPU's steps are not slowed by its clients' CPU; here they share the cores)"
+    )
 
 
 def exporter_settled(redis_url: str, timeout: float = 60) -> None:
@@ -287,23 +303,29 @@ class Bench:
     def engine(self, extra: list[str]) -> harness.VLLMServer:
         srv = harness.VLLMServer.start(max_num_seqs=self.slots, extra_args=extra)
         srv.completion(MAX_TOKENS, prompt(0))  # its threads started before they are raised
-        raised = prioritize(srv)
-        self.log.append(
-            f"the engine's {raised} threads at nice {ENGINE_NICE} (a GPU is not slowed by its clients' CPU; here they share the cores)"
-            if raised
-            else "the engine's priority not raised (not permitted): the clients' and doors' CPU slows it"
-        )
+        self.log.append(prioritize(srv))
         return srv
 
     async def service_time(self, srv: harness.VLLMServer) -> float:
-        """S: the median of 5 lone requests."""
+        """S: the mean of LONE lone requests started at phases spread evenly over the
+        throttle's period. A lone request's time depends on where in the period it starts
+        (it needs about one and a half run windows: about 0.21 or 0.39 s at 20 ms of every
+        200), so a few samples at chance phases flip between the two, and the deadlines
+        (multiples of S) with them; the mean over every phase is what a request arriving at
+        a random moment meets, and the same in every run."""
+        period = self.period_ms / 1000
+        gap = 4 * period + period / LONE  # each start one LONE-th of a period later in the cycle
         lone = []
-        for i in range(5):
+        t0 = time.monotonic()
+        for i in range(LONE):
+            await asyncio.sleep(max(0.0, t0 + i * gap - time.monotonic()))
             r = await asyncio.to_thread(srv.completion, MAX_TOKENS, prompt(i))
             lone.append(r.seconds)
-        lone.sort()
-        self.log.append(f"unloaded service times (s): {', '.join(f'{x:.2f}' for x in lone)}")
-        return lone[len(lone) // 2]
+        mean = sum(lone) / len(lone)
+        self.log.append(
+            f"unloaded service times (s), {LONE} lone requests at phases spread over the period: {', '.join(f'{x:.2f}' for x in lone)}; mean {mean:.3f}"
+        )
+        return mean
 
     async def capacity(self, url: str, when: str) -> float:
         """C: answers/s of a closed loop of 3 x SLOTS callers for `capacity_s` (saturated, no

