@@ -30,6 +30,8 @@
     "rate_window": "5m",
     "progress_window": "45s",
     "hung_for": "0s",
+    "no_output_window": "2m",
+    "livelock_for": "0s",
     "eval_interval": "5s",
     "down_for": "2m",
     "host_down_for": "1m",

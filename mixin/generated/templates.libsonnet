@@ -3493,6 +3493,84 @@
           {
             "record": {
               "__parts__": [
+                "engine:vllm_steps:moved",
+                {
+                  "key": "vllm.progress_window"
+                }
+              ]
+            },
+            "expr": {
+              "__parts__": [
+                "sum by (job, instance, model_name, engine) (\n  (max_over_time(vllm:iteration_tokens_total_count{",
+                {
+                  "key": "selectors.vllm"
+                },
+                "}[",
+                {
+                  "key": "vllm.progress_window"
+                },
+                "]) < Inf) > bool (min_over_time(vllm:iteration_tokens_total_count{",
+                {
+                  "key": "selectors.vllm"
+                },
+                "}[",
+                {
+                  "key": "vllm.progress_window"
+                },
+                "]) > -Inf)\n)\n"
+              ]
+            }
+          },
+          {
+            "record": {
+              "__parts__": [
+                "engine:vllm_output_signals:moved",
+                {
+                  "key": "vllm.no_output_window"
+                }
+              ]
+            },
+            "expr": {
+              "__parts__": [
+                "sum by (job, instance, model_name, engine) (\n    label_replace((max_over_time(vllm:generation_tokens_total{",
+                {
+                  "key": "selectors.vllm"
+                },
+                "}[",
+                {
+                  "key": "vllm.no_output_window"
+                },
+                "]) < Inf) > bool (min_over_time(vllm:generation_tokens_total{",
+                {
+                  "key": "selectors.vllm"
+                },
+                "}[",
+                {
+                  "key": "vllm.no_output_window"
+                },
+                "]) > -Inf), \"signal\", \"generation_tokens\", \"\", \"\")\n  or\n    label_replace((max_over_time(vllm:request_success_total{",
+                {
+                  "key": "selectors.vllm"
+                },
+                "}[",
+                {
+                  "key": "vllm.no_output_window"
+                },
+                "]) < Inf) > bool (min_over_time(vllm:request_success_total{",
+                {
+                  "key": "selectors.vllm"
+                },
+                "}[",
+                {
+                  "key": "vllm.no_output_window"
+                },
+                "]) > -Inf), \"signal\", \"request_success\", \"\", \"\")\n)\n"
+              ]
+            }
+          },
+          {
+            "record": {
+              "__parts__": [
                 "instance:vllm_scrapes:count",
                 {
                   "key": "vllm.progress_window"
@@ -3783,6 +3861,84 @@
                     "key": "vllm.progress_window"
                   },
                   ", and every scrape in it answered. It did not restart and is not asleep: it is hung."
+                ]
+              }
+            }
+          },
+          {
+            "alert": "VLLMEngineLivelock",
+            "expr": {
+              "__parts__": [
+                "label_replace(\n  (sum by (job, instance, model_name, engine) (min_over_time(vllm:num_requests_running{",
+                {
+                  "key": "selectors.vllm"
+                },
+                "}[",
+                {
+                  "key": "vllm.no_output_window"
+                },
+                "])) > 0)\n  and on (job, instance, model_name, engine)\n    (sum by (job, instance, model_name, engine) (vllm:num_requests_running{",
+                {
+                  "key": "selectors.vllm"
+                },
+                "} offset ",
+                {
+                  "key": "vllm.no_output_window"
+                },
+                "))\n  and on (job, instance, model_name, engine)\n    (engine:vllm_output_signals:moved",
+                {
+                  "key": "vllm.no_output_window"
+                },
+                " == 0)\n  and on (job, instance, model_name, engine)\n    (engine:vllm_steps:moved",
+                {
+                  "key": "vllm.progress_window"
+                },
+                " > 0)\n  unless on (job, instance, model_name, engine)\n    (vllm:engine_sleep_state{sleep_state=\"awake\", ",
+                {
+                  "key": "selectors.vllm"
+                },
+                "} == 0)\n  and on (job, instance)\n    (min_over_time(up{",
+                {
+                  "key": "selectors.vllm"
+                },
+                "}[",
+                {
+                  "key": "vllm.no_output_window"
+                },
+                "]) == 1)\n  and on (job, instance)\n    (min_over_time(instance:vllm_scrapes:count",
+                {
+                  "key": "vllm.progress_window"
+                },
+                "[",
+                {
+                  "key": "vllm.progress_window"
+                },
+                "]) >= ",
+                {
+                  "key": "vllm.evidence_samples"
+                },
+                "),\n  \"host\", \"$1\", \"instance\", \"(.+?)(:[0-9]+)?\"\n)\n"
+              ]
+            },
+            "for": {
+              "__parts__": [
+                {
+                  "key": "vllm.livelock_for"
+                }
+              ]
+            },
+            "labels": {
+              "severity": "critical"
+            },
+            "annotations": {
+              "summary": "vLLM engine computes and produces nothing.",
+              "description": {
+                "__parts__": [
+                  "{{ $labels.model_name }}{{ with $labels.engine }} (engine {{ . }}){{ end }} on {{ $labels.instance }} has had requests running for ",
+                  {
+                    "key": "vllm.no_output_window"
+                  },
+                  " and its step count moves, but it generated no token and finished no request in that time: longer than any honest prefill takes. A livelock (a prefill or preemption loop); /health still answers. It is not asleep."
                 ]
               }
             }

@@ -20,6 +20,8 @@ local NAME_CHARS = std.stringChars('ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqr
 // [window key, what it counts] of an engine section, and of the exporter's.
 local STILL = 'still_scrapes', RATE = 'rate_scrapes';
 local ENGINE_WINDOWS = [['progress_window', STILL], ['rate_window', RATE]];
+// Windows an engine section may have (raised the same way where it has them).
+local OPTIONAL_ENGINE_WINDOWS = [['no_output_window', STILL]];
 local EXPORTER_WINDOWS = [['restart_loop_window', RATE], ['probe_window', RATE], ['lease_expiry_window', RATE], ['round_errors_window', RATE]];
 
 // Python's str() of a scalar as the generator printed it: whole numbers without a point.
@@ -132,6 +134,7 @@ local derive(config, engines) =
       else
         // [section, key, job, kind]
         local windows = [[job, w[0], job, w[1]] for job in engines for w in ENGINE_WINDOWS]
+                        + [[job, w[0], job, w[1]] for job in engines for w in OPTIONAL_ENGINE_WINDOWS if std.objectHas(config[job], w[0])]
                         + [['exporter', w[0], 'exporter', w[1]] for w in EXPORTER_WINDOWS];
         local jobs = std.set([w[2] for w in windows]);
         local every = { [job]: seconds(get(intervals, job), 'scrape_intervals.' + job) for job in jobs };

@@ -69,6 +69,7 @@ def windows(config: dict, scrape: dict[str, int]) -> Windows:
     return Windows(
         vllm_s=generate.seconds(config["vllm"]["progress_window"], "vllm"),
         llamacpp_s=generate.seconds(config["llamacpp"]["progress_window"], "llamacpp"),
+        vllm_no_output_s=generate.seconds(config["vllm"]["no_output_window"], "vllm"),
         too_slow=slow,
         captured_s={job: generate.seconds(config[job]["progress_window"], job) for job in ("sglang", "tgi", "triton")},
     )

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from ..core import kinds
+from ..core.health import Settings
 from ..core.states import ExitCode
 from ..probe.check import run_check
 from ..urls import BadTarget, parse_target
@@ -55,6 +56,7 @@ def cmd(args: argparse.Namespace) -> int:
             interval=args.interval,
             rounds=args.rounds,
             hung_after=args.hung_after,
+            no_output_after=args.no_output_after,
             probe_timeout=args.probe_timeout,
             metrics_timeout=args.metrics_timeout,
             api_key=key,
@@ -88,6 +90,13 @@ def add(sub: Any) -> None:
     c.add_argument("--interval", type=positive_seconds, default=10.0, help="seconds between reads (default 10)")
     c.add_argument("--rounds", type=positive_int, default=None, help="most reads to take (default: enough for --hung-after)")
     c.add_argument("--hung-after", type=positive_seconds, default=20.0, help="least seconds without progress before hung (default 20)")
+    c.add_argument(
+        "--no-output-after",
+        type=positive_seconds,
+        default=Settings.no_output_after_seconds,
+        help="requests running with steps moving and no token or finished request for this long is a livelock, hung "
+        "(default %(default)g; longer than any honest prefill takes); the check watches such an engine this long",
+    )
     c.add_argument("--probe-timeout", type=positive_seconds, default=5.0, help="timeout of the 1-token probe sent to an idle engine (default 5)")
     c.add_argument("--metrics-timeout", type=positive_seconds, default=30.0, help="timeout of a /metrics read; slow is load, not death (default 30)")
     c.add_argument("--api-key-file", help="file holding the backend's API key")

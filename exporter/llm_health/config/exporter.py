@@ -4,6 +4,7 @@
 global:                      # every key optional; these are the defaults
   interval: 10s              # seconds between rounds per backend
   hung_after_seconds: 60     # least time without progress before `hung`
+  no_output_after_seconds: 120  # requests running, steps moving, no token or finished request: a livelock past this
   probe_interval: 60s        # at most one 1-token probe per idle backend per this
   probe_timeout: 5s
   connect_timeout: 3s
@@ -55,6 +56,7 @@ KINDS = kinds.KINDS
 class Timing:
     interval: float = 10.0
     hung_after_seconds: float = 60.0
+    no_output_after_seconds: float = Settings.no_output_after_seconds
     probe_interval: float = 60.0
     probe_timeout: float = 5.0
     connect_timeout: float = 3.0
@@ -67,7 +69,7 @@ class Timing:
     max_probe_targets: int = 1000
 
     def settings(self) -> Settings:
-        return Settings(hung_after_seconds=self.hung_after_seconds, probe_interval=self.probe_interval)
+        return Settings(hung_after_seconds=self.hung_after_seconds, probe_interval=self.probe_interval, no_output_after_seconds=self.no_output_after_seconds)
 
     def limits(self) -> Limits:
         return Limits(max_engines=self.max_engines, max_samples=self.max_samples, max_label_length=self.max_label_length)
@@ -111,7 +113,16 @@ class Config:
         return tuple(b for b in self.backends if self.shard.owns(b.name))
 
 
-_DURATIONS = ("interval", "hung_after_seconds", "probe_interval", "probe_timeout", "connect_timeout", "metrics_timeout", "models_timeout")
+_DURATIONS = (
+    "interval",
+    "hung_after_seconds",
+    "no_output_after_seconds",
+    "probe_interval",
+    "probe_timeout",
+    "connect_timeout",
+    "metrics_timeout",
+    "models_timeout",
+)
 
 
 def _timing(s: Section, base: Timing, *, per_backend: bool = False) -> Timing:

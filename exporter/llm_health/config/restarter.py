@@ -4,7 +4,7 @@ values; and its bearer token.
 ```yaml
 restarter:
   budget: {max_restarts: 3, window: 1h, cooldown: 5m, backoff: 2}
-  verify: {interval: 10s, hung_after_seconds: 60}   # the full check, when there is no evidence
+  verify: {interval: 10s, hung_after_seconds: 60, no_output_after_seconds: 120}   # the full check, when there is no evidence
   confirm_interval: 1s        # between the two reads that confirm an alert's evidence
   raw_alert_hold: 45s         # a VLLMEngineHung waits this long for the exporter's LLMBackendHung
   output_dir: /var/lib/llm-health/restarter   # restart commands' output files
@@ -33,6 +33,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..core import kinds
+from ..core.health import Settings
 from ..core.restart_policy import Budget
 from .capture import Capture, Incidents, parse_capture, parse_incidents
 from .errors import ConfigError
@@ -53,6 +54,7 @@ class Verify:
 
     interval: float = 10.0
     hung_after_seconds: float = 60.0
+    no_output_after_seconds: float = Settings.no_output_after_seconds
     probe_timeout: float = 5.0
     metrics_timeout: float = 30.0
     rounds: int | None = None  # None: enough for hung_after_seconds, as `check` does
@@ -133,6 +135,7 @@ def parse_config(data: object, where: str = "<config>") -> RestarterConfig:
     verify = Verify(
         interval=v.duration("interval", dv.interval),
         hung_after_seconds=v.duration("hung_after_seconds", dv.hung_after_seconds),
+        no_output_after_seconds=v.duration("no_output_after_seconds", dv.no_output_after_seconds),
         probe_timeout=v.duration("probe_timeout", dv.probe_timeout),
         metrics_timeout=v.duration("metrics_timeout", dv.metrics_timeout),
         rounds=v.integer("rounds", None, minimum=3, maximum=10_000),

@@ -7,7 +7,12 @@ exporter saw it when it proved the hang: same process, same counters, same gauge
 with work in flight, not asleep. Any step, token, finished request, preemption, KV change,
 new or lost request, or a restart in between changes a digest, and the alert is refused.
 
-A busy engine cannot pass: its digest changes with every step. A slow engine, a long
+A livelocked engine (steps moving, no output: core.health) was proven by its output
+digest (`core.evidence.output_digest`): the reads must show its output unchanged, same
+process; its steps may move.
+
+A busy engine cannot pass: its digest changes with every step (and its output digest with
+every token). A slow engine, a long
 prefill, a restarting or sleeping one never reached `hung` in the exporter (which waited
 `hung_after_seconds` and two rounds, and asked the sleep endpoints), so its digest was
 never in any evidence; and if one of them moves after the proof, the reads see it.
@@ -18,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .engines import EngineReading, Reading
-from .evidence import Evidence, progress_digest
+from .evidence import Evidence, output_digest, progress_digest
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,10 @@ class ConfirmRead:
 
 
 def digests(reading: Reading) -> dict[int, EngineReading]:
-    return {progress_digest(reading.profile, reading.start_time, e): e for e in reading.engines.values()}
+    """Each engine by its progress digest and by its output digest (a livelock's evidence)."""
+    out = {progress_digest(reading.profile, reading.start_time, e): e for e in reading.engines.values()}
+    out.update({output_digest(reading.profile, reading.start_time, e): e for e in reading.engines.values() if e.output})
+    return out
 
 
 def against_evidence(evidence: Evidence, read: ConfirmRead) -> str | None:

@@ -9,6 +9,11 @@ wait another `hung_after_seconds`: if a fresh read gives the same digest, nothin
 since the proof (counters only rise within one process, and the start time is in the
 digest), so the no-progress time is the exporter's plus everything since.
 
+An engine proven hung in a livelock (its steps move, its output does not: core.health)
+changes its progress digest every step; its evidence is instead `output_digest`, of the
+same material with the output counters in place of the fingerprint, so that a fresh read
+with the same digest shows that nothing came out since the proof.
+
 The digest is 48 bits so that it is exact as a float64 sample value and prints exactly
 with `printf "%.0f"` in a Prometheus template. Pure: no I/O.
 """
@@ -29,6 +34,16 @@ MAX_EVIDENCE_CHARS = 8192
 def progress_digest(profile: str, start_time: float | None, e: EngineReading) -> int:
     """A 48-bit digest of everything whose change would be progress, or a restart."""
     material = repr((profile, start_time, e.model_name, e.engine, e.fingerprint, e.sleeping))
+    return _digest(material)
+
+
+def output_digest(profile: str, start_time: float | None, e: EngineReading) -> int:
+    """A 48-bit digest of everything whose change would be output (a token, a finished
+    request), or a restart: a livelocked engine's evidence."""
+    return _digest(repr(("output", profile, start_time, e.model_name, e.engine, e.output, e.sleeping)))
+
+
+def _digest(material: str) -> int:
     return int.from_bytes(hashlib.blake2b(material.encode(), digest_size=DIGEST_BITS // 8).digest(), "big")
 
 

@@ -13,6 +13,15 @@ The rules:
   memory keeps each field's last number, so 5, NaN, 6 is);
 * work in flight with no progress is `stalled` for one round and `hung` after two
   consecutive rounds and at least `hung_after_seconds` since the last progress seen;
+* progress is not output, though: an engine whose step count moves while requests run
+  and none of its output counters (the profile's `output`: a generated token, a finished
+  request) moves for `no_output_after_seconds`, longer than any honest prefill takes, is
+  in a livelock (vLLM #45094: prefill at 20k tokens/s, decode at 0; a preemption loop that
+  prefills again and generates nothing): `stalled` at the first such round past that
+  bound, `hung` after `hung_rounds` of them. The clock runs only while requests run and
+  the output counters are numbers. A round in which no step was counted (KV usage or
+  prompt tokens moved: a V1 chunked prefill) is busy however long; a profile without
+  output counters or a step count never reads a livelock;
 * an idle engine is probed (one 1-token completion) at most once per `probe_interval`;
   a failed probe is `unresponsive`, two in a row `hung`;
 * a new process start time, a counter that went backwards or another engine behind the
@@ -32,10 +41,11 @@ The rules:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from .engines import BY_NAME, EngineReading, Reading
-from .evidence import progress_digest
+from .evidence import output_digest, progress_digest
 from .states import State, worst
 
 STATES: tuple[State, ...] = tuple(State)
@@ -47,6 +57,11 @@ class Settings:
     probe_interval: float = 60.0
     hung_rounds: int = 2  # consecutive rounds without progress before `hung`
     hung_probe_failures: int = 2
+    # Requests running, steps moving and no output for this long is a livelock, not work:
+    # longer than any honest prefill takes (a prompt of the engine's max_model_len at the
+    # prefill rate it shows while healthy), and the 120 s grace a counter heartbeat on vLLM's
+    # iteration count ran several days at with no false restart (docs/engines.md).
+    no_output_after_seconds: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,9 @@ class EngineMemory:
     generation_tokens: float | None
     last_progress_at: float
     rounds_without_progress: int = 0
+    output: tuple[float, ...] = ()  # the profile's output counters, each last number carried
+    last_output_at: float = 0.0  # output moved (or nothing ran, or no output counter is a number)
+    rounds_without_output: int = 0  # consecutive rounds past no_output_after_seconds
 
 
 @dataclass(frozen=True)
@@ -101,7 +119,10 @@ class EngineVerdict:
     steps_per_second: float | None = None
     generation_tokens_per_second: float | None = None
     seconds_since_progress: float = 0.0
-    digest: int = 0  # core.evidence.progress_digest of what this round read
+    digest: int = 0  # core.evidence.progress_digest of what this round read (output_digest in a livelock)
+    # Seconds requests have run with no output counter moving (0: output moved this round);
+    # None where the livelock clock does not run (nothing running, no output counter).
+    no_output_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -154,7 +175,15 @@ def _rate(new: float | None, old: float | None, seconds: float) -> float | None:
     return max(0.0, (new - old) / seconds)
 
 
-def _remember(e: EngineReading, now: float, last_progress_at: float, rounds: int = 0, prev: EngineMemory | None = None) -> EngineMemory:
+def _remember(
+    e: EngineReading,
+    now: float,
+    last_progress_at: float,
+    rounds: int = 0,
+    prev: EngineMemory | None = None,
+    last_output_at: float | None = None,
+    rounds_without_output: int = 0,
+) -> EngineMemory:
     """What to keep of this reading; `prev` (same process) carries each field's last number."""
     return EngineMemory(
         at=now,
@@ -164,13 +193,29 @@ def _remember(e: EngineReading, now: float, last_progress_at: float, rounds: int
         generation_tokens=e.generation_tokens,
         last_progress_at=last_progress_at,
         rounds_without_progress=rounds,
+        output=carry(prev.output if prev else None, e.output),
+        last_output_at=now if last_output_at is None else last_output_at,
+        rounds_without_output=rounds_without_output,
     )
+
+
+def _output_clock(prev: EngineMemory, e: EngineReading, now: float) -> float | None:
+    """Since when requests have run with no output: `prev.last_output_at` while requests run
+    and no output counter moved; None (the clock restarts) when nothing runs, when an output
+    counter moved, or when none is a number (no evidence either way)."""
+    if not e.running > 0 or not any(not math.isnan(x) for x in e.output):
+        return None
+    if not same_fingerprint(prev.output, e.output):
+        return None
+    return prev.last_output_at
 
 
 _NO_COUNT = "{e.running:g} running, {e.waiting:g} waiting: a count that is no evidence (NaN, infinite or negative); neither idle nor hung on it"
 
 
-def _judge_engine(prev: EngineMemory | None, e: EngineReading, obs: Observation, s: Settings, digest: int) -> tuple[EngineVerdict, EngineMemory]:
+def _judge_engine(
+    prev: EngineMemory | None, e: EngineReading, obs: Observation, s: Settings, digest: int, livelock_digest: Callable[[], int]
+) -> tuple[EngineVerdict, EngineMemory]:
     now = obs.now
     if prev is None:
         mem = _remember(e, now, now)
@@ -192,9 +237,14 @@ def _judge_engine(prev: EngineMemory | None, e: EngineReading, obs: Observation,
     steps_ps = _rate(e.steps, prev.steps, dt)
     gen_ps = _rate(e.generation_tokens, prev.generation_tokens, dt)
     progressed = not same_fingerprint(prev.fingerprint, e.fingerprint)
+    quiet_since = _output_clock(prev, e, now)
+    quiet = None if quiet_since is None else now - quiet_since
 
-    def verdict(state: State, reason: str, since: float = 0.0) -> EngineVerdict:
-        return EngineVerdict(e.model_name, e.engine, state, reason, e.running, e.waiting, steps_ps, gen_ps, since, digest)
+    def verdict(state: State, reason: str, since: float = 0.0, evidence: int = digest) -> EngineVerdict:
+        clocked = e.running > 0 and any(not math.isnan(x) for x in e.output)
+        return EngineVerdict(
+            e.model_name, e.engine, state, reason, e.running, e.waiting, steps_ps, gen_ps, since, evidence, (quiet or 0.0) if clocked else None
+        )
 
     if e.sleeping or obs.sleeping or obs.paused:
         state = State.PAUSED if obs.paused and not (e.sleeping or obs.sleeping) else State.SLEEPING
@@ -204,8 +254,21 @@ def _judge_engine(prev: EngineMemory | None, e: EngineReading, obs: Observation,
         # Neither idle (no probe) nor hung: the count that would tell is no evidence.
         since = now if progressed else prev.last_progress_at
         return verdict(State.UNKNOWN, _NO_COUNT.format(e=e)), _remember(e, now, since, prev=prev)
+    stepped = e.steps is not None and prev.steps is not None and e.steps != prev.steps and not (math.isnan(e.steps) or math.isnan(prev.steps))
+    if stepped and quiet is not None and quiet >= s.no_output_after_seconds:
+        # Livelock: the engine moves (steps, prompt tokens, KV, preemptions) and nothing
+        # comes out, for longer than any honest prefill takes.
+        rounds = prev.rounds_without_output + 1
+        mem = _remember(e, now, now, prev=prev, last_output_at=quiet_since, rounds_without_output=rounds)
+        what = (
+            f"{e.running:g} running, {e.waiting:g} waiting, steps moving{f' ({steps_ps:.1f}/s)' if steps_ps else ''} but no token generated "
+            f"and no request finished for {quiet:.0f}s, longer than no_output_after_seconds {s.no_output_after_seconds:g}s: a livelock, not work"
+        )
+        state = State.HUNG if rounds >= s.hung_rounds else State.STALLED
+        # The evidence of a livelock: its output, which a fresh read must show unchanged.
+        return verdict(state, f"{what} ({rounds} round(s))", quiet, livelock_digest()), mem
     if progressed:
-        mem = _remember(e, now, now, prev=prev)
+        mem = _remember(e, now, now, prev=prev, last_output_at=quiet_since)
         if e.in_flight:
             if steps_ps:
                 how = f", {steps_ps:.1f} steps/s"
@@ -218,7 +281,7 @@ def _judge_engine(prev: EngineMemory | None, e: EngineReading, obs: Observation,
 
     rounds = prev.rounds_without_progress + 1
     since = now - prev.last_progress_at
-    mem = _remember(e, now, prev.last_progress_at, rounds, prev)
+    mem = _remember(e, now, prev.last_progress_at, rounds, prev, last_output_at=quiet_since)
     what = f"{e.running:g} running, {e.waiting:g} waiting"
     if e.running == 0:
         what += " (waiting with nothing running)"
@@ -302,7 +365,14 @@ def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "engi
     evs: list[EngineVerdict] = []
     engines = {}
     for key, e in reading.engines.items():
-        ev, emem = _judge_engine(prev.engines.get(key), e, obs, s, progress_digest(reading.profile, reading.start_time, e))
+        ev, emem = _judge_engine(
+            prev.engines.get(key),
+            e,
+            obs,
+            s,
+            progress_digest(reading.profile, reading.start_time, e),
+            lambda e=e: output_digest(reading.profile, reading.start_time, e),
+        )
         evs.append(ev)
         engines[key] = emem
     state = worst(ev.state for ev in evs)

@@ -59,8 +59,9 @@ FAMILIES: tuple[Family, ...] = (
         "llm_backend_engine_progress_digest",
         "gauge",
         "A 48-bit digest of the engine's progress fingerprint (every progress series, the start time, the engine unit) in the last round: "
-        "it changes whenever the engine makes progress or restarts. LLMBackendHung carries the digests of its hung engines as evidence, "
-        "so the restarter can confirm that nothing moved since.",
+        "it changes whenever the engine makes progress or restarts (for an engine in a livelock, steps moving and no output: a digest of "
+        "its output counters, which changes when a token or a finished request shows). LLMBackendHung carries the digests of its hung "
+        "engines as evidence, so the restarter can confirm that nothing moved since.",
         ELABELS,
     ),
     Family("llm_backend_restarts", "counter", "Restarts seen: a new process start time or counters that went backwards.", ("backend",)),

@@ -14,8 +14,8 @@ from typing import Any
 
 import aiohttp
 
-from ..core.health import Settings
-from ..core.states import FINAL
+from ..core.health import Settings, Verdict
+from ..core.states import FINAL, State
 from .client import BackendClient
 from .monitor import BackendMonitor
 
@@ -25,6 +25,13 @@ def default_rounds(interval: float, hung_after: float) -> int:
     return max(3, math.ceil(hung_after / interval) + 1)
 
 
+def output_quiet(verdict: Verdict) -> bool:
+    """Requests run and steps move, but no output counter moved since the check's first read:
+    a long prefill, or a livelock, which only `no_output_after` tells apart. Such a verdict
+    does not end a check that has rounds left for it."""
+    return verdict.state in (State.BUSY, State.STALLED) and any(e.no_output_seconds for e in verdict.engines)
+
+
 async def run_check(
     url: str,
     kind: str = "engine",
@@ -32,6 +39,7 @@ async def run_check(
     rounds: int | None = None,
     hung_after: float = 20.0,
     probe_timeout: float = 5.0,
+    no_output_after: float = Settings.no_output_after_seconds,
     metrics_timeout: float = 30.0,
     api_key: str | None = None,
 ) -> dict[str, Any]:
@@ -40,7 +48,7 @@ async def run_check(
         client = BackendClient(
             session, url, api_key=api_key, probe_timeout=probe_timeout, metrics_timeout=metrics_timeout, models_timeout=min(10.0, metrics_timeout)
         )
-        return await check_with(client, kind=kind, interval=interval, rounds=rounds, hung_after=hung_after)
+        return await check_with(client, kind=kind, interval=interval, rounds=rounds, hung_after=hung_after, no_output_after=no_output_after)
 
 
 async def check_with(
@@ -49,26 +57,31 @@ async def check_with(
     interval: float = 10.0,
     rounds: int | None = None,
     hung_after: float = 20.0,
+    no_output_after: float = Settings.no_output_after_seconds,
     *,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> dict[str, Any]:
     """`run_check`'s rounds on a client already made. `sleep` and `clock` (each round's
-    `now`) are the event loop's and the monotonic clock, or a replay's simulated time."""
-    if rounds is None:
-        rounds = default_rounds(interval, hung_after)
+    `now`) are the event loop's and the monotonic clock, or a replay's simulated time.
+
+    Rounds end at a final state, or when `rounds` ran out (default: enough for
+    `hung_after`); a backend whose requests run with steps moving and no output since the
+    first read (`output_quiet`) is watched on, up to enough rounds for `no_output_after` and
+    the rounds past it that make a livelock hung, until its output moves (busy) or it is
+    hung. An explicit `rounds` is the most in every case."""
     # In a check every idle round may probe: the check itself is the rate limit.
-    settings = Settings(hung_after_seconds=hung_after, probe_interval=0.0)
+    settings = Settings(hung_after_seconds=hung_after, probe_interval=0.0, no_output_after_seconds=no_output_after)
+    usual = rounds or default_rounds(interval, hung_after)
+    longest = rounds or max(usual, math.ceil(no_output_after / interval) + settings.hung_rounds)
     started = clock()
     monitor = BackendMonitor(client, kind=kind, settings=settings)
-    verdict = None
-    for i in range(rounds):
-        if i:
-            await sleep(interval)
+    verdict = await monitor.round(clock())
+    done = 1
+    while done < longest and (verdict.state not in FINAL or output_quiet(verdict)) and (done < usual or output_quiet(verdict)):
+        await sleep(interval)
         verdict = await monitor.round(clock())
-        if verdict.state in FINAL:
-            break
-    assert verdict is not None  # rounds >= 1
+        done += 1
     state = verdict.state
     return {
         "url": client.url,

@@ -83,7 +83,8 @@ def client_for(session: aiohttp.ClientSession, target: Target, config: Restarter
 
 def monitor_for(session: aiohttp.ClientSession, target: Target, config: RestarterConfig) -> BackendMonitor:
     # As in `check`, each idle round may probe: the recovery wait is short and ends at idle.
-    settings = Settings(hung_after_seconds=config.verify.hung_after_seconds, probe_interval=0.0)
+    v = config.verify
+    settings = Settings(hung_after_seconds=v.hung_after_seconds, probe_interval=0.0, no_output_after_seconds=v.no_output_after_seconds)
     return BackendMonitor(client_for(session, target, config), kind=target.kind, settings=settings)
 
 

@@ -48,6 +48,7 @@ LLAMACPP = Profile(
     generation_tokens="llamacpp:tokens_predicted_total",
     counters=("llamacpp:n_decode_total", "llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total"),
     gauges=("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+    output=("llamacpp:tokens_predicted_total",),
     aliases=("llama-server",),
     start_header="Process-Start-Time-Unix",
     metrics_keepalive=False,

@@ -60,6 +60,14 @@ class Profile:
     # Asked in place of `/v1/models` after a timed-out `/metrics` of a `metrics_on_loop`
     # engine (answered beside the inference loop).
     health_path: str = "/health"
+    # The counters that move only when the engine produces output: a generated token, a
+    # finished request. `steps` moving with none of these while requests run, for longer
+    # than any honest prefill takes (`Settings.no_output_after_seconds`), is a livelock
+    # (vLLM #45094: prefill at 20k tokens/s, decode at 0; a preemption loop), not progress.
+    # KV usage or prompt tokens moving with no step counted is a V1 chunked prefill, busy
+    # however long. Empty (or no `steps`): the engine shows no such counter, and any move
+    # is progress.
+    output: tuple[str, ...] = ()
     # The counter of finished requests for the engine queue age (core.queue_age), where
     # the engine's counts allow the method; None: 0 when nothing waits, unknown otherwise.
     finished: str | None = None
@@ -74,7 +82,7 @@ class Profile:
 
     @cached_property
     def wanted(self) -> frozenset[str]:
-        names = {START_TIME, *self.running, *self.waiting, *self.counters, *self.gauges}
+        names = {START_TIME, *self.running, *self.waiting, *self.counters, *self.gauges, *self.output}
         for name in (self.steps, self.generation_tokens, self.sleep_awake):
             if name:
                 names.add(name)

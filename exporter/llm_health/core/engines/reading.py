@@ -55,6 +55,7 @@ class EngineReading:
     counters: tuple[float, ...]  # in profile order, NaN where absent or no evidence
     gauges: tuple[float, ...]
     sleeping: bool = False
+    output: tuple[float, ...] = ()  # the profile's output counters, NaN where absent or no evidence
 
     @property
     def key(self) -> tuple[str, str]:
@@ -188,5 +189,6 @@ def reduce(samples: Samples, limits: Limits | None = None) -> Reading:
             counters=tuple(sums[n].get(key, math.nan) for n in profile.counters),
             gauges=tuple(sums[n].get(key, math.nan) for n in profile.gauges),
             sleeping=awake.get(key, 1.0) == 0.0,
+            output=tuple(sums[n].get(key, math.nan) for n in profile.output),
         )
     return Reading(profile=profile.name, start_time=start_time, engines=engines)

@@ -19,6 +19,7 @@ SGLANG = Profile(
         "sglang:generation_tokens_total",
         "sglang:num_requests_total",
     ),
+    output=("sglang:generation_tokens_total",),
     gauges=("sglang:num_used_tokens", "sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs"),
     unit_labels=("model_name", "engine"),
 )

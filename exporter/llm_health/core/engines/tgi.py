@@ -22,5 +22,6 @@ TGI = Profile(
         "tgi_request_success",
         "tgi_request_generated_tokens_sum",
     ),
+    output=("tgi_request_success", "tgi_request_generated_tokens_sum"),
     gauges=("tgi_batch_current_size", "tgi_batch_current_max_tokens"),
 )

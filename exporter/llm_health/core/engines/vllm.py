@@ -82,6 +82,8 @@ VLLM_V1 = Profile(
     sleep_awake="vllm:engine_sleep_state",
     sleep_path="/is_sleeping",
     pause_path="/is_paused",
+    # Output: a token generated or a request finished (a pooling model generates none).
+    output=("vllm:generation_tokens_total", "vllm:request_success_total"),
     # Finished requests per unit: the queue age's arrival curve (core.queue_age).
     finished="vllm:request_success_total",
     routes=ROUTES,
