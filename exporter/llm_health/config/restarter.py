@@ -30,6 +30,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from ..core import kinds
@@ -58,6 +59,10 @@ class Verify:
     probe_timeout: float = 5.0
     metrics_timeout: float = 30.0
     rounds: int | None = None  # None: enough for hung_after_seconds, as `check` does
+
+    def rounds_settings(self) -> dict[str, Any]:
+        """`probe.check.check_with`'s round settings (its own argument names)."""
+        return {"interval": self.interval, "rounds": self.rounds, "hung_after": self.hung_after_seconds, "no_output_after": self.no_output_after_seconds}
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ The rules:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -371,7 +372,7 @@ def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "engi
             obs,
             s,
             progress_digest(reading.profile, reading.start_time, e),
-            lambda e=e: output_digest(reading.profile, reading.start_time, e),
+            functools.partial(output_digest, reading.profile, reading.start_time, e),
         )
         evs.append(ev)
         engines[key] = emem

@@ -154,16 +154,7 @@ class Restarter:
         """`llm-health check`'s rounds with the `verify` settings, on this client (the
         `verify` timeouts); `sleep` and `clock`: the event loop's, or a replay's simulated time."""
         v = self.config.verify
-        result = await check_with(
-            client,
-            kind=target.kind,
-            interval=v.interval,
-            rounds=v.rounds,
-            hung_after=v.hung_after_seconds,
-            no_output_after=v.no_output_after_seconds,
-            sleep=sleep,
-            clock=clock,
-        )
+        result = await check_with(client, kind=target.kind, sleep=sleep, clock=clock, **v.rounds_settings())
         return {"method": "full_check", **result}
 
     async def _confirm(self, target: Target, evidence_text: str, action: Action | None = None) -> dict[str, Any] | None:
