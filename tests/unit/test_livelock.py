@@ -181,14 +181,21 @@ def test_check_on_a_busy_shape_exits_0(name):
     assert client.probes == 0
 
 
+def test_check_without_the_bound_ends_at_a_busy_read():
+    """Without --no-output-after a check ends at its first busy read, as a watchdog with a
+    short timeout needs: a livelock reads busy there (the exporter and the restarter watch)."""
+    result, _ = check(LIVELOCKS["prefill at 20k tokens/s, decode at 0"])
+    assert result["rounds"] == 2 and result["state"] == "busy"
+
+
 def test_check_on_output_ends_as_soon_as_busy():
     """Output moving: two reads, as before the livelock rule."""
-    result, _ = check(BUSY_SHAPES["decoding"])
+    result, _ = check(BUSY_SHAPES["decoding"], no_output_after=120)
     assert result["rounds"] == 2
 
 
 def test_check_rounds_given_are_the_most():
-    result, _ = check(LIVELOCKS["prefill at 20k tokens/s, decode at 0"], rounds=3)
+    result, _ = check(LIVELOCKS["prefill at 20k tokens/s, decode at 0"], rounds=3, no_output_after=120)
     assert result["rounds"] == 3 and result["state"] == "busy"
 
 

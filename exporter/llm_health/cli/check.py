@@ -93,9 +93,10 @@ def add(sub: Any) -> None:
     c.add_argument(
         "--no-output-after",
         type=positive_seconds,
-        default=Settings.no_output_after_seconds,
-        help="requests running with steps moving and no token or finished request for this long is a livelock, hung "
-        "(default %(default)g; longer than any honest prefill takes); the check watches such an engine this long",
+        default=None,
+        help="watch for a livelock: requests running with steps moving and no token or finished request for this long is hung "
+        f"(e.g. {Settings.no_output_after_seconds:g}, the exporter's default; longer than any honest prefill takes); such an engine "
+        "is then watched this long and a round before the check answers. Without it a busy read ends the check",
     )
     c.add_argument("--probe-timeout", type=positive_seconds, default=5.0, help="timeout of the 1-token probe sent to an idle engine (default 5)")
     c.add_argument("--metrics-timeout", type=positive_seconds, default=30.0, help="timeout of a /metrics read; slow is load, not death (default 30)")

@@ -39,7 +39,7 @@ async def run_check(
     rounds: int | None = None,
     hung_after: float = 20.0,
     probe_timeout: float = 5.0,
-    no_output_after: float = Settings.no_output_after_seconds,
+    no_output_after: float | None = None,
     metrics_timeout: float = 30.0,
     api_key: str | None = None,
 ) -> dict[str, Any]:
@@ -57,7 +57,7 @@ async def check_with(
     interval: float = 10.0,
     rounds: int | None = None,
     hung_after: float = 20.0,
-    no_output_after: float = Settings.no_output_after_seconds,
+    no_output_after: float | None = None,
     *,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     clock: Callable[[], float] = time.monotonic,
@@ -66,19 +66,24 @@ async def check_with(
     `now`) are the event loop's and the monotonic clock, or a replay's simulated time.
 
     Rounds end at a final state, or when `rounds` ran out (default: enough for
-    `hung_after`); a backend whose requests run with steps moving and no output since the
-    first read (`output_quiet`) is watched on, up to enough rounds for `no_output_after` and
-    the rounds past it that make a livelock hung, until its output moves (busy) or it is
-    hung. An explicit `rounds` is the most in every case."""
+    `hung_after`). With `no_output_after` (a livelock's bound, `Settings`), a backend whose
+    requests run with steps moving and no output since the first read (`output_quiet`) is
+    watched on, up to enough rounds for that bound and the rounds past it that make a
+    livelock hung, until its output moves (busy) or it is hung; an explicit `rounds` is the
+    most in every case. Without it (None) a busy read ends the check, as a watchdog with a
+    short timeout needs, and no livelock is read: a check cannot know what an engine
+    produced before it started, so telling a long prefill from a livelock takes that long."""
     # In a check every idle round may probe: the check itself is the rate limit.
-    settings = Settings(hung_after_seconds=hung_after, probe_interval=0.0, no_output_after_seconds=no_output_after)
+    watch = no_output_after is not None
+    bound = no_output_after if no_output_after is not None else math.inf
+    settings = Settings(hung_after_seconds=hung_after, probe_interval=0.0, no_output_after_seconds=bound)
     usual = rounds or default_rounds(interval, hung_after)
-    longest = rounds or max(usual, math.ceil(no_output_after / interval) + settings.hung_rounds)
+    longest = rounds or (max(usual, math.ceil(bound / interval) + settings.hung_rounds) if watch else usual)
     started = clock()
     monitor = BackendMonitor(client, kind=kind, settings=settings)
     verdict = await monitor.round(clock())
     done = 1
-    while done < longest and (verdict.state not in FINAL or output_quiet(verdict)) and (done < usual or output_quiet(verdict)):
+    while done < longest and (verdict.state not in FINAL or (watch and output_quiet(verdict))) and (done < usual or (watch and output_quiet(verdict))):
         await sleep(interval)
         verdict = await monitor.round(clock())
         done += 1
