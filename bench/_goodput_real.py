@@ -299,6 +299,7 @@ class Bench:
         self.slots, self.run_ms, self.period_ms, self.seed, self.seconds, self.caps, self.ttl_factor = slots, run_ms, period_ms, seed, seconds, caps, ttl_factor
         self.log: list[str] = []
         self.redis_url: str | None = None
+        self.full_s = 0.0  # a request's service while the engine is full (slots / C): the doors' expected_service_ms
 
     def engine(self, extra: list[str]) -> harness.VLLMServer:
         srv = harness.VLLMServer.start(max_num_seqs=self.slots, extra_args=extra)
@@ -370,7 +371,7 @@ class Bench:
                 self.redis_url = redis.url
                 # A request's service while the engine is full (its SLOTS running): what the
                 # doors' expected_service_ms means, from the capacity run (docs/admission.md).
-                full = self.slots / first
+                full = self.full_s = self.slots / first
                 self.log.append(f"service while full: {self.slots} slots / C {first:.3f}/s = {full:.3f} s (the doors' expected_service_ms)")
                 doors = stack.enter_context(self.doors(tmp, srv, redis, up_url, service, full))
                 ttl_proxy = TTLProxy(up_url, self.slots, ttl)
@@ -381,8 +382,12 @@ class Bench:
                 for load in loads:
                     arrivals = schedule(self.seed, load * first, self.seconds, service, f"l{load:g}")
                     self.log.append(f"load {load:g}x: {len(arrivals)} arrivals at {load * first:.3f}/s (x the capacity measured before the runs)")
-                    for name, url in paths.items():
-                        results.append(await self.one(name, load, arrivals, url, srv, up, capacity))
+                    order = list(paths.items())
+                    if load < 1:  # mirrored: each door and direct again, in reverse (UNDERLOAD_RUNS)
+                        order += [(n, u) for n, u in reversed(order) if n == "direct" or n in DOOR_NAMES]
+                    for name, url in order:
+                        run = 1 + sum(1 for r in results if r.policy == name and r.load == load)
+                        results.append(await self.one(name, load, arrivals, url, srv, up, capacity, run))
                 capacity = max(first, await self.capacity(srv.url, "after the runs on this engine"))
                 for r in results:
                     r.capacity = capacity
@@ -400,25 +405,27 @@ class Bench:
                 await up.session.close()
         return service, capacity, results
 
-    async def one(self, name: str, load: float, arrivals: list[Arrival], url: str, srv: harness.VLLMServer, up: Upstream, capacity: float) -> Result:
+    async def one(
+        self, name: str, load: float, arrivals: list[Arrival], url: str, srv: harness.VLLMServer, up: Upstream, capacity: float, run: int = 1
+    ) -> Result:
         up.seen.clear()
         prioritize(srv)
         if self.redis_url:
             await asyncio.to_thread(exporter_settled, self.redis_url)
         # The same schedule, ids of this policy's own: the doors share one Redis, where an id
         # another policy sent would be this one's retry.
-        tag = "".join(c if c.isalnum() else "-" for c in name)
+        tag = "".join(c if c.isalnum() else "-" for c in name) + (f"-run{run}" if run > 1 else "")
         arrivals = [Arrival(f"{tag}-{a.id}", a.at, a.deadline_s) for a in arrivals]
         t0 = time.monotonic()
         outcomes, generated, ages = await drive(url, arrivals, self.seconds, srv, lambda: up.oldest_waiting_s(self.slots))
         count_copies(outcomes, up, t0)
         await asyncio.to_thread(srv.wait_idle, 300)
-        r = Result(name, load, self.seconds, capacity, outcomes, generated, ages=ages)
+        r = Result(name, load, self.seconds, capacity, outcomes, generated, ages=ages, run=run)
         if self.redis_url and name in DOOR_NAMES:
             with redis_lib.Redis.from_url(self.redis_url) as rc:
                 left = rc.zcard(QueueKeys().route_inflight("chat")[0])
-            self.log.append(f"after {name} at {load:g}x, the engine idle: {left} requests left in the route's in-flight set in Redis")
-        print(f"bench_goodput: {name} at {load:g}x: {len(r.on_time())} of {len(outcomes)} on time, {r.failed} failed", file=sys.stderr, flush=True)
+            self.log.append(f"after {r.label} at {load:g}x, the engine idle: {left} requests left in the route's in-flight set in Redis")
+        print(f"bench_goodput: {r.label} at {load:g}x: {len(r.on_time())} of {len(outcomes)} on time, {r.failed} failed", file=sys.stderr, flush=True)
         return r
 
     @contextlib.contextmanager

@@ -1,0 +1,54 @@
+"""bench_goodput's underload goal: judged on the mean of each policy's mirrored windows, the
+goal line's figures tied to the table's rows by the same checker docs/benchmarks.md passes."""
+
+from __future__ import annotations
+
+import re
+
+from bench._goodput_model import Arrival, Outcome, Result, goals, table
+
+from tests.fixtures.bench_tables import _goodput_part
+
+
+def result(policy: str, load: float, on_time: int, run: int = 1, late: int = 0) -> Result:
+    outcomes = []
+    for i in range(100):
+        o = Outcome(Arrival(f"{policy}-{run}-{i}", float(i), 1.0), ok=i < on_time, done_at=i + 0.5, tokens=16, attempts=1, codes=["200"], copies=1)
+        o.copies_late = 1 if i < late else 0
+        outcomes.append(o)
+    return Result(policy, load, 100.0, 1.0, outcomes, 16.0 * 100, run=run)
+
+
+def rows(door_runs: tuple[int, int], direct_runs: tuple[int, int]) -> list[Result]:
+    out = []
+    for load in (2.0, 4.0):
+        out += [result("direct", load, 50), result("gate", load, 95), result("vllm cap 8", load, 70)]
+    out += [result("direct", 0.8, direct_runs[0]), result("gate", 0.8, door_runs[0]), result("vllm cap 8", 0.8, 80)]
+    out += [result("gate", 0.8, door_runs[1], run=2), result("direct", 0.8, direct_runs[1], run=2)]
+    return out
+
+
+def underload(lines: list[str]) -> str:
+    return next(line for line in lines if line.startswith("goal: gate at 0.8x"))
+
+
+def test_the_underload_goal_is_the_mean_of_the_mirrored_windows() -> None:
+    # One window 3.8% under direct, the other 2.5% above: the means are 0.6% apart.
+    results = rows((77, 82), (80, 80))
+    lines = goals(results, doors=("gate",))
+    line = underload(lines)
+    assert "0.7950/s against 0.8000/s, 0.6% below; 0 failed: met" in line
+    assert "windows 0.770 and 0.820" in "\n".join(lines)
+    out = "\n".join([*table(results), *lines])
+    assert "| gate (run 2) | 0.8x |" in out
+    _goodput_part(out, "")  # the doc's own checker: figures from the rows, verdicts from the figures
+
+
+def test_a_door_below_direct_on_the_means_misses_and_late_copies_of_the_repeat_count() -> None:
+    results = rows((77, 77), (80, 80))
+    results[-2] = result("gate", 0.8, 77, run=2, late=1)
+    lines = goals(results, doors=("gate",))
+    assert underload(lines).endswith("3.8% below; 0 failed: NOT met")
+    copies = next(line for line in lines if "copies reach the engine" in line)
+    assert re.search(r"measured: 1 \(direct 0\); 0 failed: NOT met$", copies), copies
+    _goodput_part("\n".join([*table(results), *lines]), "")
