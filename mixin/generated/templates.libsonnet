@@ -1215,6 +1215,48 @@
                 ]
               }
             }
+          },
+          {
+            "alert": "LLMBackendShedding",
+            "expr": {
+              "__parts__": [
+                "max without (",
+                {
+                  "key": "exporter.replica_labels"
+                },
+                ") (\n  sum without (reason) (increase(llm_backend_engine_refusals_total{",
+                {
+                  "key": "selectors.exporter"
+                },
+                "}[",
+                {
+                  "key": "exporter.shedding_window"
+                },
+                "]))\n) > 0\n"
+              ]
+            },
+            "for": {
+              "__parts__": [
+                {
+                  "key": "exporter.shedding_for"
+                }
+              ]
+            },
+            "labels": {
+              "severity": "warning"
+            },
+            "annotations": {
+              "summary": "An LLM engine refuses requests itself (shedding load).",
+              "description": {
+                "__parts__": [
+                  "Backend {{ $labels.backend }}'s engine refused about {{ printf \"%.0f\" $value }} request(s) itself in the last ",
+                  {
+                    "key": "exporter.shedding_window"
+                  },
+                  ": its own queue cap answers 503. It is busy and shedding load, not hung. Add capacity, or admit by age at the door (docs/runbook.md)."
+                ]
+              }
+            }
           }
         ]
       },
@@ -3939,6 +3981,44 @@
                     "key": "vllm.no_output_window"
                   },
                   " and its step count moves, but it generated no token and finished no request in that time: longer than any honest prefill takes. A livelock (a prefill or preemption loop); /health still answers. It is not asleep."
+                ]
+              }
+            }
+          },
+          {
+            "alert": "VLLMEngineShedding",
+            "expr": {
+              "__parts__": [
+                "label_replace(\n  sum by (job, instance, model_name) (increase(vllm:admission_rejections_total{",
+                {
+                  "key": "selectors.vllm"
+                },
+                "}[",
+                {
+                  "key": "vllm.shedding_window"
+                },
+                "])) > 0,\n  \"host\", \"$1\", \"instance\", \"(.+?)(:[0-9]+)?\"\n)\n"
+              ]
+            },
+            "for": {
+              "__parts__": [
+                {
+                  "key": "vllm.shedding_for"
+                }
+              ]
+            },
+            "labels": {
+              "severity": "warning"
+            },
+            "annotations": {
+              "summary": "vLLM refuses requests itself (shedding load).",
+              "description": {
+                "__parts__": [
+                  "{{ $labels.model_name }} on {{ $labels.instance }} refused about {{ printf \"%.0f\" $value }} request(s) with 503 in the last ",
+                  {
+                    "key": "vllm.shedding_window"
+                  },
+                  ": its --max-num-queued-reqs or --max-num-queued-tokens cap is full. It is busy and shedding load, not hung."
                 ]
               }
             }

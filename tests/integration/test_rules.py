@@ -33,6 +33,7 @@ DCGM_PAYLOADS = ROOT / "tests" / "data" / "dcgm"  # dcgm-exporter /metrics as pu
 # (tests/data/vllm-real/*.prom).
 NEWER_THAN_PAYLOADS = {
     "vllm:engine_sleep_state": "vLLM >= 0.11 sleep mode (vllm/v1/metrics/loggers.py)",
+    "vllm:admission_rejections_total": "vLLM 0.32's --max-num-queued-reqs / --max-num-queued-tokens (vllm/v1/metrics/loggers.py)",
 }
 # The V0 name kept as a fallback for KV usage; every other vllm: name must be in the V1 payload.
 V0_ONLY = {"vllm:gpu_cache_usage_perc"}

@@ -6,7 +6,7 @@ floats, integers); and it declines the formats it does not write."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -40,6 +40,7 @@ class FakeMonitor:
     memory: Memory | None = None
     last_probe: ProbeResult | None = None
     queue_ages: QueueAges = field(default_factory=QueueAges)
+    refused_total: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -95,6 +96,9 @@ def fleet() -> list[FakeSlot]:
     )
     down = FakeSlot(FakeBackend("down", kind="proxy"), verdict=Verdict(State.DOWN, "refused", Memory()), readiness=Readiness(False, "down", not_ready_total=3))
     plain.monitor.queue_ages.units = {("m", "0"): 12.5}  # the engine's queue age: known
+    plain.monitor.refused_total = {"max_num_queued_reqs": 7.0, "max_num_queued_tokens": 0.0}  # an engine that counts its refusals
+    plain.verdict = replace(plain.verdict, refused={"max_num_queued_reqs": 2.0})  # shedding this round
+    odd.monitor.refused_total = {'odd "reason"\n☃': math.inf}
     odd.monitor.queue_ages.units = {(e.model_name, e.engine): (None if i % 3 == 0 else numbers[i % len(numbers)]) for i, e in enumerate(odd_engines)}
     slots = [never, plain, odd, down]
     for s in slots:

@@ -107,6 +107,7 @@ class Memory:
     failed_probes: int = 0
     restarts: int = 0
     last_state: State = State.UNKNOWN
+    refusals: dict[str, float] | None = None  # the engine's own refusal counter by reason, as last read
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,13 @@ class Verdict:
     engines: tuple[EngineVerdict, ...] = ()
     probe_wanted: bool = False
     restarted: bool = False
+    # Requests the engine refused itself since the last round, by reason (its own queue
+    # cap's 503s): it is shedding load, busy and protecting itself; never a state of its own.
+    refused: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def shedding(self) -> bool:
+        return any(n > 0 for n in self.refused.values())
 
     @property
     def running(self) -> float:
@@ -307,7 +315,24 @@ def _restart_reason(prev: Memory, reading: Reading) -> str | None:
 
 
 def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "engine") -> Verdict:
-    """One round: previous memory and this round's observation give the verdict."""
+    """One round: previous memory and this round's observation give the verdict, with the
+    requests the engine refused itself since the last round (`Verdict.refused`): shedding
+    is said in the reason and changes no state."""
+    verdict = _decide(prev, obs, s, kind)
+    now = obs.reading.refusals if obs.reading is not None and kind != "proxy" else None
+    if now is None:
+        return verdict
+    before = None if verdict.restarted or prev is None else prev.refusals
+    # A reason first seen counts from 0, as a new counter series starts.
+    refused = {reason: n - before.get(reason, 0.0) for reason, n in now.items() if before is not None and n > before.get(reason, 0.0)}
+    memory = replace(verdict.memory, refusals=now)
+    if not refused:
+        return replace(verdict, memory=memory)
+    said = ", ".join(f"{n:g} {reason}" for reason, n in sorted(refused.items()))
+    return replace(verdict, memory=memory, refused=refused, reason=f"{verdict.reason}; shedding: the engine refused {said} since the last round")
+
+
+def _decide(prev: Memory | None, obs: Observation, s: Settings, kind: str) -> Verdict:
     prev = prev or Memory()
     if kind == "proxy":
         if obs.models_ok:

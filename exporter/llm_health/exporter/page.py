@@ -50,6 +50,7 @@ td.reason{max-width:42em;overflow-wrap:anywhere}
 .s-busy{background:#ddf4ff;color:#0a3069}.s-restarted{background:#fbefff;color:#6e40c9}
 .s-idle,.s-sleeping,.s-paused,.s-up{background:#dafbe1;color:#116329}
 .s-unknown,.s-other{background:#eaeef2;color:#424a53}
+.shed{display:inline-block;margin-left:.3em;padding:0 .45em;border-radius:.3em;background:#fff8c5;color:#7d4e00;font-weight:600}
 ul.eng{margin:0;padding-left:1em}.muted{color:#666}.bad{color:#a00;font-weight:600}
 """
 
@@ -231,7 +232,7 @@ def _backends(data: PageData) -> str:
         state = b.get("state", "unknown")
         rows.append(
             f'<tr data-backend="{esc(b.get("backend", ""))}" data-state="{esc(state)}">'
-            f"<td>{esc(b.get('backend', ''))}</td><td>{badge(state)}</td>"
+            f"<td>{esc(b.get('backend', ''))}</td><td>{badge(state)}{_shedding(b)}</td>"
             f'<td class="reason">{esc(b.get("reason", ""))}</td>'
             f"<td>{_engines(b.get('engines') or ())}</td>"
             f'<td class="n">{_num(b.get("running"))}</td><td class="n">{_num(b.get("waiting"))}</td>'
@@ -248,6 +249,15 @@ def _backends(data: PageData) -> str:
 
 
 # --- Redis: pools and routes -------------------------------------------------------------
+
+
+def _shedding(b: Mapping[str, Any]) -> str:
+    """The mark of an engine refusing requests itself (its own queue cap) since the
+    previous round: beside its state, which it does not change."""
+    if not b.get("shedding"):
+        return ""
+    said = ", ".join(f"{_num(n)} {reason}" for reason, n in (b.get("refused") or {}).items())
+    return f' <span class="shed" title="the engine refused {esc(said)} since the previous round">shedding</span>'
 
 
 def _ms(value: Any) -> str:

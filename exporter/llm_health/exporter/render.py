@@ -92,6 +92,21 @@ FAMILIES: tuple[Family, ...] = (
         "Age of the oldest request waiting in one engine unit (data-parallel rank), as llm_backend_queue_age_seconds; absent while unknown.",
         ELABELS,
     ),
+    Family(
+        "llm_backend_engine_refusals",
+        "counter",
+        "Requests the engine refused itself (its own queue cap: vLLM's --max-num-queued-reqs and --max-num-queued-tokens answer 503), "
+        "by reason, counted since the exporter started from the engine's own counter (vllm:admission_rejections_total); only for an "
+        "engine that counts them. A refusing engine is shedding load: busy, never hung for that.",
+        ("backend", "reason"),
+    ),
+    Family(
+        "llm_backend_shedding",
+        "gauge",
+        "1 if the engine refused requests itself since the previous round (llm_backend_engine_refusals_total moved), else 0; "
+        "only for an engine that counts its refusals.",
+        ("backend",),
+    ),
 )
 (
     UP,
@@ -113,6 +128,8 @@ FAMILIES: tuple[Family, ...] = (
     NOT_READY,
     QUEUE_AGE,
     ENGINE_QUEUE_AGE,
+    REFUSALS,
+    SHEDDING,
 ) = range(len(FAMILIES))
 STATES = tuple(State)
 ONE_HOT = frozenset({STATE, ESTATE})  # one series per state: 1 for the one the sample names, 0 for the others
@@ -179,6 +196,10 @@ def samples(slot: SlotLike) -> Iterator[Sample]:
     for (model_name, engine), age in ages.units.items() if v is not None else ():
         if age is not None:
             yield ENGINE_QUEUE_AGE, (name, model_name, engine), age
+    for reason, count in sorted(m.refused_total.items()):
+        yield REFUSALS, (name, reason), count
+    if m.refused_total:
+        yield SHEDDING, (name,), 1.0 if v is not None and v.shedding else 0.0
 
 
 def escape(value: str) -> str:

@@ -87,6 +87,9 @@ class Slot:
             "queue_age_ms": to_ms(ages.backend) if v else None,
             "steps_per_second": v.total("steps_per_second") if v else None,
             "generation_tokens_per_second": v.total("generation_tokens_per_second") if v else None,
+            # the engine refused requests itself since the previous round (its own queue cap)
+            "shedding": bool(v and v.shedding),
+            "refused": dict(sorted(v.refused.items())) if v else {},
             "restarts": m.memory.restarts if m.memory else 0,
             "probes_sent": m.probes_sent,
             "rounds": m.rounds,

@@ -42,6 +42,10 @@ class BackendMonitor:
         self.stats = RoundStats()
         self.rounds = 0
         self.probes_sent = 0
+        # The engine's own refusals seen since this monitor started, by reason (the sum of
+        # every round's `Verdict.refused`; a reason is listed once the engine's counter is
+        # read, at 0 until it moves): what llm_backend_engine_refusals_total exports.
+        self.refused_total: dict[str, float] = {}
         self.last_probe: ProbeResult | None = None  # kept across rounds: probes are minutes apart
         # The engine's queue age (core.queue_age), advanced by every round's reading.
         self.queue_ages = QueueAges()
@@ -68,6 +72,8 @@ class BackendMonitor:
         else:
             verdict = await self._engine_round(now, start, stats)
         stats.seconds = time.monotonic() - start
+        for reason in verdict.memory.refusals or ():
+            self.refused_total[reason] = self.refused_total.get(reason, 0.0) + verdict.refused.get(reason, 0.0)
         self.memory, self.verdict, self.stats = verdict.memory, verdict, stats
         self.rounds += 1
         return verdict

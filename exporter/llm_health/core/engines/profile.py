@@ -68,6 +68,13 @@ class Profile:
     # however long. Empty (or no `steps`): the engine shows no such counter, and any move
     # is progress.
     output: tuple[str, ...] = ()
+    # The counter of requests the engine refused itself (shedding: a queue cap's 503), summed
+    # over the backend (vLLM's has no data-parallel `engine` label), split by the label
+    # `refusal_label` into `refusal_reasons` (any other value is "other": a bounded label).
+    # A refusing engine is busy and protecting itself, never hung for that (core.health).
+    refusals: str | None = None
+    refusal_label: str = "reason"
+    refusal_reasons: tuple[str, ...] = ()
     # The counter of finished requests for the engine queue age (core.queue_age), where
     # the engine's counts allow the method; None: 0 when nothing waits, unknown otherwise.
     finished: str | None = None
@@ -83,7 +90,7 @@ class Profile:
     @cached_property
     def wanted(self) -> frozenset[str]:
         names = {START_TIME, *self.running, *self.waiting, *self.counters, *self.gauges, *self.output}
-        for name in (self.steps, self.generation_tokens, self.sleep_awake):
+        for name in (self.steps, self.generation_tokens, self.sleep_awake, self.refusals):
             if name:
                 names.add(name)
         return frozenset(names)

@@ -83,6 +83,9 @@ class Reading:
     profile: str
     start_time: float | None
     engines: dict[tuple[str, str], EngineReading] = field(default_factory=dict)
+    # The engine's own refusals (`Profile.refusals`) by reason, summed over the backend;
+    # None where the profile has no such counter or the payload holds none of it.
+    refusals: dict[str, float] | None = None
 
 
 class UnknownEngine(ValueError):
@@ -191,4 +194,18 @@ def reduce(samples: Samples, limits: Limits | None = None) -> Reading:
             sleeping=awake.get(key, 1.0) == 0.0,
             output=tuple(sums[n].get(key, math.nan) for n in profile.output),
         )
-    return Reading(profile=profile.name, start_time=start_time, engines=engines)
+    return Reading(profile=profile.name, start_time=start_time, engines=engines, refusals=_refusals(samples, profile))
+
+
+def _refusals(samples: Samples, profile: Profile) -> dict[str, float] | None:
+    """The profile's refusal counter summed per reason (one of `refusal_reasons`, else
+    "other"); a value that is no count (NaN, infinite, negative) is left out."""
+    if not profile.refusals or profile.refusals not in samples:
+        return None
+    out: dict[str, float] = {}
+    for labels, value in samples[profile.refusals]:
+        if 0 <= value < math.inf:
+            reason = labels.get(profile.refusal_label, "")
+            key = reason if reason in profile.refusal_reasons else "other"
+            out[key] = out.get(key, 0.0) + value
+    return out

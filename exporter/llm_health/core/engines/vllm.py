@@ -86,6 +86,10 @@ VLLM_V1 = Profile(
     output=("vllm:generation_tokens_total", "vllm:request_success_total"),
     # Finished requests per unit: the queue age's arrival curve (core.queue_age).
     finished="vllm:request_success_total",
+    # 0.32's `--max-num-queued-reqs` / `--max-num-queued-tokens` answer 503 and count here
+    # (`vllm/v1/metrics/loggers.py`: labels model_name and reason, no engine rank).
+    refusals="vllm:admission_rejections_total",
+    refusal_reasons=("max_num_queued_reqs", "max_num_queued_tokens"),
     routes=ROUTES,
     never=NEVER,
 )
