@@ -41,6 +41,7 @@ class FakeMonitor:
     last_probe: ProbeResult | None = None
     queue_ages: QueueAges = field(default_factory=QueueAges)
     refused_total: dict[str, float] = field(default_factory=dict)
+    evidence_reads: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,6 +100,7 @@ def fleet() -> list[FakeSlot]:
     plain.monitor.refused_total = {"max_num_queued_reqs": 7.0, "max_num_queued_tokens": 0.0}  # an engine that counts its refusals
     plain.verdict = replace(plain.verdict, refused={"max_num_queued_reqs": 2.0})  # shedding this round
     odd.monitor.refused_total = {'odd "reason"\n☃': math.inf}
+    odd.monitor.evidence_reads = {("/slots", "timeout"): 3, ('/"odd"\\\n', "ok"): 2**40}
     odd.monitor.queue_ages.units = {(e.model_name, e.engine): (None if i % 3 == 0 else numbers[i % len(numbers)]) for i, e in enumerate(odd_engines)}
     slots = [never, plain, odd, down]
     for s in slots:

@@ -89,6 +89,7 @@ def series(refused_total: dict[str, float], verdict: Verdict | None) -> dict[tup
         verdict=verdict,
         monitor=SimpleNamespace(
             refused_total=refused_total,
+            evidence_reads={},
             stats=SimpleNamespace(probes={}, metrics=None, profile="vllm_v1", seconds=0.0),
             memory=None,
             last_probe=None,

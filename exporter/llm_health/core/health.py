@@ -78,6 +78,10 @@ class Observation:
     models_error: str | None = None
     sleeping: bool = False  # /is_sleeping said true
     paused: bool = False  # /is_paused said true
+    # The profile's evidence endpoint (`Profile.evidence_path`), read because the engine was
+    # already suspected: what it said (None: not read), and whether it timed out.
+    evidence: str | None = None
+    evidence_timed_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -317,8 +321,12 @@ def _restart_reason(prev: Memory, reading: Reading) -> str | None:
 def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "engine") -> Verdict:
     """One round: previous memory and this round's observation give the verdict, with the
     requests the engine refused itself since the last round (`Verdict.refused`): shedding
-    is said in the reason and changes no state."""
+    is said in the reason and changes no state; so is what the evidence endpoint said."""
     verdict = _decide(prev, obs, s, kind)
+    if obs.evidence is not None:
+        # Said, never judged alone: the state is what the reads above already prove.
+        said = f"{obs.evidence}: the inference loop takes no task (hang evidence)" if obs.evidence_timed_out else obs.evidence
+        verdict = replace(verdict, reason=f"{verdict.reason}; {said}")
     now = obs.reading.refusals if obs.reading is not None and kind != "proxy" else None
     if now is None:
         return verdict

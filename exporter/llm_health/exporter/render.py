@@ -107,6 +107,14 @@ FAMILIES: tuple[Family, ...] = (
         "only for an engine that counts its refusals.",
         ("backend",),
     ),
+    Family(
+        "llm_backend_evidence_reads",
+        "counter",
+        "Reads of the engine's evidence endpoint (the profile's evidence_path, answered by its inference loop) by result (ok, timeout, error), "
+        "made only when the engine was already suspected (its /metrics timed out, or nothing moved with work in flight), never "
+        "while it moves: a timeout is hang evidence, said in the backend's reason. Only backends read so at least once.",
+        ("backend", "endpoint", "result"),
+    ),
 )
 (
     UP,
@@ -130,6 +138,7 @@ FAMILIES: tuple[Family, ...] = (
     ENGINE_QUEUE_AGE,
     REFUSALS,
     SHEDDING,
+    EVIDENCE,
 ) = range(len(FAMILIES))
 STATES = tuple(State)
 ONE_HOT = frozenset({STATE, ESTATE})  # one series per state: 1 for the one the sample names, 0 for the others
@@ -200,6 +209,8 @@ def samples(slot: SlotLike) -> Iterator[Sample]:
         yield REFUSALS, (name, reason), count
     if m.refused_total:
         yield SHEDDING, (name,), 1.0 if v is not None and v.shedding else 0.0
+    for (path, result), count in sorted(m.evidence_reads.items()):
+        yield EVIDENCE, (name, path, result), count
 
 
 def escape(value: str) -> str:

@@ -90,6 +90,8 @@ class Slot:
             # the engine refused requests itself since the previous round (its own queue cap)
             "shedding": bool(v and v.shedding),
             "refused": dict(sorted(v.refused.items())) if v else {},
+            # the profile's evidence endpoint read this round, for a suspected engine only
+            "evidence": stats.evidence.detail if stats.evidence else None,
             "restarts": m.memory.restarts if m.memory else 0,
             "probes_sent": m.probes_sent,
             "rounds": m.rounds,

@@ -247,6 +247,23 @@ class BackendClient:
             detail, timed_out, _ = _describe(exc, self.probe_timeout)
             return ProbeResult(False, time.monotonic() - start, detail, timed_out)
 
+    async def evidence(self, path: str) -> ProbeResult:
+        """GET `path` (`Profile.evidence_path`) within models_timeout (a health read's),
+        only for an engine already suspected: whether the inference loop answers it. The
+        answer's start is the evidence (the engine sends its headers once its loop has
+        taken the task); the body is never read, so nothing in it is kept. ok None: the
+        server answered but not 200 (the endpoint disabled, `--no-slots`): no evidence."""
+        start = time.monotonic()
+        try:
+            async with self.session.get(self.url + path, headers=self._headers, timeout=self._timeout(self.models_timeout), allow_redirects=False) as resp:
+                seconds = time.monotonic() - start
+                if resp.status == 200:
+                    return ProbeResult(True, seconds, f"{path} answered in {seconds * 1000:.0f} ms")
+                return ProbeResult(None, seconds, f"{path} answered HTTP {resp.status}")
+        except Exception as exc:
+            detail, timed_out, _ = _describe(exc, self.models_timeout)
+            return ProbeResult(False, time.monotonic() - start, f"{path} {detail}", timed_out)
+
     async def flag(self, path: str) -> bool:
         """An engine's sleep or pause flag (vLLM's `/is_sleeping`, `/is_paused`): True only on a clear yes. Asked on the
         lean client (probe.http) too: a hung engine is asked both every round."""

@@ -27,6 +27,7 @@ class RoundStats:
     profile: str | None = None
     seconds: float = 0.0
     error: str | None = None  # the reason label of llm_exporter_round_errors_total: metrics, timeout, limits, models
+    evidence: ProbeResult | None = None  # the profile's evidence endpoint, read this round (a suspected engine only)
     probes: dict[str, int] = field(default_factory=lambda: {"ok": 0, "timeout": 0, "error": 0})
 
 
@@ -46,6 +47,9 @@ class BackendMonitor:
         # every round's `Verdict.refused`; a reason is listed once the engine's counter is
         # read, at 0 until it moves): what llm_backend_engine_refusals_total exports.
         self.refused_total: dict[str, float] = {}
+        # Reads of the profile's evidence endpoint (`Profile.evidence_path`), by path and result
+        # (ok, timeout, error): llm_backend_evidence_reads_total.
+        self.evidence_reads: dict[tuple[str, str], int] = {}
         self.last_probe: ProbeResult | None = None  # kept across rounds: probes are minutes apart
         # The engine's queue age (core.queue_age), advanced by every round's reading.
         self.queue_ages = QueueAges()
@@ -59,6 +63,18 @@ class BackendMonitor:
             if e.in_flight and old is not None and same_fingerprint(old.fingerprint, e.fingerprint):
                 return True
         return False
+
+    async def _evidence(self, profile: engines.Profile, stats: RoundStats) -> ProbeResult | None:
+        """Read the profile's evidence endpoint (`Profile.evidence_path`) of an engine already
+        suspected (its /metrics timed out, or nothing moved with work in flight); None for
+        a profile without one. Never called for an engine that moved."""
+        if profile.evidence_path is None:
+            return None
+        result = await self.client.evidence(profile.evidence_path)
+        key = (profile.evidence_path, result.result)
+        self.evidence_reads[key] = self.evidence_reads.get(key, 0) + 1
+        stats.evidence = result
+        return result
 
     async def round(self, now: float | None = None) -> Verdict:
         start = time.monotonic()
@@ -109,18 +125,34 @@ class BackendMonitor:
             # server killed with the read in flight, as a restart does); and a 503 is its
             # own word that it cannot serve yet (a server loading its model after a restart
             # may answer /metrics and /health so): none is a failed round.
+            evidence = await self._evidence(known, stats) if fetched.timed_out and known is not None else None
             gone = fetched.refused or (fetched.closed and not ok)
             if stats.error is None and not gone and not fetched.unavailable:
                 stats.error = "timeout" if fetched.timed_out else "metrics"
             obs = Observation(
-                now=now, metrics_error=error, metrics_timed_out=fetched.timed_out, metrics_refused=fetched.refused, models_ok=ok, models_error=merr
+                now=now,
+                metrics_error=error,
+                metrics_timed_out=fetched.timed_out,
+                metrics_refused=fetched.refused,
+                models_ok=ok,
+                models_error=merr,
+                evidence=evidence.detail if evidence else None,
+                evidence_timed_out=bool(evidence and evidence.timed_out),
             )
-        elif self._stalling(reading) and engines.BY_NAME[reading.profile].has_sleep_endpoints:
-            # Before calling it stalled, ask whether the engine sleeps or is paused on purpose.
+        elif self._stalling(reading):
             profile = engines.BY_NAME[reading.profile]
+            # Before calling it stalled, ask whether the engine sleeps or is paused on purpose.
             sleeping = await self.client.flag(profile.sleep_path) if profile.sleep_path else False
             paused = await self.client.flag(profile.pause_path) if profile.pause_path else False
-            obs = Observation(now=now, reading=reading, sleeping=sleeping, paused=paused)
+            evidence = await self._evidence(profile, stats)
+            obs = Observation(
+                now=now,
+                reading=reading,
+                sleeping=sleeping,
+                paused=paused,
+                evidence=evidence.detail if evidence else None,
+                evidence_timed_out=bool(evidence and evidence.timed_out),
+            )
         verdict = decide(self.memory, obs, self.settings, kind=self.kind)
         self.queue_ages.update(reading, read_at, restarted=verdict.restarted, wall=read_wall)
         if verdict.probe_wanted:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -153,6 +154,7 @@ def test_busy_check_and_exporter_send_nothing(srv, llm_health, tmp_path):
             st = exp.status()
             posts = rec.count("POST")
             reads = rec.count("GET", "/metrics")
+            slots = rec.count("GET", "/slots")
         after = srv.counters()
         assert srv.settled_launches() == launched
         assert after["requests_deferred"] == 1 and after["requests_processing"] == 2
@@ -163,6 +165,7 @@ def test_busy_check_and_exporter_send_nothing(srv, llm_health, tmp_path):
     assert r["probe_sent"] is False and r["running"] == 2 and r["waiting"] == 1, r
     assert r["steps_per_second"] and r["steps_per_second"] > 0, r
     assert posts == 0, rec.requests
+    assert slots == 0, rec.requests  # a moving server is never read for hang evidence
     assert st["state"] == "busy" and st["probes_sent"] == 0, st
     assert {s for _, s in exp.seen} <= {"unknown", "busy"}, exp.seen
     assert after["n_decode_total"] > before["n_decode_total"]
@@ -298,6 +301,8 @@ def test_frozen_outside_decode_while_idle(srv, llm_health, tmp_path):
     exporter_to_idle = time.monotonic() - thawed_at
     assert st_first["state"] == "unresponsive", st_first
     assert "llama.cpp /metrics timeout" in st["reason"], st
+    # /slots is a task on the same stopped loop: its timeout is said as hang evidence.
+    assert "/slots timeout after 2s: the inference loop takes no task (hang evidence)" in st["reason"], st
     assert (rc, r["state"]) == (3, "unknown"), r
     assert r["probe_sent"] is False, r
     assert st_back["probes_sent"] == 2, st_back  # the first probe, and one to confirm the loop is back
@@ -324,6 +329,8 @@ def test_whole_process_stopped_is_down_never_hung(srv, llm_health, tmp_path):
         st = exp.wait_state("down", timeout=60)
         exporter_to_down = time.monotonic() - stopped_at
         exp.wait_rounds(2)
+        st_evidence = exp.wait(lambda s: "(hang evidence)" in s["reason"], "the /slots timeout said as hang evidence")
+        evidence = exp.metrics()
     finally:
         srv.cont()
     st_back = exp.wait_state("idle", timeout=60)
@@ -331,6 +338,10 @@ def test_whole_process_stopped_is_down_never_hung(srv, llm_health, tmp_path):
     assert r["rounds"] == 1 and r["probe_sent"] is False, r
     assert "hung" not in {s for _, s in exp.seen}, exp.seen
     assert st["state"] == "down" and st_back["probes_sent"] == 1, (st, st_back)
+    # The exporter had read this server idle: its /slots (a task on the stopped loop) timed
+    # out, reported as hang evidence in the reason and counted.
+    assert st_evidence["evidence"] == "/slots timeout after 2s" and st_evidence["state"] == "down", st_evidence
+    assert re.search(r'^llm_backend_evidence_reads_total\{backend="lcpp",endpoint="/slots",result="timeout"\} [1-9]', evidence, re.M), evidence
     figures("whole_process_stopped", check_seconds=r["seconds"], exporter_seconds_stop_to_down=round(exporter_to_down, 2), reason=st["reason"])
 
 

@@ -7,7 +7,9 @@ tests/data/engine-routes/) and its admin endpoints, never forwarded.
 despite the name), and holds one of its HTTP threads for a connection kept open. Its
 `/metrics` is a task on the inference loop's own queue, answered within milliseconds under
 any load: a timeout while `/health` (answered on its HTTP thread, beside the loop; `/v1/models`
-takes the queue's lock) answers is a loop that takes no task.
+takes the queue's lock) answers is a loop that takes no task. `/slots` is a task on the
+same queue: read when the exporter already suspects the server, a timeout there is hang
+evidence (issue #27388: generation stopped, `/health` ok, `/slots` hangs).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ LLAMACPP = Profile(
     metrics_keepalive=False,
     metrics_on_loop=True,
     health_path="/health",
+    # `/slots` posts a task to the same queue as `/metrics` and waits for the loop's answer.
+    evidence_path="/slots",
     routes=ROUTES,
     never=NEVER,
 )

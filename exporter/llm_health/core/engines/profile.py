@@ -60,6 +60,12 @@ class Profile:
     # Asked in place of `/v1/models` after a timed-out `/metrics` of a `metrics_on_loop`
     # engine (answered beside the inference loop).
     health_path: str = "/health"
+    # An endpoint answered by the inference loop's own task queue and costing no generation
+    # (an engine module names it), read only when the exporter already suspects the engine: its
+    # `/metrics` timed out, or work in flight and nothing moved. A timeout there is hang
+    # evidence (a server whose generation stopped while its health endpoint answers); never
+    # sent to an engine that moves. None: the engine has none.
+    evidence_path: str | None = None
     # The counters that move only when the engine produces output: a generated token, a
     # finished request. `steps` moving with none of these while requests run, for longer
     # than any honest prefill takes (`Settings.no_output_after_seconds`), is a livelock
