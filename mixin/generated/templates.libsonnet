@@ -2019,6 +2019,101 @@
           {
             "record": {
               "__parts__": [
+                "instance:sglang_work_signals:moved",
+                {
+                  "key": "sglang.progress_window"
+                }
+              ]
+            },
+            "expr": {
+              "__parts__": [
+                "sum by (job, instance) (\n    label_replace((max_over_time(sglang:prompt_tokens_total{",
+                {
+                  "key": "selectors.sglang"
+                },
+                "}[",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "]) < Inf) > bool (min_over_time(sglang:prompt_tokens_total{",
+                {
+                  "key": "selectors.sglang"
+                },
+                "}[",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "]) > -Inf), \"signal\", \"prompt_tokens\", \"\", \"\")\n  or\n    label_replace((max_over_time(sglang:generation_tokens_total{",
+                {
+                  "key": "selectors.sglang"
+                },
+                "}[",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "]) < Inf) > bool (min_over_time(sglang:generation_tokens_total{",
+                {
+                  "key": "selectors.sglang"
+                },
+                "}[",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "]) > -Inf), \"signal\", \"generation_tokens\", \"\", \"\")\n  or\n    label_replace((max_over_time(sglang:time_to_first_token_seconds_count{",
+                {
+                  "key": "selectors.sglang"
+                },
+                "}[",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "]) < Inf) > bool (min_over_time(sglang:time_to_first_token_seconds_count{",
+                {
+                  "key": "selectors.sglang"
+                },
+                "}[",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "]) > -Inf), \"signal\", \"first_tokens\", \"\", \"\")\n  or\n    label_replace((max_over_time(sglang:time_per_output_token_seconds_count{",
+                {
+                  "key": "selectors.sglang"
+                },
+                "}[",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "]) < Inf) > bool (min_over_time(sglang:time_per_output_token_seconds_count{",
+                {
+                  "key": "selectors.sglang"
+                },
+                "}[",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "]) > -Inf), \"signal\", \"output_tokens\", \"\", \"\")\n  or\n    label_replace((max_over_time(sglang:e2e_request_latency_seconds_count{",
+                {
+                  "key": "selectors.sglang"
+                },
+                "}[",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "]) < Inf) > bool (min_over_time(sglang:e2e_request_latency_seconds_count{",
+                {
+                  "key": "selectors.sglang"
+                },
+                "}[",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "]) > -Inf), \"signal\", \"finished\", \"\", \"\")\n)\n"
+              ]
+            }
+          },
+          {
+            "record": {
+              "__parts__": [
                 "instance:sglang_scrapes:count",
                 {
                   "key": "sglang.progress_window"
@@ -2172,6 +2267,92 @@
                     "key": "sglang.progress_window"
                   },
                   ", and every scrape in it answered. No counter went back, so it did not restart: its scheduler is stuck."
+                ]
+              }
+            }
+          },
+          {
+            "alert": "SGLangServerQueueStuck",
+            "expr": {
+              "__parts__": [
+                "label_replace(\n  sum by (job, instance) (sglang:num_queue_reqs{",
+                {
+                  "key": "selectors.sglang"
+                },
+                "})\n  and on (job, instance)\n    (sum by (job, instance) (min_over_time(sglang:num_queue_reqs{",
+                {
+                  "key": "selectors.sglang"
+                },
+                "}[",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "])) > 0)\n  and on (job, instance)\n    (sum by (job, instance) (max_over_time(sglang:num_running_reqs{",
+                {
+                  "key": "selectors.sglang"
+                },
+                "}[",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "])) == 0)\n  and on (job, instance)\n    (sum by (job, instance) (sglang:num_queue_reqs{",
+                {
+                  "key": "selectors.sglang"
+                },
+                "} offset ",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "))\n  and on (job, instance)\n    (instance:sglang_work_signals:moved",
+                {
+                  "key": "sglang.progress_window"
+                },
+                " == 0)\n  unless on (job, instance)\n    (instance:sglang_counter_resets:resets",
+                {
+                  "key": "sglang.progress_window"
+                },
+                " > 0)\n  and on (job, instance)\n    (min_over_time(up{",
+                {
+                  "key": "selectors.sglang"
+                },
+                "}[",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "]) == 1)\n  and on (job, instance)\n    (min_over_time(instance:sglang_scrapes:count",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "[",
+                {
+                  "key": "sglang.progress_window"
+                },
+                "]) >= ",
+                {
+                  "key": "sglang.evidence_samples"
+                },
+                "),\n  \"host\", \"$1\", \"instance\", \"(.+?)(:[0-9]+)?\"\n)\n"
+              ]
+            },
+            "for": {
+              "__parts__": [
+                {
+                  "key": "sglang.hung_for"
+                }
+              ]
+            },
+            "labels": {
+              "severity": "critical"
+            },
+            "annotations": {
+              "summary": "SGLang server queues requests and runs none.",
+              "description": {
+                "__parts__": [
+                  "{{ $labels.instance }} (job {{ $labels.job }}) has {{ $value }} request(s) queued, had requests queued and none running at every scrape of the last ",
+                  {
+                    "key": "sglang.progress_window"
+                  },
+                  ", and none of its token counters nor request counts moved: its scheduler admits nothing. The queue growing as clients send is not progress."
                 ]
               }
             }

@@ -226,6 +226,16 @@ def _output_clock(prev: EngineMemory, e: EngineReading, now: float) -> float | N
 _NO_COUNT = "{e.running:g} running, {e.waiting:g} waiting: a count that is no evidence (NaN, infinite or negative); neither idle nor hung on it"
 
 
+def _moved(prev: EngineMemory, e: EngineReading) -> bool:
+    """The engine made progress since `prev`: its fingerprint moved. With requests waiting
+    and none running, its counters only: the waiting count (and what moves with it) rises
+    as requests arrive, which is no progress; a scheduler that admits nothing (the queue
+    high, 0 running: docs/engines.md) keeps a growing queue and is stalled, then hung."""
+    if e.running == 0 and e.waiting > 0:
+        return not same_fingerprint(prev.counters, e.counters)
+    return not same_fingerprint(prev.fingerprint, e.fingerprint)
+
+
 def _judge_engine(
     prev: EngineMemory | None, e: EngineReading, obs: Observation, s: Settings, digest: int, livelock_digest: Callable[[], int]
 ) -> tuple[EngineVerdict, EngineMemory]:
@@ -249,7 +259,7 @@ def _judge_engine(
     dt = now - prev.at
     steps_ps = _rate(e.steps, prev.steps, dt)
     gen_ps = _rate(e.generation_tokens, prev.generation_tokens, dt)
-    progressed = not same_fingerprint(prev.fingerprint, e.fingerprint)
+    progressed = _moved(prev, e)
     quiet_since = _output_clock(prev, e, now)
     quiet = None if quiet_since is None else now - quiet_since
 
