@@ -23,7 +23,13 @@ from tests.fixtures.paths import ARTIFACTS, REAL_LLAMACPP, REAL_METRICS, REAL_VL
 V1_REAL = REAL_METRICS / "vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom"
 # Families newer than one real file or dropped by a later vLLM (the deprecated
 # time_per_output_token_seconds is gone in 0.32): each must exist in some real payload.
-VERSION_DRIFT = {"vllm:engine_sleep_state", "vllm:time_per_output_token_seconds", "vllm:time_per_output_token_seconds_created"}
+VERSION_DRIFT = {
+    "vllm:engine_sleep_state",
+    "vllm:time_per_output_token_seconds",
+    "vllm:time_per_output_token_seconds_created",
+    "vllm:admission_rejections",  # vLLM 0.32 (its queue caps), absent from the 0.11 payload
+    "vllm:admission_rejections_created",
+}
 
 
 def shape(text: str) -> dict:

@@ -265,6 +265,17 @@ def render_vllm(engines: list[SimEngine], model: str, start_time: float | None) 
     for lab in lbl:
         add(f"vllm:prefix_cache_hits_total{{{lab}}} 0.0")
     counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "preemptions")
+    # vLLM 0.32's own queue caps (--max-num-queued-reqs / -tokens): per model and reason, no
+    # engine label, both reasons made at start; a simulated engine has no cap, so 0.
+    rejections = "Number of admission attempts rejected by a queue limit, by reason."
+    add(f"# HELP vllm:admission_rejections_total {rejections}")
+    add("# TYPE vllm:admission_rejections_total counter")
+    for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
+        add(f'vllm:admission_rejections_total{{model_name="{model}",reason="{reason}"}} {_f(0.0)}')
+    add(f"# HELP vllm:admission_rejections_created {rejections}")
+    add("# TYPE vllm:admission_rejections_created gauge")
+    for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
+        add(f'vllm:admission_rejections_created{{model_name="{model}",reason="{reason}"}} {_f(engines[0].created)}')
     counter("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens")
     counter("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens")
     add("# HELP vllm:request_success_total Count of successfully processed requests.")
