@@ -13,9 +13,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from llm_health.core.engines import read
-from llm_health.core.health import Memory, Observation, Settings, Verdict, decide
+from llm_health.core.health import Settings, Verdict
 from llm_health.core.states import State
 from llm_health.exporter import page, render
+from tests.fixtures.playback import play, set_samples
 
 BUSY = (Path(__file__).parents[1] / "data" / "vllm-real" / "busy.prom").read_text()
 SETTINGS = Settings()
@@ -23,7 +24,6 @@ SETTINGS = Settings()
 
 def payload(t: float, reqs: float, tokens: float = 0.0, start: float | None = None) -> str:
     """busy.prom with its steps moving (busy), its refusal counters at these values."""
-    text = BUSY
     edits = {
         r'vllm:admission_rejections_total\{model_name="tiny-llama",reason="max_num_queued_reqs"\}': reqs,
         r'vllm:admission_rejections_total\{model_name="tiny-llama",reason="max_num_queued_tokens"\}': tokens,
@@ -32,20 +32,11 @@ def payload(t: float, reqs: float, tokens: float = 0.0, start: float | None = No
     }
     if start is not None:
         edits[r"process_start_time_seconds"] = start
-    for head, value in edits.items():
-        text, n = re.subn(rf"^({head}) \S+$", lambda m, v=value: f"{m.group(1)} {v!r}", text, count=1, flags=re.M)
-        assert n == 1, head
-    return text
+    return set_samples(BUSY, edits)
 
 
 def rounds(*texts: str) -> list[Verdict]:
-    memory: Memory | None = None
-    out = []
-    for i, text in enumerate(texts):
-        v = decide(memory, Observation(now=10.0 * i, reading=read(text)), SETTINGS)
-        memory = v.memory
-        out.append(v)
-    return out
+    return play(list(texts), SETTINGS, 10.0)
 
 
 def test_the_refusal_counter_is_read_per_reason_over_the_backend() -> None:
