@@ -45,6 +45,28 @@ def start_time(pid: int) -> int | None:
     return int(stat[stat.rfind(")") + 2 :].split()[19])
 
 
+def listener_pids(port: int) -> list[int]:
+    """The pids holding a listening TCP socket on `port` (IPv4, any address), from /proc:
+    who answers there when the process a test started there is gone."""
+    inodes = set()
+    try:
+        with open("/proc/net/tcp") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    except OSError:
+        return []
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                pids.append(int(pid))
+        except OSError:
+            continue
+    return sorted(pids)
+
+
 def signal_same(pid: int, started: int | None, sig: int) -> bool:
     """Send `sig` to pid only while it is still the process that started at `started`;
     whether it was sent. A harness that outlives its engine must not stop a stranger."""

@@ -9,7 +9,9 @@ session's. Every wait polls under a generous bound; no test asserts a wall-clock
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import signal
 import socket
 
 import pytest
@@ -17,7 +19,7 @@ from redis.exceptions import AskError, MovedError, ReadOnlyError
 
 from tests.fixtures.redis_server import RedisServer, answering_pid, port_taken
 from tests.fixtures.redis_topology import SLOTS, ClusterTopology, SentinelTopology, info, linked, poll
-from tests.harness.processes import free_port
+from tests.harness.processes import free_port, proc_state
 
 # ----------------------------------------------------------------------------- Sentinel
 
@@ -190,3 +192,28 @@ def test_cluster_failover_swaps_roles_and_a_killed_primary_is_replaced(own_redis
     assert (mine["role"], mine["primary_id"]) == ("replica", primary_id)
     assert linked(replica["port"], primary)
     assert topo.command(replica["port"], "CLUSTER", "COUNTKEYSINSLOT", slot) == 1  # synced again
+
+
+def test_a_node_that_died_or_was_stopped_behind_the_topologys_back_is_named_and_healed(own_redis_cluster: ClusterTopology):
+    """What the session's fixtures do before each test (tests/fixtures/redis.py `_settled`):
+    a node killed or SIGSTOPped by something other than the topology is named in the
+    report, started again or continued, and the cluster settles."""
+    topo = own_redis_cluster
+    died, stopped = [n["port"] for n in topo.nodes() if n["role"] == "replica"][:2]
+    died_pid, stopped_pid = topo.procs[died].proc.pid, topo.procs[stopped].proc.pid  # type: ignore[union-attr]
+    os.kill(died_pid, signal.SIGKILL)
+    os.kill(stopped_pid, signal.SIGSTOP)
+    try:
+        poll(lambda: topo.procs[died].proc.poll() is not None, 10, "the killed node reaped")  # type: ignore[union-attr]
+        poll(lambda: proc_state(stopped_pid) == "T", 10, "the node stopped")
+        report = topo.report()
+        assert f"{died}: pid {died_pid} state 'gone' exit -9 paused False listeners []" in report, report
+        assert f"{stopped}: pid {stopped_pid} state 'T' exit None paused False listeners [{stopped_pid}]" in report, report
+        said = {died: f"{died} had exited (-9): started again", stopped: f"{stopped} was stopped by something other than the topology: continued"}
+        assert topo.heal() == [said[p] for p in sorted(said)]
+    finally:
+        os.kill(stopped_pid, signal.SIGCONT)
+    topo.wait_ready(60)
+    assert answering_pid(died) == topo.procs[died].proc.pid != died_pid  # type: ignore[union-attr]
+    assert answering_pid(stopped) == stopped_pid
+    assert topo.heal() == []

@@ -60,6 +60,23 @@ def test_refusals_since_the_last_round_are_shedding_and_the_state_stays_busy() -
     assert more.state is State.BUSY and more.refused == {"max_num_queued_reqs": 4.0, "max_num_queued_tokens": 2.0}
 
 
+def test_a_refusal_in_a_round_whose_gauges_read_empty_is_busy_and_never_probed() -> None:
+    # Live (vLLM 0.32, a throttled engine core): the front end counts its 503s at once, and
+    # the running and waiting gauges come from the scheduler's last step, a round behind.
+    def empty(t: float, reqs: float) -> str:
+        gauges = (r"vllm:num_requests_running\{[^\n]*\}", r"vllm:num_requests_waiting\{[^\n]*\}", r'vllm:num_requests_waiting_by_reason\{[^\n]*"capacity"\}')
+        return set_samples(payload(t, reqs), dict.fromkeys(gauges, 0.0))
+
+    first, idle, shed, after = rounds(empty(0, 0), empty(10, 0), empty(20, 7), empty(30, 7))
+    assert idle.state is State.IDLE and idle.probe_wanted
+    assert shed.state is State.BUSY and not shed.probe_wanted and shed.memory.last_state is State.BUSY
+    assert shed.reason == (
+        "busy: nothing running or waiting in its gauges, but its queue was full this round; "
+        "shedding: the engine refused 7 max_num_queued_reqs since the last round"
+    )
+    assert after.state is State.IDLE and not after.shedding  # no refusal this round: its gauges again
+
+
 def test_a_first_read_and_a_restart_are_a_baseline_not_shedding() -> None:
     first, restarted, after = rounds(payload(0, 50), payload(10, 3, start=1.9e9), payload(20, 4, start=1.9e9))
     assert not first.shedding  # refusals before the exporter's first read are not this round's

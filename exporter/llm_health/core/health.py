@@ -331,7 +331,8 @@ def _restart_reason(prev: Memory, reading: Reading) -> str | None:
 def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "engine") -> Verdict:
     """One round: previous memory and this round's observation give the verdict, with the
     requests the engine refused itself since the last round (`Verdict.refused`): shedding
-    is said in the reason and changes no state; so is what the evidence endpoint said."""
+    is said in the reason and changes no state but idle (a refusal is a full queue, so
+    busy); what the evidence endpoint said is said in the reason too."""
     verdict = _decide(prev, obs, s, kind)
     if obs.evidence is not None:
         # Said, never judged alone: the state is what the reads above already prove.
@@ -347,7 +348,15 @@ def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "engi
     if not refused:
         return replace(verdict, memory=memory)
     said = ", ".join(f"{n:g} {reason}" for reason, n in sorted(refused.items()))
-    return replace(verdict, memory=memory, refused=refused, reason=f"{verdict.reason}; shedding: the engine refused {said} since the last round")
+    reason = f"{verdict.reason}; shedding: the engine refused {said} since the last round"
+    if verdict.state is State.IDLE:
+        # A refusal means the engine's queue was full this round, whatever its gauges say
+        # (they come from the scheduler's last step and can trail the front end's count by
+        # a round): busy, and never sent the idle probe.
+        memory = replace(memory, last_state=State.BUSY)
+        reason = f"busy: {verdict.reason} in its gauges, but its queue was full this round; shedding: the engine refused {said} since the last round"
+        return replace(verdict, state=State.BUSY, memory=memory, refused=refused, reason=reason, probe_wanted=False)
+    return replace(verdict, memory=memory, refused=refused, reason=reason)
 
 
 def _decide(prev: Memory | None, obs: Observation, s: Settings, kind: str) -> Verdict:
