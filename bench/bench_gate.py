@@ -34,7 +34,8 @@ from bench._stats import percentile
 from bench._unjudged import failed_line
 from llm_health.config.gate import Route
 from llm_health.gate.outcome import Attempt
-from llm_health.store.queue import QueueRecord, RouteStats
+from llm_health.store.policy import Figures, Verdict
+from llm_health.store.queue import Decided, QueueRecord, RouteStats
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_ADDED_P99_MS = 1.0
@@ -57,11 +58,14 @@ def upstream_proc(port: int) -> None:
 
 async def _enqueue_and_read(
     request_id: str, route: Route, tenant: str, deadline_ms: int, now: int, fingerprint: str | None = None, retries: int = 0
-) -> tuple[QueueRecord, RouteStats, float | None, int | None, int | None]:
+) -> Decided:
     """The `hop` stand-in for Admission._enqueue_and_read: admitted as a first attempt on an
-    empty queue, no tenant budget, no engine queue age, nothing ahead."""
+    empty queue, no tenant budget, no engine queue age, nothing ahead (the decision the
+    script makes there, store.policy)."""
     record = QueueRecord(request_id, route.name, tenant, enqueued_ms=now, deadline_ms=deadline_ms, state="running")
-    return record, RouteStats(0, None, None, 0, 0, None), None, None, None
+    slack = deadline_ms - now
+    verdict = Verdict("admit_once", f"queue age 0 ms < deadline slack {slack} ms", 200, None, False)
+    return Decided(record, RouteStats(0, None, None, 0, 0, None), 0.0, [], None, False, None, None, verdict, Figures(0, slack, 0, None, None))
 
 
 async def _finish_once(attempt: Attempt, status: int | None, units: int) -> None:

@@ -15,8 +15,11 @@ import time
 import redis
 from redis import asyncio as aioredis
 
-from llm_health.core.queue_age import door_age, door_ahead, door_covers
+from llm_health.core import admission
+from llm_health.core.queue_age import acted_on, door_age, door_ahead, door_covers, door_wait
+from llm_health.gate.decision import _policy_args as ARGS
 from llm_health.store.keys import QueueKeys
+from llm_health.store.policy import Figures, Verdict
 from llm_health.store.queue import AdmissionQueue, parse_decide
 from tests.integration.test_gate import post, stack  # noqa: F401  (the fixture)
 
@@ -49,7 +52,8 @@ async def test_the_script_and_the_reference_agree(redis_url):
                 pipe.set(keys.engine_waiting(b), f"{w} {r} {read}" + ("" if most is None else f" {most}"))
             await pipe.execute()
             pipe = client.pipeline(transaction=False)
-            q.pipe_decide(pipe, f"t/new-{case}", route, "t", now + 60_000, now, tenant_key=None, fingerprint=None, backends=backends)
+            policy = admission.Policy(expected_service_ms=rng.choice([0.0, 250.0, 4000.0]), reject_if_queue_age_ms_gte=rng.choice([3000.0, 30000.0]))
+            q.pipe_decide(pipe, f"t/new-{case}", route, "t", now + 60_000, now, tenant_key=None, fingerprint=None, backends=backends, policy=ARGS(policy))
             got = parse_decide(f"t/new-{case}", (await pipe.execute())[0], now)
             running, held = sum(r for _, r in counts), sum(w + r for w, r in counts)
             sized = all(most != 0 for most in seen)
@@ -57,6 +61,13 @@ async def test_the_script_and_the_reference_agree(redis_url):
             assert got.door_age_ms == int(door_age(sent, running, read, now)), (case, sent, counts, read)
             assert got.door_covers == door_covers(sent, held, read), case
             assert (got.ahead, got.slots) == (door_ahead(sent, slots, held, got.door_covers), slots), (case, sent, counts, seen)
+            # What the script decided on, and the decision: the reference's on the same figures.
+            engine = acted_on(5000, got.door_age_ms, got.door_covers)
+            wait = door_wait(got.ahead, got.slots, policy.expected_service_ms)
+            want = Figures(int(engine or 0), 60_000, 0, None if engine is None else int(engine), None if wait is None else int(wait))
+            assert got.figures == want, (case, got.figures, want)
+            ref = admission.decide(admission.Request(want.queue_age_ms, 60_000, 0, wait_ms=want.wait_ms), policy)
+            assert got.verdict == Verdict(ref.decision, ref.reason, ref.status, ref.retry_after_s, ref.retryable), case
             # The request itself joined the sets, sent now, until its deadline.
             assert await client.zscore(keys.route_inflight(route)[0], f"t/new-{case}") == now
             assert await client.zscore(keys.route_inflight(route)[1], f"t/new-{case}") == now + 60_000
@@ -66,11 +77,11 @@ async def test_the_script_and_the_reference_agree(redis_url):
         await client.set(q.keys.engine_waiting("lb"), f"1 0 {now}")
         for rid, deadline in (("t/lost", now + 50), ("t/other", now + 60_000)):
             pipe = client.pipeline(transaction=False)
-            q.pipe_decide(pipe, rid, route, "t", deadline, now - 1000, tenant_key=None, fingerprint=None, backends=["lb"])
+            q.pipe_decide(pipe, rid, route, "t", deadline, now - 1000, tenant_key=None, fingerprint=None, backends=["lb"], policy=ARGS(admission.Policy()))
             await pipe.execute()
         await asyncio.sleep(0.1)
         pipe = client.pipeline(transaction=False)
-        q.pipe_decide(pipe, "t/next", route, "t", now + 60_000, now + 100, tenant_key=None, fingerprint=None, backends=["lb"])
+        q.pipe_decide(pipe, "t/next", route, "t", now + 60_000, now + 100, tenant_key=None, fingerprint=None, backends=["lb"], policy=ARGS(admission.Policy()))
         await pipe.execute()
         assert [m.decode() for m in await client.zrange(q.keys.route_inflight(route)[0], 0, -1)] == ["t/other", "t/next"]
     finally:

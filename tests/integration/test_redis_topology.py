@@ -17,6 +17,7 @@ import socket
 import pytest
 from redis.exceptions import AskError, MovedError, ReadOnlyError
 
+from tests.fixtures.redis import heal, report
 from tests.fixtures.redis_server import RedisServer, answering_pid, port_taken
 from tests.fixtures.redis_topology import SLOTS, ClusterTopology, SentinelTopology, info, linked, poll
 from tests.harness.processes import free_port, proc_state
@@ -206,14 +207,14 @@ def test_a_node_that_died_or_was_stopped_behind_the_topologys_back_is_named_and_
     try:
         poll(lambda: topo.procs[died].proc.poll() is not None, 10, "the killed node reaped")  # type: ignore[union-attr]
         poll(lambda: proc_state(stopped_pid) == "T", 10, "the node stopped")
-        report = topo.report()
-        assert f"{died}: pid {died_pid} state 'gone' exit -9 paused False listeners []" in report, report
-        assert f"{stopped}: pid {stopped_pid} state 'T' exit None paused False listeners [{stopped_pid}]" in report, report
+        said_now = report(topo)
+        assert f"{died}: pid {died_pid} state 'gone' exit -9 paused False listeners []" in said_now, said_now
+        assert f"{stopped}: pid {stopped_pid} state 'T' exit None paused False listeners [{stopped_pid}]" in said_now, said_now
         said = {died: f"{died} had exited (-9): started again", stopped: f"{stopped} was stopped by something other than the topology: continued"}
-        assert topo.heal() == [said[p] for p in sorted(said)]
+        assert heal(topo) == [said[p] for p in sorted(said)]
     finally:
         os.kill(stopped_pid, signal.SIGCONT)
     topo.wait_ready(60)
     assert answering_pid(died) == topo.procs[died].proc.pid != died_pid  # type: ignore[union-attr]
     assert answering_pid(stopped) == stopped_pid
-    assert topo.heal() == []
+    assert heal(topo) == []

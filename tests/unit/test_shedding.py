@@ -67,7 +67,7 @@ def test_a_refusal_in_a_round_whose_gauges_read_empty_is_busy_and_never_probed()
         gauges = (r"vllm:num_requests_running\{[^\n]*\}", r"vllm:num_requests_waiting\{[^\n]*\}", r'vllm:num_requests_waiting_by_reason\{[^\n]*"capacity"\}')
         return set_samples(payload(t, reqs), dict.fromkeys(gauges, 0.0))
 
-    first, idle, shed, after = rounds(empty(0, 0), empty(10, 0), empty(20, 7), empty(30, 7))
+    _, idle, shed, after = rounds(empty(0, 0), empty(10, 0), empty(20, 7), empty(30, 7))
     assert idle.state is State.IDLE and idle.probe_wanted
     assert shed.state is State.BUSY and not shed.probe_wanted and shed.memory.last_state is State.BUSY
     assert shed.reason == (

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -36,12 +37,12 @@ from redis.exceptions import NoScriptError, RedisError
 
 from ..config.gate import GateConfig, Route
 from ..core import admission, forwarding
-from ..core.queue_age import acted_on, door_wait
 from ..store.batch import WriteBatch
 from ..store.deployment import connect, wrap
 from ..store.errors import ERRORS, REDIS_DOWN, as_down, may_run_late, retryable
 from ..store.lean import Commands, LeanRedis
-from ..store.queue import ENDED, GAVE_UP, AdmissionQueue, QueueRecord, RouteStats, engine_queue_age, now_ms, parse_decide
+from ..store.policy import policy_args
+from ..store.queue import ENDED, GAVE_UP, AdmissionQueue, Decided, engine_queue_age, now_ms, parse_decide
 from ..tasks import cancel_and_wait
 from .headers import BadRequest, read_deadline_ms, read_request_id, read_retry_count, read_tenant, retry_fingerprint
 from .outcome import UPSTREAM_REFUSALS, Attempt, Outcome, error_outcome, spent_units
@@ -68,6 +69,20 @@ LATE_RESEND_S = 1.0
 FINISH_TICK_S = 0.01  # finishes gathered this long go to Redis in one round trip (store.batch)
 LATE_PENDING_MAX = 4096  # background writes pending past which a late attempt is not followed
 FORWARDED_CACHE = 1024  # (method, path) pairs remembered as forwarded (`not_forwarded`)
+
+
+@functools.lru_cache(maxsize=256)
+def _policy_args(p: admission.Policy) -> list[str]:
+    """A route's policy as the decision script's arguments (store.policy), once per policy."""
+    return policy_args(
+        p.reject_if_queue_age_ms_gte,
+        p.reject_if_retry_count_gte,
+        p.ignore_worker_util_when_slack_ms_lte,
+        p.mode,
+        p.late_status,
+        p.expected_service_ms,
+        p.unknown_age_mode,
+    )
 
 
 class Admission:
@@ -249,35 +264,23 @@ class Admission:
         fields: dict[str, Any] = {"request_id": request_id}
         recorded, late = True, False
         try:
-            record, stats, budget, engine_age, wait = await self._enqueue_and_read(queue_id, route, tenant, deadline_ms, now, fingerprint, header_retries)
+            got = await self._enqueue_and_read(queue_id, route, tenant, deadline_ms, now, fingerprint, header_retries)
             self._redis(True)
-            if record.request_id != queue_id:  # a retry without an id, matched to its first copy
-                queue_id = record.request_id
+            if got.record.request_id != queue_id:  # a retry without an id, matched to its first copy
+                queue_id = got.record.request_id
                 request_id = fields["request_id"] = queue_id.split("/", 1)[1]
-            retry_count = max(header_retries, record.retry_count)
-            deadline_ms = record.deadline_ms  # a resent id keeps the deadline of its first copy
-            slack = deadline_ms - now
-            # Age first: how long the requests ahead of this one have waited, in the route's
-            # own Redis queue and inside its backends' engines (`engine_age`). A resent id's
-            # own lateness is in its slack (it keeps its first deadline) and its retry count.
-            route_age = stats.oldest_age_ms or 0
-            queue_age_ms = max(route_age, engine_age or 0)
-            fields.update(queue_age_ms=queue_age_ms, deadline_slack_ms=slack, retry_count=retry_count)
+            # The one decision, made in the script (store.policy, the reference core.admission):
+            # age first, over the route's own Redis queue and its backends' engines; a resent
+            # id keeps the deadline of its first copy, and its lateness is in its slack.
+            fig, v = got.figures, got.verdict
+            assert fig is not None and v is not None
+            deadline_ms = got.record.deadline_ms
+            fields.update(queue_age_ms=fig.queue_age_ms, deadline_slack_ms=fig.slack_ms, retry_count=fig.retry_count)
             if route.backends:
-                fields["engine_queue_age_ms"] = engine_age
-            if wait is not None:
-                fields["expected_wait_ms"] = wait
-            # And the wait projected for it from the requests ahead (None: none projected).
-            req = admission.Request(queue_age_ms, slack, retry_count, None, record.http_status, budget, wait)
-            decision = admission.decide(req, route.policy)
-            if route.backends and engine_age is None:
-                # No backend's figure is known (their exporter silent, every engine just
-                # restarted): never read as 0. Closed: refuse; open: the route's own queue.
-                if route.policy.unknown_age_mode == "closed":
-                    if decision.admitted:
-                        decision = admission.unknown_age(slack, route.policy)
-                else:
-                    decision = replace(decision, reason=f"{decision.reason}; engine queue age unknown, failing open on the route's own queue")
+                fields["engine_queue_age_ms"] = fig.engine_age_ms
+            if fig.wait_ms is not None:
+                fields["expected_wait_ms"] = fig.wait_ms
+            decision = admission.Decision(v.decision, v.reason, v.status, v.retry_after_s, v.retryable)
         except REDIS_DOWN as exc:
             self._redis(False)
             recorded, late = False, may_run_late(exc)
@@ -343,11 +346,11 @@ class Admission:
 
     async def _enqueue_and_read(
         self, request_id: str, route: Route, tenant: str, deadline_ms: int, now: int, fingerprint: str | None = None, retries: int = 0
-    ) -> tuple[QueueRecord, RouteStats, float | None, int | None, int | None]:
-        """One round trip: a retry without an id matched to its first copy (the record is
-        then that copy's), enqueue (or a resent id recognised), the route's queue stats, the
-        tenant's spend, the backends' engine age, the wait projected for this request
-        (None: none), the id taken off the waiting set."""
+    ) -> Decided:
+        """One round trip (store.queue.pipe_decide): a retry without an id matched to its
+        first copy (the record is then that copy's), enqueue (or a resent id recognised),
+        the route's queue stats, the tenant's spend, the backends' engine age, the wait
+        projected for this request, the id taken off the waiting set, and the decision."""
         q = self.queue
         pipe = await self._pipeline()
         limit = self.cfg.tenants.get(tenant)
@@ -364,13 +367,11 @@ class Admission:
             tenant_key=self._tenant_key(tenant) if limit is not None else None,
             fingerprint=fp,
             backends=route.backends,
+            retries=retries,
+            budget=limit,
+            policy=_policy_args(route.policy),
         )
-        got = parse_decide(request_id, (await self._execute(pipe))[0], now)
-        budget = limit - got.spent if limit is not None else None
-        # The counters' figure and the door's own, from the requests it sent (core.queue_age.acted_on).
-        engine_age = acted_on(engine_queue_age(got.ages), got.door_age_ms, got.door_covers) if route.backends else None
-        wait = door_wait(got.ahead, got.slots, route.policy.expected_service_ms)
-        return got.record, got.stats, budget, None if engine_age is None else int(engine_age), None if wait is None else int(wait)
+        return parse_decide(request_id, (await self._execute(pipe))[0], now)
 
     # --- finishing an attempt -------------------------------------------------------------
     async def finish(self, attempt: Attempt, status: int | None, units: int = 0) -> bool:

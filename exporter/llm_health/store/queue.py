@@ -39,6 +39,7 @@ from redis.exceptions import MovedError, NoScriptError
 from .connection import text
 from .deployment import Deployment, connect, wrap
 from .keys import DEFAULT_QUEUE_PREFIX, DEFAULT_RETENTION_MS, QueueKeys
+from .policy import Figures, Verdict
 from .scripts import DECIDE_LUA, ENQUEUE_LUA, GC_LIMIT, GC_LUA, LEAVE_QUEUE_LUA, RECORD_ATTEMPT_LUA
 
 # How an attempt left the route's in-flight set (AdmissionQueue.leave_call, scripts.LEAVE_QUEUE_LUA).
@@ -229,9 +230,6 @@ class AdmissionQueue:
     # On a pipeline, by SHA (no SCRIPT EXISTS round trip per pipeline, as redis-py's
     # Script objects make); after a Redis restart the pipeline fails with NOSCRIPT, and
     # the caller runs `load_scripts()` and the pipeline again.
-    def pipe_enqueue(self, pipe: Any, request_id: str, route: str, tenant: str, deadline_ms: int, enqueued_ms: int, now: int) -> None:
-        self._pipelined(pipe, self._enqueue, self.enqueue_call(request_id, route, tenant, deadline_ms, enqueued_ms, now))
-
     def pipe_leave(self, pipe: Any, request_id: str, route: str, state: str, http_status: int | None, now: int, ended: int = 0) -> None:
         self._pipelined(pipe, self._leave, self.leave_call(request_id, route, state, http_status, now, ended=ended))
 
@@ -262,13 +260,18 @@ class AdmissionQueue:
         tenant_key: str | None,
         fingerprint: tuple[str, int, int] | None,
         backends: Sequence[str],
+        retries: int = 0,
+        budget: float | None = None,
+        policy: Sequence[str],
     ) -> None:
         """A door's one script (scripts.DECIDE_LUA): the route's stats, a retry without an
         id matched to its first copy, the enqueue, the tenant's spend (``tenant_key``), a
         first copy listed under its retry fingerprint (``fingerprint``: the key, the
         request's retry count, its match_until in Unix ms), the backends' engine ages and the
         door's own figure of them, the id taken off the waiting set and put in the route's
-        in-flight set. Read it with `parse_decide`: a matched retry's id is its first copy's."""
+        in-flight set, and the decision (``policy``: store.policy.policy_args; ``retries``:
+        the count the request's headers say; ``budget``: the tenant's, None where it has
+        none). Read it with `parse_decide`: a matched retry's id is its first copy's."""
         keys, args = self.enqueue_call(request_id, route, tenant, deadline_ms, now, now)
         args += [
             "1" if tenant_key else "0",
@@ -276,6 +279,9 @@ class AdmissionQueue:
             int(fingerprint[2]) if fingerprint else 0,
             self.keys.record(""),
             len(backends),
+            str(int(retries)),
+            "" if budget is None else repr(float(budget)),
+            *policy,
         ]
         if tenant_key:
             keys.append(tenant_key)
@@ -444,6 +450,8 @@ class Decided:
     door_covers: bool  # the door sent everything the engines held (core.queue_age.door_covers)
     ahead: int | None = None  # the requests that must end before this one starts (core.queue_age.door_ahead), None: unknown
     slots: int | None = None  # the backends' sequences, the most each ran at once (core.queue_age.QueueAges.slots), None: unknown
+    verdict: Verdict | None = None  # the decision (store.policy)
+    figures: Figures | None = None  # what it was made on
 
 
 def parse_decide(request_id: str, reply: Sequence[Any], now: int) -> Decided:
@@ -451,7 +459,7 @@ def parse_decide(request_id: str, reply: Sequence[Any], now: int) -> Decided:
     used: ``request_id``, or the first copy a retry without an id was matched to), the
     route's stats as the request found them, the tenant's spend this minute (0 when none),
     the engine ages and the door's own figure."""
-    stats, flat, spent, ages, used, door, covers, ahead, slots = reply
+    stats, flat, spent, ages, used, door, covers, ahead, slots, verdict, figures = reply
     if used is not None:
         request_id = text(used)
 
@@ -486,4 +494,5 @@ def parse_decide(request_id: str, reply: Sequence[Any], now: int) -> Decided:
     def count(value: Any) -> int | None:
         return int(value) if value is not None and value is not False else None
 
-    return Decided(record, route_stats, float(spent or 0), list(ages or []), door_ms, bool(covers), count(ahead), count(slots))
+    got = (count(ahead), count(slots), Verdict.read(verdict), Figures.read(figures))
+    return Decided(record, route_stats, float(spent or 0), list(ages or []), door_ms, bool(covers), *got)

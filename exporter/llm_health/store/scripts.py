@@ -10,6 +10,8 @@ pipelined commands).
 
 from __future__ import annotations
 
+from .policy import POLICY_LUA
+
 # --------------------------------------------------------------------------- leases
 
 # KEYS: n lease keys, then n info keys, then n fence keys, then optionally a pool's
@@ -295,17 +297,22 @@ end
 # ARGV: ENQUEUE_LUA's eight, then '1' with a tenant key, the request's retry count with a
 #       fingerprint ('' none), its match_until (deadline + retry_match_window_ms), the
 #       record keys' prefix (a matched first copy's record is this prefix and its id: on
-#       Cluster the queue's hash tag is in the prefix, so the key is in the script's slot), n
+#       Cluster the queue's hash tag is in the prefix, so the key is in the script's slot), n,
+#       the retry count its headers say, the tenant's budget ('' none), the policy's seven
+#       settings (store.policy.policy_args)
 # Returns {stats (depth, oldest score, tightest score, past deadline, retried, max dup
 # score; '' where none), the record as enqueued (its ten fields, queue.parse_decide's order),
 # the tenant's spend or false, {the engine ages, false where absent}, the id used (ARGV[1],
 # or the matched first copy's), the door's figure in ms or false, 1 or 0, the requests ahead
-# and the sequences (false where a count is unknown)}.
+# and the sequences (false where a count is unknown), the decision (store.policy.Verdict),
+# {queue_age_ms, deadline_slack_ms, retry count, the engine queue age acted on and the
+# projected wait in ms, false where unknown}}.
 DECIDE_LUA = (
     _GC_FN
     + _ENQUEUE_FN
     + _LEAVE_FN
     + _MATCH_FN
+    + POLICY_LUA
     + f"local GAVE_UP_MS = {GAVE_UP_MS}\n"
     + """
 local function score(reply) if #reply > 0 then return reply[2] end return '' end
@@ -406,7 +413,32 @@ if n > 0 then
   if #gone > 0 then redis.call('PEXPIRE', ended, 2 * GAVE_UP_MS) end
 end
 leave(rec, id, 'running', '', ARGV[6], '0')
-return {stats, record, spent, ages, id, door, covers, ahead, slots}
+-- The decision (store.policy): the route's queue age, the backends' as the door acts on it
+-- (core.queue_age.acted_on: the door's own figure where it covers, else the larger; the
+-- counters' the youngest published), the wait projected (door_wait), the policy.
+local P = read_policy(ARGV, 16)
+local counters, engine_age, wait = nil, nil, nil
+for i = 1, n do
+  local v = ages[i]
+  if v and string.match(v, '^%d+$') and #v <= 15 and (counters == nil or tonumber(v) < counters) then counters = tonumber(v) end
+end
+if n > 0 then
+  local d = nil
+  if door ~= false then d = door end
+  if d ~= nil and (covers == 1 or counters == nil) then engine_age = d
+  elseif d == nil then engine_age = counters
+  else engine_age = math.max(counters, d) end
+end
+if P.service ~= 0 and ahead ~= false and slots ~= false then wait = math.floor(ahead * P.service / math.max(1, slots)) end
+local route_age = 0
+if stats[2] ~= '' then route_age = now - math.floor(tonumber(stats[2])) end
+local queue_age, slack = math.max(route_age, engine_age or 0), tonumber(record[4]) - now
+local retries, budget = math.max(tonumber(ARGV[14]), tonumber(record[5])), nil
+if ARGV[15] ~= '' then budget = tonumber(ARGV[15]) - (tonumber(spent) or 0) end
+local name, reason, status, after, retryable = policy(P, queue_age, slack, retries, nil, tonumber(record[9]), budget, wait)
+if n > 0 and engine_age == nil then name, reason, status, after, retryable = unknown_age(P, name, reason, status, after, retryable, slack) end
+return {stats, record, spent, ages, id, door, covers, ahead, slots, verdict(name, reason, status, after, retryable),
+        {queue_age, slack, retries, engine_age or false, wait or false}}
 """
 )
 
