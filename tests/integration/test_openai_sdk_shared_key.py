@@ -1,6 +1,7 @@
 """Issue 48: identical bodies from two callers sharing one API key, each with its own
 deadline, through the official `openai` SDK (pinned; its default retries, a per-attempt
-timeout equal to the deadline), through the gate, nginx + `llm-health decide`, the
+timeout equal to the deadline), through the gate, nginx + `llm-health decide`, nginx
+deciding itself (its Lua module, deploy/nginx/nginx-lua.conf), the
 LiteLLM hook (the pinned LiteLLM proxy running deploy/litellm, its one master key shared
 by both callers), and the Envoy ext_authz door (Envoy's documented filter behaviour, as
 test_door_envoy drives it, here in front of the SDK as an HTTP server).
@@ -30,6 +31,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+import yaml
 from aiohttp import web
 
 from llm_health.config.gate import parse_gate_config
@@ -39,7 +41,7 @@ from llm_health.store.connection import text
 from llm_health.store.queue import AdmissionQueue, QueueRecord
 from tests.fixtures.doors import serve
 from tests.fixtures.litellm import LiteLLM, installed
-from tests.fixtures.nginx import Nginx
+from tests.fixtures.nginx import Nginx, NginxLua
 from tests.integration.test_door_envoy import EnvoyExtAuthz
 from tests.integration.test_door_nginx import free_udp_port
 from tests.integration.test_openai_sdk import Attempts
@@ -218,6 +220,16 @@ async def test_through_nginx_and_decide(upstream, own_redis_server, tmp_path):
             await scenario(nginx.url, up, own_redis_server.url, doors.admission.cfg.queue_prefix, ends_reported=True, tokens=False)
     finally:
         await drunner.cleanup()
+
+
+async def test_through_nginx_lua(upstream, own_redis_server, tmp_path):
+    """The decision inside nginx (deploy/nginx/nginx-lua.conf): it hashes the body, and reads
+    the answer's usage, so each record gets its own retries and tokens."""
+    up, uurl = upstream
+    path = tmp_path / "gate.yml"
+    path.write_text(yaml.safe_dump({"gate": {"redis": own_redis_server.url, "routes": {"chat": {"upstream": uurl, "default_deadline_ms": DEADLINE_MS}}}}))
+    with NginxLua(tmp_path, gate_file=path, engine_port=int(uurl.rsplit(":", 1)[1])) as nginx:
+        await scenario(nginx.url, up, own_redis_server.url, config(uurl, own_redis_server.url).queue_prefix, ends_reported=True, tokens=True)
 
 
 async def test_through_envoy_ext_authz(upstream, own_redis_server):

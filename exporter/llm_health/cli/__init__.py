@@ -5,6 +5,7 @@ llm-health serve --config.file FILE                      the Prometheus exporter
 llm-health config check FILE                              validate a config
 llm-health gate --config.file FILE                       the age-first admission gate
 llm-health decide --config.file FILE                     its decision for nginx auth_request / Envoy ext_authz
+llm-health nginx-lua --config.file FILE --out DIR        the nginx Lua door's module and plan
 llm-health restarter --config.file FILE                  the Alertmanager webhook receiver
 llm-health incident show ID --dir DIR                    an incident record the restarter kept
 llm-health drill retry|watchdog                          the drills
@@ -17,7 +18,7 @@ import sys
 
 from .. import __version__
 from ..core.states import ExitCode
-from . import check, decide, demo, drill, gate, incident, restarter, serve
+from . import check, decide, demo, drill, gate, incident, nginx_lua, restarter, serve
 from .common import Parser, add_log_level, setup_logging
 
 
@@ -26,7 +27,7 @@ def parser() -> Parser:
     p.add_argument("--version", action="version", version=f"llm-health {__version__}")
     add_log_level(p, default="info")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for module in (check, serve, gate, decide, drill, demo, restarter, incident):
+    for module in (check, serve, gate, decide, nginx_lua, drill, demo, restarter, incident):
         module.add(sub)
     return p
 

@@ -1,0 +1,665 @@
+-- llm-health's admission door inside nginx (lua-nginx-module, lua-resty-redis): the one
+-- decision every door makes, with no process hop. Its plan (the Redis server, routes,
+-- keys, budgets and the scripts) is `llm_health_plan.lua`, written by
+-- `llm-health nginx-lua --config.file gate.yml`. docs/admission.md, "nginx with Lua".
+--
+--   init_by_lua_block        { require("llm_health").init(require("llm_health_plan")) }
+--   init_worker_by_lua_block { require("llm_health").init_worker() }
+--   location / { access_by_lua_block { require("llm_health").access() }
+--                header_filter_by_lua_block { require("llm_health").header_filter() }
+--                body_filter_by_lua_block { require("llm_health").body_filter() }
+--                log_by_lua_block { require("llm_health").log() }
+--                proxy_pass http://engines; }
+--
+-- What each phase does, as gate/decision.py does it for the Python doors:
+-- access: the allowlist (404/405), the headers (400 naming the header), the body hashed
+--   into the retry fingerprint, one EVALSHA of the decision script (store.scripts.DECIDE_LUA,
+--   the policy inside it), then the refusal answered (and marked done) or the request
+--   passed on with x-queue-age-ms and x-deadline-slack-ms. Redis down: the route's
+--   redis_down policy, decided by the same policy code (store.policy) run here.
+-- body_filter: the last 4 KiB of the answer, for its `usage`.
+-- log: the attempt's end queued; a timer per worker sends the queued ends in one pipeline
+--   every 10 ms (store.batch's tick), each idempotent, again while Redis does not answer
+--   (0.1, 0.3, 1, 2, 4 s), then given up and counted; an attempt admitted while Redis did
+--   not answer in time is finished too, and once more a second after Redis answered.
+
+local redis = require "nginx.redis"
+
+local M = {}
+local plan, pol, argv
+local pending, flushing = {}, false
+local stats = {given_up = 0, retried = 0}
+local FINISH_RETRY_S = {0.1, 0.3, 1.0, 2.0, 4.0}
+local LATE_RESEND_S = 1.0
+local TAIL = 4096
+local WEEK, DAY = 7 * 86400 * 1000, 86400 * 1000
+local ID_HEADERS = {"X-Request-Id", "Idempotency-Key"}
+local RETRY_HEADERS = {"X-Retry-Count", "X-Stainless-Retry-Count", "X-Retry-Attempt"}
+local FP_HEADERS = {"Authorization", "Api-Key", "X-Api-Key", "X-Request-Deadline-Ms", "X-Request-Timeout-Ms",
+                    "X-Envoy-Expected-Rq-Timeout-Ms", "x-llm-d-inference-ttl"}
+local DOWN = {LOADING = true, BUSY = true, READONLY = true, MASTERDOWN = true, CLUSTERDOWN = true, NOREPLICAS = true, TRYAGAIN = true}
+
+function M.init(p)
+  plan = p
+  -- The policy (store.policy), for what is decided with no Redis to ask.
+  pol = assert(loadstring(p.policy_lua .. "\nreturn {policy = policy, read_policy = read_policy}"))()
+end
+
+-- ------------------------------------------------------------------ small pieces
+
+local function strip(s) return (s:match("^%s*(.-)%s*$")) end
+
+-- One character of `s` at byte i as Python reads a header (UTF-8, surrogateescape): its
+-- code point and length, or nil and 1 for a byte that starts no valid sequence.
+local function decode(s, i)
+  local c = s:byte(i)
+  if c < 0x80 then return c, 1 end
+  local n, cp, min
+  if c >= 0xC2 and c <= 0xDF then n, cp, min = 1, c - 0xC0, 0x80
+  elseif c >= 0xE0 and c <= 0xEF then n, cp, min = 2, c - 0xE0, 0x800
+  elseif c >= 0xF0 and c <= 0xF4 then n, cp, min = 3, c - 0xF0, 0x10000
+  else return nil, 1 end
+  for k = 1, n do
+    local b = s:byte(i + k)
+    if not b or b < 0x80 or b > 0xBF then return nil, 1 end
+    cp = cp * 64 + (b - 0x80)
+  end
+  if cp < min or cp > 0x10FFFF or (cp >= 0xD800 and cp <= 0xDFFF) then return nil, 1 end
+  return cp, n + 1
+end
+
+-- Each character of `s` through f(code point or nil, its bytes, the byte where invalid).
+local function each(s, f)
+  local out, i = {}, 1
+  while i <= #s do
+    local cp, len = decode(s, i)
+    out[#out + 1] = f(cp, s:sub(i, i + len - 1), s:byte(i))
+    i = i + len
+  end
+  return table.concat(out)
+end
+
+-- Python's repr of a str (the 400s quote what was sent as the gate does).
+local function repr(s)
+  local q = "'"
+  if s:find("'", 1, true) and not s:find('"', 1, true) then q = '"' end
+  return q .. each(s, function(cp, bytes, b)
+    if cp == nil then return string.format("\\udc%02x", b) end
+    if bytes == "\\" then return "\\\\" elseif bytes == q then return "\\" .. q elseif bytes == "\n" then return "\\n"
+    elseif bytes == "\r" then return "\\r" elseif bytes == "\t" then return "\\t" end
+    if cp < 0x20 or (cp >= 0x7f and cp <= 0xa0) or cp == 0xad then return string.format("\\x%02x", cp) end
+    return bytes
+  end) .. q
+end
+
+local function json_string(s)
+  return '"' .. each(s, function(cp, bytes, b)
+    if cp == nil then return string.format("\\udc%02x", b) end
+    if bytes == '"' then return '\\"' elseif bytes == "\\" then return "\\\\" elseif bytes == "\n" then return "\\n"
+    elseif bytes == "\r" then return "\\r" elseif bytes == "\t" then return "\\t" elseif bytes == "\b" then return "\\b"
+    elseif bytes == "\f" then return "\\f" end
+    if cp < 0x20 or (cp >= 0x7f and cp < 0x10000) then return string.format("\\u%04x", cp) end
+    if cp >= 0x10000 then
+      local v = cp - 0x10000
+      return string.format("\\u%04x\\u%04x", 0xD800 + math.floor(v / 0x400), 0xDC00 + v % 0x400)
+    end
+    return bytes
+  end) .. '"'
+end
+
+-- An object with its keys in order: {{"key", value}, ...}; values: strings, numbers,
+-- booleans, ngx.null (null) or such an object.
+local function json(pairs_)
+  local parts = {}
+  for _, kv in ipairs(pairs_) do
+    local v, text = kv[2], nil
+    if v == ngx.null then text = "null"
+    elseif type(v) == "table" then text = json(v)
+    elseif type(v) == "string" then text = json_string(v)
+    elseif type(v) == "boolean" then text = tostring(v)
+    else text = string.format("%d", v) end
+    parts[#parts + 1] = json_string(kv[1]) .. ":" .. text
+  end
+  return "{" .. table.concat(parts, ",") .. "}"
+end
+
+local function bad(message) error({bad = message}, 0) end
+
+-- A header's value; 400 if it came more than once with different values.
+local function get(headers, name)
+  local v = headers[name]
+  if type(v) == "table" then
+    local seen, n = {}, 0
+    for _, x in ipairs(v) do if not seen[strip(x)] then seen[strip(x)] = true; n = n + 1 end end
+    if n > 1 then bad(string.format("%s was sent %d times with different values: the request is ambiguous", name, #v)) end
+    return v[1]
+  end
+  return v
+end
+
+local function integer(name, raw, low, high, what)
+  local digits = raw:match("^%s*(%d+)%s*$")
+  local n = digits and #digits <= 16 and tonumber(digits)
+  if not n or n < low or n > high then
+    bad(string.format("%s must be %s, an integer from %d to %d, got %s", name, what, low, high, repr(raw:sub(1, 64))))
+  end
+  return n
+end
+
+local GO_UNITS = {{"ns", 1e-6}, {"us", 1e-3}, {"\194\181s", 1e-3}, {"\206\188s", 1e-3}, {"ms", 1.0}, {"s", 1e3}, {"m", 6e4}, {"h", 3.6e6}}
+local function go_duration_ms(name, raw)
+  local value = strip(raw)
+  if value == "0" then return 0 end
+  local function fail() bad(string.format("%s must be a Go duration such as 1500ms or 2s, from 0 to a week, got %s", name, repr(raw:sub(1, 64)))) end
+  if #value > 64 or value == "" then fail() end
+  local ms, i = 0, 1
+  while i <= #value do
+    local num = value:match("^%d+%.?%d*", i) or value:match("^%.%d+", i)
+    if not num then fail() end
+    i = i + #num
+    local unit
+    for _, u in ipairs(GO_UNITS) do
+      if value:sub(i, i + #u[1] - 1) == u[1] and not (u[1] == "m" and value:sub(i + 1, i + 1) == "s") then unit = u; break end
+    end
+    if not unit then fail() end
+    i = i + #unit[1]
+    ms = ms + tonumber(num) * unit[2]
+  end
+  if ms > WEEK then fail() end
+  return math.floor(ms)
+end
+
+local function read_request_id(headers)
+  for _, name in ipairs(ID_HEADERS) do
+    local v = get(headers, name)
+    if v ~= nil and strip(v) ~= "" then
+      v = strip(v)
+      if #v > 256 or not v:match("^[\33-\126]+$") then bad(name .. " must be 1 to 256 printable ASCII characters without spaces") end
+      return v
+    end
+  end
+  return nil
+end
+
+local function read_tenant(headers)
+  local v = get(headers, "X-Tenant")
+  local tenant = strip(v == nil and "default" or v)
+  if #tenant > 64 or not tenant:match("^[%w_%.:%-]+$") then
+    bad("X-Tenant must be 1 to 64 of letters, digits and _ . : -, got " .. repr(tenant:sub(1, 64)))
+  end
+  return tenant
+end
+
+local function read_deadline_ms(headers, now, default_ms)
+  local found
+  local function add(ms) if found == nil or ms < found then found = ms end end
+  local absolute = get(headers, "X-Request-Deadline-Ms")
+  if absolute ~= nil then add(integer("X-Request-Deadline-Ms", absolute, now - DAY, now + WEEK, "Unix time in milliseconds within a week")) end
+  for _, name in ipairs({"X-Request-Timeout-Ms", "X-Envoy-Expected-Rq-Timeout-Ms"}) do
+    local budget = get(headers, name)
+    if budget ~= nil then add(now + integer(name, budget, 0, WEEK, "the milliseconds left")) end
+  end
+  local ttl = get(headers, "x-llm-d-inference-ttl")
+  if ttl ~= nil then
+    local ms = go_duration_ms("x-llm-d-inference-ttl", ttl)
+    if ms > 0 then add(now + ms) end
+  end
+  if found ~= nil then return found end
+  if default_ms == nil then
+    bad("no deadline: send X-Request-Deadline-Ms (Unix ms), X-Request-Timeout-Ms (remaining ms) or x-llm-d-inference-ttl, or set the route's default_deadline_ms")
+  end
+  return now + math.floor(default_ms)
+end
+
+local function read_retry_count(headers)
+  for _, name in ipairs(RETRY_HEADERS) do
+    local v = get(headers, name)
+    if v ~= nil then return integer(name, v, 0, 1000, "the attempts before this one") end
+  end
+  return 0
+end
+
+-- ------------------------------------------------------------------ the allowlist
+
+local function raw_ok(path)
+  local i = 1
+  if path == "" then return false end
+  while i <= #path do
+    if path:sub(i, i) ~= "/" then return false end
+    local _, e = path:find("^[%w_][%w_%.%-]*", i + 1)
+    if not e then return false end
+    i = e + 1
+  end
+  return true
+end
+
+local function never(path)
+  for _, p in ipairs(plan.never) do
+    if path == p or path:sub(1, #p + 1) == p .. "/" then return p end
+  end
+  return nil
+end
+
+-- nil where forwarded, else status, reason and the Allow header's methods.
+local function not_forwarded(method, path, rules)
+  local methods, seen = {}, {}
+  if raw_ok(path) and never(path) == nil then
+    for _, r in ipairs(rules) do
+      if path:match(r.pattern) and not seen[r.method] then seen[r.method] = true; methods[#methods + 1] = r.method end
+    end
+  end
+  table.sort(methods)
+  if #methods == 0 then
+    local shown = #path <= 200 and path or path:sub(1, 200) .. "..."
+    local why = never(path) and "an engine admin or dev endpoint, never forwarded" or "not an endpoint this route forwards"
+    return 404, repr(shown) .. ": " .. why
+  end
+  if not seen[method:upper()] then
+    return 405, string.format("%s %s: only %s is forwarded", method, path, table.concat(methods, ", ")), table.concat(methods, ", ")
+  end
+  return nil
+end
+
+-- ------------------------------------------------------------------ answers
+
+local function answer(status, headers, body)
+  ngx.status = status
+  for k, v in pairs(headers) do ngx.header[k] = v end
+  ngx.header["Content-Type"] = "application/json"
+  ngx.print(body)
+  return ngx.exit(status)
+end
+
+local function error_answer(status, kind, message, headers)
+  return answer(status, headers or {}, json({{"error", {{"type", kind}, {"message", message}}}}))
+end
+
+-- ------------------------------------------------------------------ Redis
+
+local function connect()
+  local r = redis:new()
+  r:set_timeout(1000)  -- connect, send and read (lua-resty-redis 0.27, Debian 12: no set_timeouts)
+  local ok, err = r:connect(plan.redis.host, plan.redis.port)
+  if not ok then return nil, err end
+  if r:get_reused_times() == 0 then
+    if plan.redis.password then
+      local res, aerr
+      if plan.redis.username then res, aerr = r:auth(plan.redis.username, plan.redis.password) else res, aerr = r:auth(plan.redis.password) end
+      if not res then r:close(); return nil, aerr end
+    end
+    if plan.redis.db ~= 0 then
+      local res, serr = r:select(plan.redis.db)
+      if not res then r:close(); return nil, serr end
+    end
+  end
+  return r
+end
+
+local function release(r) r:set_keepalive(60000, 64) end
+
+-- An error reply's kind: "down" (a failover's or a restart's answer, or no answer),
+-- "noscript", or "answer" (Redis answered, and refused).
+local function kind_of(err)
+  if err == nil then return nil end
+  local word = tostring(err):match("^(%u+)")
+  if word == "NOSCRIPT" then return "noscript" end
+  if word and DOWN[word] then return "down" end
+  if word and word ~= "ERR" and tostring(err):match("^%u+ ") then return "answer" end
+  if tostring(err):match("^ERR ") then return "answer" end
+  return "down"
+end
+
+-- EVALSHA, or EVAL where the server does not hold the script (a restart, a failover).
+-- The keys then the arguments, as Redis takes them: numbers as integers where whole (a
+-- Unix millisecond is past what tostring writes without an exponent on some builds).
+argv = function(keys, args)
+  local out = {}
+  for _, k in ipairs(keys) do out[#out + 1] = k end
+  for _, a in ipairs(args) do
+    if type(a) == "number" then a = (a == math.floor(a)) and string.format("%d", a) or string.format("%.17g", a) end
+    out[#out + 1] = a
+  end
+  return out
+end
+
+local function run(r, script, keys, args)
+  local all = argv(keys, args)
+  local res, err = r:evalsha(script.sha, #keys, unpack(all))
+  if not res and kind_of(err) == "noscript" then  -- an error reply comes as false, err
+    local loaded, lerr = r:script("load", script.text)
+    if not loaded then return loaded, lerr end
+    res, err = r:evalsha(script.sha, #keys, unpack(all))
+  end
+  return res, err
+end
+
+-- Every script loaded, at a worker's start (tried for a minute while Redis does not
+-- answer): an EVALSHA that times out in a stall and runs when Redis resumes must find its
+-- script there, or the request it records is never recorded.
+local function load_scripts(premature, tries)
+  if premature then return end
+  local r = connect()
+  if r then
+    local ok = true
+    for _, s in pairs(plan.scripts) do
+      local res = r:script("load", s.text)
+      if not res then ok = false end
+    end
+    if ok then release(r); return end
+    r:close()
+  end
+  if (tries or 0) < 60 then ngx.timer.at(1, load_scripts, (tries or 0) + 1) end
+end
+
+local function now_ms() return math.floor(ngx.now() * 1000) end
+
+local function random_id()
+  local bin = ngx.sha1_bin(ngx.worker.pid() .. ":" .. ngx.now() .. ":" .. math.random() .. ":" .. tostring({}))
+  local hex = bin:gsub(".", function(c) return string.format("%02x", c:byte()) end)
+  return string.format("gate-%s-%s-%s-%s-%s", hex:sub(1, 8), hex:sub(9, 12), hex:sub(13, 16), hex:sub(17, 20), hex:sub(21, 32))
+end
+
+-- ------------------------------------------------------------------ the decision
+
+local function read_body()
+  ngx.req.read_body()
+  local body = ngx.req.get_body_data()
+  if body == nil then
+    local file = ngx.req.get_body_file()
+    if file then
+      local f = io.open(file, "rb")
+      if f then body = f:read("*a"); f:close() end
+    end
+  end
+  return body or ""
+end
+
+local function route_for(headers, body)
+  local name = headers["X-Route"]
+  if type(name) == "table" then name = name[1] end
+  if name ~= nil and name ~= "" then
+    local route = plan.routes[name]
+    if route == nil then bad(string.format("X-Route %s is not a configured route (%s)", repr(name), table.concat(plan.route_order, ", "))) end
+    return route
+  end
+  local first = plan.routes[plan.route_order[1]]
+  if #plan.route_order == 1 or not plan.by_model or body:sub(1, 1) ~= "{" then return first end
+  local model = body:match('"model"%s*:%s*"([^"\\]*)"')
+  if model == nil then return first end
+  for _, rname in ipairs(plan.route_order) do
+    for _, m in ipairs(plan.routes[rname].models) do if m == model then return plan.routes[rname] end end
+  end
+  return first
+end
+
+local function fingerprint(tenant, route, method, raw_path, headers, body)
+  local parts = {tenant, "\0", route.name, "\0", method:upper(), "\0", raw_path, "\0"}
+  for _, name in ipairs(FP_HEADERS) do
+    local v = headers[name]
+    if type(v) == "table" then v = v[1] end
+    parts[#parts + 1] = name .. "=" .. (v or "") .. "\0"
+  end
+  parts[#parts + 1] = "body\0" .. body
+  local hex = ngx.sha1_bin(table.concat(parts)):gsub(".", function(c) return string.format("%02x", c:byte()) end)
+  return hex
+end
+
+local function tenant_key(tenant)
+  return plan.queue.tenant_prefix .. tenant .. ":" .. math.floor(ngx.time() / 60)
+end
+
+-- The decision script's call (store.queue.pipe_decide's keys and arguments).
+local function decide_call(queue_id, route, tenant, deadline_ms, now, fp, retries)
+  local q = plan.queue
+  local keys = {q.record_prefix .. queue_id}
+  for _, k in ipairs(route.keys) do keys[#keys + 1] = k end
+  keys[#keys + 1] = q.routes_key
+  local limit = plan.tenants[tenant]
+  local args = {queue_id, route.name, tenant, deadline_ms, now, now, q.retention_ms, q.gc_limit,
+                limit and "1" or "0", fp and tostring(retries) or "", fp and (deadline_ms + route.retry_match_window_ms) or 0,
+                q.record_prefix, #route.engine_age, tostring(retries), limit and string.format("%.17g", limit) or ""}
+  for _, a in ipairs(route.policy) do args[#args + 1] = a end
+  if limit then keys[#keys + 1] = tenant_key(tenant) end
+  if fp then keys[#keys + 1] = q.fp_prefix .. fp end
+  for _, k in ipairs(route.engine_age) do keys[#keys + 1] = k end
+  if #route.engine_age > 0 then
+    for _, k in ipairs(route.engine_waiting) do keys[#keys + 1] = k end
+    for _, k in ipairs(route.inflight) do keys[#keys + 1] = k end
+  end
+  return keys, args
+end
+
+local function leave_call(queue_id, route, status, now, ended)
+  local keys = {plan.queue.record_prefix .. queue_id, route.keys[1], route.keys[2], route.keys[3], route.inflight[1], route.inflight[2], route.inflight[3]}
+  return keys, {queue_id, "done", status and tostring(status) or "", now, "0", tostring(ended)}
+end
+
+local function n(v) if v == ngx.null or v == nil or v == false then return nil end return tonumber(v) end
+
+function M.access()
+  local method = ngx.req.get_method()
+  local raw_path = ngx.var.request_uri
+  local path = raw_path:match("^[^?]*")
+  local status, reason, allow = not_forwarded(method, path, plan.any_allow)
+  if status then return error_answer(status, "not_forwarded", reason, allow and {Allow = allow} or nil) end
+  local headers = ngx.req.get_headers(200)
+  local now = now_ms()
+  local body = read_body()
+  local ok, got = pcall(function()
+    local client_id = read_request_id(headers)
+    local route = route_for(headers, body)
+    local s, why, methods = nil, nil, nil
+    if #plan.route_order > 1 then s, why, methods = not_forwarded(method, path, route.allow) end
+    if s then return {refused = {s, why, methods}} end
+    local tenant = read_tenant(headers)
+    local deadline = read_deadline_ms(headers, now, route.default_deadline_ms)
+    return {client_id = client_id, route = route, tenant = tenant, deadline = deadline, retries = read_retry_count(headers)}
+  end)
+  if not ok then
+    if type(got) == "table" and got.bad then return error_answer(400, "bad_request", got.bad) end
+    error(got)
+  end
+  if got.refused then
+    return error_answer(got.refused[1], "not_forwarded", got.refused[2], got.refused[3] and {Allow = got.refused[3]} or nil)
+  end
+  local route, tenant, deadline, retries = got.route, got.tenant, got.deadline, got.retries
+  local fp, request_id = nil, got.client_id
+  if request_id == nil then
+    fp = fingerprint(tenant, route, method, raw_path, headers, body)
+    request_id = random_id()
+  end
+  local queue_id = tenant .. "/" .. request_id
+  local fields = {{"request_id", request_id}}
+  local recorded, late, d = true, false, nil
+  local age, slack, retry_count, engine_age, wait
+  local r, err = connect()
+  local res
+  if r then
+    local keys, args = decide_call(queue_id, route, tenant, deadline, now, fp, retries)
+    res, err = run(r, plan.scripts.decide, keys, args)
+  end
+  if res then
+    local used = res[5]
+    if used ~= queue_id then queue_id = used; request_id = used:match("^[^/]*/(.*)$"); fields[1][2] = request_id end
+    deadline = tonumber(res[2][4])
+    local v, f = res[10], res[11]
+    d = {decision = v[1], reason = v[2], status = tonumber(v[3]), retry_after = n(v[4]), retryable = tonumber(v[5]) == 1}
+    age, slack, retry_count, engine_age, wait = tonumber(f[1]), tonumber(f[2]), tonumber(f[3]), n(f[4]), n(f[5])
+    fields[#fields + 1] = {"queue_age_ms", age}
+    fields[#fields + 1] = {"deadline_slack_ms", slack}
+    fields[#fields + 1] = {"retry_count", retry_count}
+    if #route.engine_age > 0 then fields[#fields + 1] = {"engine_queue_age_ms", engine_age or ngx.null} end
+    if wait then fields[#fields + 1] = {"expected_wait_ms", wait} end
+  elseif kind_of(err) == "answer" then
+    if r then r:close() end
+    ngx.log(ngx.ERR, "llm-health: redis refused the request record for route ", route.name, ": ", err)
+    return answer(500, {}, json({{"error", {{"type", "internal"}, {"message", "the request could not be recorded"}, {"request_id", request_id}}}}))
+  else
+    -- Redis down: the route's redis_down policy, decided by the same policy code.
+    if r then r:close() end
+    recorded, late = false, err == "timeout"
+    ngx.log(ngx.WARN, "llm-health: redis unreachable for route ", route.name, " (", tostring(err), "): failing ", route.redis_down)
+    slack = deadline - now
+    retry_count = retries
+    fields[#fields + 1] = {"queue_age_ms", ngx.null}
+    fields[#fields + 1] = {"deadline_slack_ms", slack}
+    fields[#fields + 1] = {"retry_count", retries}
+    local P = pol.read_policy(route.policy, 1)
+    local name, why, st, after, retryable
+    if route.redis_down == "closed" then
+      name, why, st, after, retryable = "reject_redis_down", "Redis unreachable: queue age unknown; route fails closed", 503, 5.0, true
+      local wait_s = math.max(1, math.ceil(after))
+      if wait_s * 1000 >= slack then
+        why = why .. string.format("; a retry in %d s would come after the deadline (slack %.0f ms): not retryable", wait_s, slack)
+        st, after, retryable = P.late_status, nil, false
+      end
+    else
+      name, why, st, after, retryable = pol.policy(P, 0, slack, retries, nil, nil, nil, nil)
+      if name == "admit_once" then name, why = "admit_unrecorded", why .. "; Redis unreachable, failing open" end
+    end
+    d = {decision = name, reason = why, status = st, retry_after = after, retryable = retryable}
+  end
+  local out = {["X-Request-Id"] = request_id, ["X-LLM-Health-Decision"] = d.decision, ["x-deadline-slack-ms"] = string.format("%d", slack)}
+  if age ~= nil then out["x-queue-age-ms"] = string.format("%d", age) end
+  if d.decision == "admit_once" or d.decision == "admit_unrecorded" then
+    if r then release(r) end
+    ngx.req.set_header("X-Request-Id", request_id)
+    ngx.req.set_header("x-deadline-slack-ms", out["x-deadline-slack-ms"])
+    ngx.req.set_header("x-queue-age-ms", out["x-queue-age-ms"])
+    ngx.ctx.llm_health = {out = out, attempt = (recorded or late) and {queue_id = queue_id, route = route, tenant = tenant,
+      retry_count = retry_count, attempt_id = string.format("%08x%08x", math.random(0, 0x7fffffff), math.random(0, 0x7fffffff)),
+      late = late, deadline = deadline} or nil}
+    return
+  end
+  if recorded then
+    local keys, args = leave_call(queue_id, route, d.status, now_ms(), 0)
+    local _, lerr = run(r, plan.scripts.leave, keys, args)
+    if lerr then r:close() else release(r) end
+  elseif late then
+    M.queue_end({queue_id = queue_id, route = route, refusal = d.status, late = true})
+  end
+  if d.retry_after then out["Retry-After"] = string.format("%d", math.max(1, math.ceil(d.retry_after))) end
+  out["x-should-retry"] = d.retryable and "true" or "false"
+  local err_fields = {{"type", "admission_rejected"}, {"code", d.decision}, {"message", d.reason}, {"retryable", d.retryable}, {"route", route.name}}
+  for _, f in ipairs(fields) do err_fields[#err_fields + 1] = f end
+  return answer(d.status, out, json({{"error", err_fields}}))
+end
+
+function M.header_filter()
+  local c = ngx.ctx.llm_health
+  if c then for k, v in pairs(c.out) do ngx.header[k] = v end end
+end
+
+function M.body_filter()
+  local c = ngx.ctx.llm_health
+  if c and c.attempt then
+    local chunk = ngx.arg[1]
+    if chunk and chunk ~= "" then
+      local tail = (c.tail or "") .. chunk
+      c.tail = #tail > TAIL and tail:sub(-TAIL) or tail
+    end
+  end
+end
+
+-- Token units of the answer: `usage.total_tokens` (or prompt + completion) of its last
+-- `usage` object (gate.headers.token_units).
+local function token_units(tail)
+  local last
+  for obj in tail:gmatch('"usage"%s*:%s*(%b{})') do last = obj end
+  if last == nil or last:sub(2):find("{", 1, true) then return 0 end
+  local total = last:match('"total_tokens"%s*:%s*(%d+)')
+  if total then return tonumber(total) end
+  return (tonumber(last:match('"prompt_tokens"%s*:%s*(%d+)')) or 0) + (tonumber(last:match('"completion_tokens"%s*:%s*(%d+)')) or 0)
+end
+
+function M.queue_end(item)
+  item.tries, item.at = 0, 0
+  pending[#pending + 1] = item
+end
+
+function M.log()
+  local c = ngx.ctx.llm_health
+  if not (c and c.attempt) then return end
+  local upstream = (ngx.var.upstream_status or ""):match("([^,]*)$")
+  upstream = strip(upstream or "")
+  local status = upstream:match("^[1-5]%d%d$") and tonumber(upstream) or tonumber(ngx.var.status)
+  local units = 0
+  if status ~= 503 and status ~= 529 and c.tail then units = token_units(c.tail) end
+  local a = c.attempt
+  a.status, a.units, a.now = status, units, now_ms()
+  M.queue_end(a)
+end
+
+-- One try at the queued ends that are due, in one pipeline.
+local function flush(premature)
+  if premature or flushing or #pending == 0 then return end
+  flushing = true
+  local now, due, later = ngx.now(), {}, {}
+  for _, item in ipairs(pending) do
+    if item.at <= now and #due < 256 then due[#due + 1] = item else later[#later + 1] = item end
+  end
+  pending = later
+  if #due == 0 then flushing = false; return end
+  local r, err = connect()
+  local ok = r ~= nil
+  if r then
+    for attempt = 1, 2 do
+      r:init_pipeline()
+      for _, it in ipairs(due) do
+        local t = now_ms()
+        if it.refusal then
+          local keys, args = leave_call(it.queue_id, it.route, it.refusal, t, 0)
+          r:evalsha(plan.scripts.leave.sha, #keys, unpack(argv(keys, args)))
+        else
+          local q, units = plan.queue, it.units or 0
+          local tk = (plan.tenants[it.tenant] and units > 0) and tenant_key(it.tenant) or nil
+          local keys = {q.record_prefix .. it.queue_id}
+          for _, k in ipairs(it.route.keys) do keys[#keys + 1] = k end
+          if tk then keys[#keys + 1] = tk end
+          local args = {it.queue_id, units, it.status and tostring(it.status) or "", t, q.retention_ms,
+                        it.retry_count and tostring(it.retry_count) or "", it.attempt_id, tk and units or 0}
+          r:evalsha(plan.scripts.attempt.sha, #keys, unpack(argv(keys, args)))
+          local lkeys, largs = leave_call(it.queue_id, it.route, it.status, t, it.status == 499 and 2 or 1)
+          r:evalsha(plan.scripts.leave.sha, #lkeys, unpack(argv(lkeys, largs)))
+        end
+      end
+      local res, perr = r:commit_pipeline()
+      if not res then ok, err = false, perr; break end
+      local noscript = false
+      for _, x in ipairs(res) do
+        if type(x) == "table" and x[1] == false and kind_of(x[2]) == "noscript" then noscript = true end
+        if type(x) == "table" and x[1] == false and kind_of(x[2]) == "down" then ok, err = false, x[2] end
+      end
+      if not noscript then break end
+      for _, s in pairs(plan.scripts) do r:script("load", s.text) end
+      if attempt == 2 then ok, err = false, "NOSCRIPT after SCRIPT LOAD" end
+    end
+    if ok then release(r) else r:close() end
+  end
+  for _, it in ipairs(due) do
+    if ok then
+      if it.late then it.late = false; it.at = ngx.now() + LATE_RESEND_S; pending[#pending + 1] = it end
+    else
+      it.tries = it.tries + 1
+      if it.tries > #FINISH_RETRY_S then
+        stats.given_up = stats.given_up + 1
+        ngx.log(ngx.WARN, "llm-health: gave up recording the attempt of ", it.queue_id, " on route ", it.route.name, ": Redis did not answer (", tostring(err), ")")
+      else
+        stats.retried = stats.retried + 1
+        it.at = ngx.now() + FINISH_RETRY_S[it.tries]
+        pending[#pending + 1] = it
+      end
+    end
+  end
+  flushing = false
+end
+
+function M.init_worker()
+  math.randomseed(ngx.now() * 1000 + ngx.worker.pid())
+  ngx.timer.at(0, load_scripts, 0)
+  ngx.timer.every(0.01, flush)
+end
+
+function M.stats() return stats, #pending end
+
+return M

@@ -1,0 +1,330 @@
+"""The nginx Lua door: a real nginx with its Lua module (Debian's libnginx-mod-http-lua and
+lua-nginx-redis) running the shipped deploy/nginx/nginx-lua.conf and the module and plan
+`llm-health nginx-lua` writes, a real redis-server, an engine on loopback that records what
+reaches it. No Python on the request path: nginx reads the headers, hashes the body, sends
+the decision script and records each attempt's end itself.
+
+The same answers as the gate: each case is sent to both, on one Redis, and the statuses,
+JSON bodies and admission headers compare equal (the request ids and timing figures
+aside)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from aiohttp import web
+from multidict import CIMultiDict
+
+from llm_health.config.gate import parse_gate_config
+from llm_health.gate.app import Gate
+from llm_health.store.queue import AdmissionQueue
+from tests.fixtures.nginx import NginxLua
+from tests.integration.test_door_nginx import USAGE, Engine
+from tests.integration.test_gate import recorded, serve
+from tests.integration.test_gate_records import Stalled, not_running
+
+PREFIX = "llm:admission:"
+
+
+def gate_file(tmp_path, redis_url: str, engine_url: str, **route: Any) -> Any:
+    path = tmp_path / "gate.yml"
+    path.write_text(yaml.safe_dump({"gate": {"redis": redis_url, "routes": {"chat": {"upstream": engine_url, "default_deadline_ms": 30000, **route}}}}))
+    return path
+
+
+@pytest.fixture
+async def lua_door(own_redis_server, tmp_path):
+    """(nginx url, engine, gate url): the Lua door and the gate on one Redis and engine,
+    route `chat` failing closed when Redis is down."""
+    engine = Engine()
+    eapp = web.Application()
+    eapp.router.add_route("*", "/{tail:.*}", engine.any)
+    erunner, eurl = await serve(eapp)
+    path = gate_file(tmp_path, own_redis_server.url, eurl, redis_down="closed")
+    gate = Gate(parse_gate_config(yaml.safe_load(path.read_text()), str(path)))
+    grunner, gurl = await serve(gate.app())
+    nginx = NginxLua(tmp_path, gate_file=path, engine_port=int(eurl.rsplit(":", 1)[1]))
+    try:
+        with nginx:
+            yield nginx.url, engine, gurl, nginx
+            print(nginx.error_log()[-4000:])  # shown where a test failed
+    finally:
+        await grunner.cleanup()
+        await erunner.cleanup()
+
+
+async def send(
+    url: str, path: str = "/v1/completions", headers: dict[str, str] | None = None, method: str = "POST", body: Any = None
+) -> tuple[int, bytes, CIMultiDict[str]]:
+    payload = {"model": "m", "prompt": "hi"} if body is None else body
+    async with aiohttp.ClientSession() as s, s.request(method, url + path, json=payload, headers=headers or {}) as r:
+        return r.status, await r.read(), CIMultiDict(r.headers)
+
+
+ADMISSION_HEADERS = ("X-LLM-Health-Decision", "Retry-After", "x-should-retry", "Allow")
+
+
+def comparable(status: int, body: bytes, headers: CIMultiDict[str]) -> tuple[int, Any, dict[str, str]]:
+    """What two doors must agree on: the status, the JSON body and the admission headers,
+    less what differs per request (ids, figures that move with time)."""
+    parsed = json.loads(body) if body else None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        for k in ("request_id", "deadline_slack_ms", "queue_age_ms"):
+            parsed["error"].pop(k, None)
+        if "message" in parsed["error"]:
+            parsed["error"]["message"] = re.sub(r"-?[0-9]+", "N", parsed["error"]["message"])
+    return status, parsed, {k: headers[k] for k in ADMISSION_HEADERS if k in headers}
+
+
+async def test_a_fresh_request_is_admitted_forwarded_and_its_end_recorded_with_its_tokens(lua_door, own_redis_server):
+    url, engine, _, nginx = lua_door
+    assert "llm_health_plan.lua" in nginx.generated
+    status, body, headers = await send(url, headers={"X-Request-Id": "fresh-1", "X-Request-Timeout-Ms": "30000"})
+    assert status == 200, body
+    assert json.loads(body)["usage"] == USAGE
+    assert headers["X-LLM-Health-Decision"] == "admit_once" and headers["X-Request-Id"] == "fresh-1" and int(headers["x-deadline-slack-ms"]) > 0
+    [(method, path, up)] = engine.seen
+    assert (method, path, up.get("X-Request-Id")) == ("POST", "/v1/completions", "fresh-1")
+    assert "x-queue-age-ms" in up and 0 < int(up["x-deadline-slack-ms"]) <= 30000
+    rec = await recorded(own_redis_server.url, PREFIX, "fresh-1")
+    assert rec is not None and (rec.attempts, rec.http_status, rec.token_units) == (1, 200, USAGE["total_tokens"]), rec
+
+
+CASES = [
+    ("late retry", {"X-Request-Id": "late-1", "X-Retry-Count": "1", "X-Request-Timeout-Ms": "0"}, "/v1/completions", "POST"),
+    ("deadline malformed", {"X-Request-Timeout-Ms": "1e20"}, "/v1/completions", "POST"),
+    ("deadline signed", {"X-Request-Deadline-Ms": "+5"}, "/v1/completions", "POST"),
+    ("ttl malformed", {"x-llm-d-inference-ttl": "5 s"}, "/v1/completions", "POST"),
+    ("ttl past a week", {"x-llm-d-inference-ttl": "169h"}, "/v1/completions", "POST"),
+    ("retry count past range", {"X-Retry-Count": "1001"}, "/v1/completions", "POST"),
+    ("id with a space", {"X-Request-Id": "a b"}, "/v1/completions", "POST"),
+    ("id too long", {"Idempotency-Key": "x" * 257}, "/v1/completions", "POST"),
+    ("tenant with a slash", {"X-Tenant": "a/b"}, "/v1/completions", "POST"),
+    ("tenant with quotes", {"X-Tenant": 'it\'s "x"'}, "/v1/completions", "POST"),
+    ("unknown route", {"X-Route": "nope"}, "/v1/completions", "POST"),
+    ("admin endpoint", {}, "/sleep", "POST"),
+    ("traversal", {}, "/v1/completions/../../sleep", "POST"),
+    ("encoded", {}, "/%73leep", "POST"),
+    ("method not forwarded", {}, "/v1/models", "POST"),
+    ("retry past its deadline", {"X-Request-Id": "late-2", "X-Retry-Count": "2"}, "/v1/completions", "POST"),
+]
+
+
+@pytest.mark.parametrize(("what", "headers", "path", "method"), CASES, ids=[c[0] for c in CASES])
+async def test_the_lua_door_answers_every_refusal_as_the_gate_does(lua_door, what, headers, path, method):
+    url, engine, gurl, _ = lua_door
+    if what == "retry past its deadline":
+        headers = {**headers, "X-Request-Deadline-Ms": str(int(time.time() * 1000) - 5000)}
+    lua = comparable(*await send(url, path, headers, method))
+    gate = comparable(
+        *await send(
+            gurl,
+            path,
+            {**headers, "X-Request-Id": headers["X-Request-Id"] + "-g"} if "X-Request-Id" in headers and what != "id with a space" else headers,
+            method,
+        )
+    )
+    assert lua == gate, what
+    assert lua[0] in (400, 404, 405, 422), lua
+    assert engine.seen == []
+
+
+async def test_the_engine_s_metrics_are_never_forwarded(lua_door):
+    """The gate answers its own /metrics there; the Lua door forwards none of the engine's."""
+    url, engine, _, _ = lua_door
+    status, body, _ = await send(url, "/metrics", method="GET")
+    assert (status, json.loads(body)["error"]["message"]) == (404, "'/metrics': an engine admin or dev endpoint, never forwarded")
+    assert engine.seen == []
+
+
+async def test_queue_age_beating_slack_is_refused_with_retry_after_as_the_gate_does(lua_door, own_redis_server):
+    url, engine, gurl, _ = lua_door
+    q = AdmissionQueue.from_url(own_redis_server.url, prefix=PREFIX)
+    now = int(time.time() * 1000)
+    await q.enqueue("default/old", "chat", "default", deadline_ms=now + 600_000, enqueued_ms=now - 4000)  # waiting 4 s
+    await q.aclose()
+    lua = await send(url, headers={"X-Request-Id": "young", "X-Request-Timeout-Ms": "60000"})
+    gate = await send(gurl, headers={"X-Request-Id": "young-g", "X-Request-Timeout-Ms": "60000"})
+    assert lua[0] == 503 and json.loads(lua[1])["error"]["code"] == "reject_age_beats_slack", lua
+    assert int(lua[2]["Retry-After"]) >= 1 and int(lua[2]["x-queue-age-ms"]) >= 4000
+    assert comparable(*lua) == comparable(*gate)
+    assert engine.seen == []
+    rec = await recorded(own_redis_server.url, PREFIX, "young", attempts=0)
+    assert rec is not None and (rec.state, rec.http_status) == ("done", 503), rec  # a refusal is marked done at once
+
+
+async def test_a_retry_of_one_body_is_matched_to_its_own_first_copy_among_bodies_of_its_length(lua_door, own_redis_server):
+    """The OpenAI SDK sends no id: a retry is matched by fingerprint. The Lua door hashes the
+    body, so two first copies of one length and different content stay apart (nginx
+    auth_request sees only the length): X, then Y, then Y's retry, which must take Y's id."""
+    url, _, _, _ = lua_door
+    base = {"X-Request-Timeout-Ms": "30000", "Authorization": "Bearer sk-shared", "X-Stainless-Retry-Count": "0"}
+    x, y = {"model": "m", "prompt": "xxxx"}, {"model": "m", "prompt": "yyyy"}
+    assert len(json.dumps(x)) == len(json.dumps(y))
+    sx = await send(url, headers={**base, "X-Test-Delay": "0"}, body=x)
+    sy = await send(url, headers=base, body=y)
+    retry = await send(url, headers={**base, "X-Stainless-Retry-Count": "1"}, body=y)
+    assert sx[0] == sy[0] == retry[0] == 200, (sx, sy, retry)
+    assert retry[2]["X-Request-Id"] == sy[2]["X-Request-Id"] != sx[2]["X-Request-Id"]
+    rid = sy[2]["X-Request-Id"]
+    rec = await recorded(own_redis_server.url, PREFIX, rid, attempts=2)
+    assert rec is not None and (rec.attempts, rec.retry_count) == (2, 1), rec
+
+
+async def test_redis_down_is_the_route_s_redis_down_policy(lua_door, own_redis_server):
+    url, engine, gurl, _ = lua_door
+    own_redis_server.kill()
+    try:
+        lua = await send(url, headers={"X-Request-Id": "down-1"})
+        gate = await send(gurl, headers={"X-Request-Id": "down-1g"})
+    finally:
+        own_redis_server.start()
+    assert lua[0] == 503 and json.loads(lua[1])["error"]["code"] == "reject_redis_down" and lua[2]["Retry-After"] == "5", lua
+    assert json.loads(lua[1])["error"]["queue_age_ms"] is None
+    assert comparable(*lua) == comparable(*gate)
+    assert engine.seen == []
+
+
+async def test_redis_down_fails_open_where_the_route_says_so(own_redis_server, tmp_path):
+    engine = Engine()
+    eapp = web.Application()
+    eapp.router.add_route("*", "/{tail:.*}", engine.any)
+    erunner, eurl = await serve(eapp)
+    path = gate_file(tmp_path, own_redis_server.url, eurl, redis_down="open")
+    try:
+        with NginxLua(tmp_path, gate_file=path, engine_port=int(eurl.rsplit(":", 1)[1])) as nginx:
+            own_redis_server.kill()
+            try:
+                ok = await send(nginx.url, headers={"X-Request-Id": "open-1"})
+                late = await send(nginx.url, headers={"X-Request-Id": "open-2", "X-Retry-Count": "1", "X-Request-Timeout-Ms": "0"})
+            finally:
+                own_redis_server.start()
+    finally:
+        await erunner.cleanup()
+    assert ok[0] == 200 and ok[2]["X-LLM-Health-Decision"] == "admit_unrecorded", ok
+    assert late[0] == 422 and json.loads(late[1])["error"]["code"] == "reject_retry_late", late  # its own deadline still judged
+    assert len(engine.seen) == 1
+
+
+async def test_a_restarted_redis_without_the_script_is_sent_it_again(lua_door, own_redis_server):
+    """NOSCRIPT (a restart, a failover to a replica that never loaded it): EVAL, then EVALSHA
+    again; the finishes' batch loads the scripts and is sent again."""
+    url, _, _, _ = lua_door
+    assert (await send(url, headers={"X-Request-Id": "before"}))[0] == 200
+    own_redis_server.kill()
+    own_redis_server.start()
+    status, body, _ = await send(url, headers={"X-Request-Id": "after"})
+    assert status == 200, body
+    rec = await recorded(own_redis_server.url, PREFIX, "after")
+    assert rec is not None and (rec.attempts, rec.http_status) == (1, 200), rec
+
+
+async def test_a_redis_stall_leaves_no_record_running_after_its_answer(lua_door, own_redis_server):
+    """Redis SIGSTOPped while the attempt is at the engine: its end is sent again while Redis
+    does not answer, and once it does, the record is done."""
+    url, _, _, _ = lua_door
+    task = asyncio.ensure_future(send(url, headers={"X-Request-Id": "stall-1", "X-Test-Delay": "1.0"}))
+    q = AdmissionQueue.from_url(own_redis_server.url, prefix=PREFIX)
+    try:
+        while (rec := await q.read("default/stall-1")) is None or rec.state != "running":
+            await asyncio.sleep(0.01)
+    finally:
+        await q.aclose()
+    with Stalled(own_redis_server):
+        status, _, _ = await task
+        await asyncio.sleep(1.5)  # the end sent while Redis does not answer
+    assert status == 200
+    recs = await not_running(own_redis_server.url, PREFIX, ["stall-1"])
+    assert recs["stall-1"] is not None and (recs["stall-1"].state, recs["stall-1"].attempts) == ("done", 1), recs
+
+
+async def test_an_enqueue_run_late_by_a_stall_leaves_no_record_running(lua_door, own_redis_server):
+    """Redis SIGSTOPped before the request, longer than the door waits (1 s): the decision
+    times out (the route fails closed: 503), the script runs once Redis resumes, and the
+    refusal's end sent late makes the record done."""
+    url, _, _, _ = lua_door
+    with Stalled(own_redis_server):
+        status, body, _ = await send(url, headers={"X-Request-Id": "late-enq"})
+        await asyncio.sleep(0.5)
+    assert status == 503 and json.loads(body)["error"]["code"] == "reject_redis_down", body
+    recs = await not_running(own_redis_server.url, PREFIX, ["late-enq"])
+    assert recs["late-enq"] is not None and recs["late-enq"].state == "done", recs
+
+
+async def test_a_stream_passes_through_unbuffered(lua_door):
+    url, _, _, _ = lua_door
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json={"model": "m"}, headers={"X-Request-Id": "stream-1"}) as r:
+        assert r.status == 200
+        first = await asyncio.wait_for(r.content.readline(), 5)
+        assert first.startswith(b"data: "), first
+        rest = await r.read()
+    assert rest.rstrip().endswith(b"data: [DONE]")
+
+
+# The hostile-input table's header rows (tests/integration/hostile/test_gate_and_restarter.py):
+# the same answer from the Lua door as from the gate, nothing forwarded, the door going on.
+HOSTILE = [
+    ("X-Request-Timeout-Ms", "inf"),
+    ("X-Request-Timeout-Ms", "1e20"),
+    ("X-Request-Timeout-Ms", "99999999999999"),
+    ("X-Request-Deadline-Ms", "1e14"),
+    ("X-Request-Deadline-Ms", "100000000000000"),
+    ("X-Retry-Count", str(10**25)),
+    ("X-Retry-Count", "-1"),
+    ("X-Retry-Count", "+1"),
+    ("X-Request-Timeout-Ms", "+5000"),
+    ("X-Request-Timeout-Ms", "-5"),
+    ("X-Tenant", "a/b"),
+    ("X-Request-Id", "x" * 300),
+    ("X-Request-Timeout-Ms", " 500 junk"),
+    ("x-llm-d-inference-ttl", "-1s"),
+    ("x-llm-d-inference-ttl", "1.5.2s"),
+    ("x-llm-d-inference-ttl", "1\u00b5"),
+]
+
+
+async def send_multi(url: str, headers: list[tuple[str, str]]) -> tuple[int, bytes, CIMultiDict[str]]:
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={"model": "m"}, headers=CIMultiDict(headers)) as r:
+        return r.status, await r.read(), CIMultiDict(r.headers)
+
+
+@pytest.mark.parametrize(("header", "value"), HOSTILE)
+async def test_hostile_headers_are_refused_by_name_as_the_gate_does(lua_door, header, value):
+    url, engine, gurl, _ = lua_door
+    lua = await send_multi(url, [("X-Request-Id", "h1"), (header, value)])
+    gate = await send_multi(gurl, [("X-Request-Id", "h1g"), (header, value)])
+    assert lua[0] == 400 and header in json.loads(lua[1])["error"]["message"], lua
+    assert comparable(*lua) == comparable(*gate)
+    assert engine.seen == []
+    assert (await send(url, headers={"X-Request-Id": "h2"}))[0] == 200  # the door goes on
+
+
+@pytest.mark.parametrize(
+    ("header", "first", "second"),
+    [("X-Request-Deadline-Ms", "FUTURE", "PAST"), ("X-Request-Timeout-Ms", "60000", "1"), ("X-Retry-Count", "0", "3"), ("X-Tenant", "tenant-a", "tenant-b")],
+)
+async def test_a_header_repeated_with_different_values_is_refused_as_the_gate_does(lua_door, header, first, second):
+    url, engine, gurl, _ = lua_door
+    now = int(time.time() * 1000)
+    values = [{"FUTURE": str(now + 60000), "PAST": str(now - 1000)}.get(v, v) for v in (first, second)]
+    lua = await send_multi(url, [("X-Request-Id", "rep-0"), (header, values[0]), (header, values[1])])
+    gate = await send_multi(gurl, [("X-Request-Id", "rep-0g"), (header, values[0]), (header, values[1])])
+    assert lua[0] == 400 and header in json.loads(lua[1])["error"]["message"], lua
+    assert comparable(*lua) == comparable(*gate)
+    assert engine.seen == []
+    same = await send_multi(url, [("X-Request-Id", "rep-9"), (header, values[0]), (header, values[0])])
+    assert same[0] == 200, same  # two copies of one value are one
+
+
+async def test_request_ids_are_scoped_by_tenant(lua_door):
+    url, _, _, _ = lua_door
+    late = str(int(time.time() * 1000) - 1000)
+    assert (await send(url, headers={"X-Request-Id": "order-1001", "X-Tenant": "tenant-a", "X-Request-Deadline-Ms": late}))[0] == 422
+    assert (await send(url, headers={"X-Request-Id": "order-1001", "X-Tenant": "tenant-b"}))[0] == 200
