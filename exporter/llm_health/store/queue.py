@@ -231,7 +231,9 @@ class AdmissionQueue:
     # Script objects make); after a Redis restart the pipeline fails with NOSCRIPT, and
     # the caller runs `load_scripts()` and the pipeline again.
     def pipe_leave(self, pipe: Any, request_id: str, route: str, state: str, http_status: int | None, now: int, ended: int = 0) -> None:
-        self._pipelined(pipe, self._leave, self.leave_call(request_id, route, state, http_status, now, ended=ended))
+        """A finish's leave, its reply 1 (not read)."""
+        keys, args = self.leave_call(request_id, route, state, http_status, now, ended=ended)
+        self._pipelined(pipe, self._leave, (keys, [*args, "1"]))
 
     def pipe_attempt(
         self,
@@ -245,8 +247,8 @@ class AdmissionQueue:
         attempt_id: str = "",
         tenant_key: str | None = None,
     ) -> None:
-        call = self.attempt_call(request_id, route, token_units, http_status, retry_count, now, attempt_id, tenant_key)
-        self._pipelined(pipe, self._attempt, call)
+        keys, args = self.attempt_call(request_id, route, token_units, http_status, retry_count, now, attempt_id, tenant_key)
+        self._pipelined(pipe, self._attempt, (keys, [*args, "1"]))  # its reply 1, not the record (not read)
 
     def pipe_decide(
         self,

@@ -206,7 +206,7 @@ local function leave(rec, id, state, status, now, only_if_waiting)
 end
 """
 # KEYS: record, enqueued, deadline, retried. ARGV: id, new state, http_status ('' keeps),
-# now_ms, only_if_waiting.
+# now_ms, only_if_waiting; ARGV[7] '1': reply 1, not the record (a door's finish: unread).
 # KEYS[5..7], where given: the route's in-flight sets (keys.route_inflight), the id taken
 # off them whatever the record says (an attempt's end, a refusal), and where it was in
 # flight and ARGV[6] is '1' (an attempt the door sent on ended) or '2' (its client gave
@@ -227,6 +227,7 @@ if KEYS[7] then
   redis.call('ZREM', KEYS[6], ARGV[1])
 end
 if not leave(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]) then return false end
+if ARGV[7] == '1' then return 1 end
 return redis.call('HGETALL', KEYS[1])
 """
 )
@@ -299,14 +300,16 @@ end
 #       record keys' prefix (a matched first copy's record is this prefix and its id: on
 #       Cluster the queue's hash tag is in the prefix, so the key is in the script's slot), n,
 #       the retry count its headers say, the tenant's budget ('' none), the policy's seven
-#       settings (store.policy.policy_args)
+#       settings (store.policy.policy_args), and '1' for the lean reply below (the nginx Lua
+#       door: what a door acts on, no more)
 # Returns {stats (depth, oldest score, tightest score, past deadline, retried, max dup
 # score; '' where none), the record as enqueued (its ten fields, queue.parse_decide's order),
 # the tenant's spend or false, {the engine ages, false where absent}, the id used (ARGV[1],
 # or the matched first copy's), the door's figure in ms or false, 1 or 0, the requests ahead
 # and the sequences (false where a count is unknown), the decision (store.policy.Verdict),
 # {queue_age_ms, deadline_slack_ms, retry count, the engine queue age acted on and the
-# projected wait in ms, false where unknown}}.
+# projected wait in ms, false where unknown}}. The lean reply: {the id used, the record's
+# deadline, the decision, those figures}.
 DECIDE_LUA = (
     _GC_FN
     + _ENQUEUE_FN
@@ -437,21 +440,27 @@ local retries, budget = math.max(tonumber(ARGV[14]), tonumber(record[5])), nil
 if ARGV[15] ~= '' then budget = tonumber(ARGV[15]) - (tonumber(spent) or 0) end
 local name, reason, status, after, retryable = policy(P, queue_age, slack, retries, nil, tonumber(record[9]), budget, wait)
 if n > 0 and engine_age == nil then name, reason, status, after, retryable = unknown_age(P, name, reason, status, after, retryable, slack) end
-return {stats, record, spent, ages, id, door, covers, ahead, slots, verdict(name, reason, status, after, retryable),
-        {queue_age, slack, retries, engine_age or false, wait or false}}
+local figures = {queue_age, slack, retries, engine_age or false, wait or false}
+if ARGV[23] == '1' then return {id, record[4], verdict(name, reason, status, after, retryable), figures} end
+return {stats, record, spent, ages, id, door, covers, ahead, slots, verdict(name, reason, status, after, retryable), figures}
 """
 )
 
 # KEYS: record, enqueued, deadline, retried, live, dup[, tenant's minute]
 # ARGV: id, token_units, http_status ('' = none), now_ms, retention_ms, retry_count ('' = none),
-#       attempt id ('' = none), units charged to the tenant key (0 = none)
+#       attempt id ('' = none), units charged to the tenant key (0 = none), '1': reply 1,
+#       not the record (a door's finish)
 # With an attempt id the script is idempotent: the same attempt recorded twice (a write
 # sent again after a timeout whose first copy did run) is counted once, tenant included.
 RECORD_ATTEMPT_LUA = """
 local rec = KEYS[1]
+local function reply()
+  if ARGV[9] == '1' then return 1 end
+  return redis.call('HGETALL', rec)
+end
 if redis.call('EXISTS', rec) == 0 then return false end
 if ARGV[7] and ARGV[7] ~= '' then
-  if redis.call('HGET', rec, 'last_attempt') == ARGV[7] then return redis.call('HGETALL', rec) end
+  if redis.call('HGET', rec, 'last_attempt') == ARGV[7] then return reply() end
   redis.call('HSET', rec, 'last_attempt', ARGV[7])
 end
 if KEYS[7] and tonumber(ARGV[8] or '0') > 0 then
@@ -479,7 +488,7 @@ redis.call('HSET', rec, 'updated_ms', ARGV[4])
 local keep = math.max(dl, tonumber(ARGV[4]))
 redis.call('ZADD', KEYS[5], string.format('%d', keep), ARGV[1])
 redis.call('PEXPIREAT', rec, string.format('%d', keep + tonumber(ARGV[5])))
-return redis.call('HGETALL', rec)
+return reply()
 """
 
 # KEYS: (unused), enqueued, deadline, retried, live, dup. ARGV: cutoff_ms, limit.

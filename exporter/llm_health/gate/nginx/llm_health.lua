@@ -41,6 +41,20 @@ local DOWN = {LOADING = true, BUSY = true, READONLY = true, MASTERDOWN = true, C
 
 function M.init(p)
   plan = p
+  -- What every decision sends unchanged, computed once.
+  p.queue.retention_s, p.queue.gc_limit_s = string.format("%d", p.queue.retention_ms), string.format("%d", p.queue.gc_limit)
+  for _, route in pairs(p.routes) do
+    route.n_backends = string.format("%d", #route.engine_age)
+    route.engine_keys = {}
+    for _, k in ipairs(route.engine_age) do route.engine_keys[#route.engine_keys + 1] = k end
+    if #route.engine_age > 0 then
+      for _, k in ipairs(route.engine_waiting) do route.engine_keys[#route.engine_keys + 1] = k end
+      for _, k in ipairs(route.inflight) do route.engine_keys[#route.engine_keys + 1] = k end
+    end
+    route.decide_tail = {}
+    for _, a in ipairs(route.policy) do route.decide_tail[#route.decide_tail + 1] = a end
+    route.decide_tail[#route.decide_tail + 1] = "1"  -- the lean reply
+  end
   -- The policy (store.policy), for what is decided with no Redis to ask.
   pol = assert(loadstring(p.policy_lua .. "\nreturn {policy = policy, read_policy = read_policy}"))()
 end
@@ -241,7 +255,11 @@ local function never(path)
 end
 
 -- nil where forwarded, else status, reason and the Allow header's methods.
+local forwarded, n_forwarded = {}, 0  -- method, path and rule list found forwarded (the few a door sees)
 local function not_forwarded(method, path, rules)
+  local key = method .. " " .. path
+  local seen_rules = forwarded[key]
+  if seen_rules and seen_rules[rules] then return nil end
   local methods, seen = {}, {}
   if raw_ok(path) and never(path) == nil then
     for _, r in ipairs(rules) do
@@ -256,6 +274,10 @@ local function not_forwarded(method, path, rules)
   end
   if not seen[method:upper()] then
     return 405, string.format("%s %s: only %s is forwarded", method, path, table.concat(methods, ", ")), table.concat(methods, ", ")
+  end
+  if n_forwarded < 1024 then  -- bounded: not every path a client invents
+    if not seen_rules then seen_rules = {}; forwarded[key] = seen_rules; n_forwarded = n_forwarded + 1 end
+    seen_rules[rules] = true
   end
   return nil
 end
@@ -322,15 +344,21 @@ argv = function(keys, args)
   return out
 end
 
-local function run(r, script, keys, args)
-  local all = argv(keys, args)
-  local res, err = r:evalsha(script.sha, #keys, unpack(all))
+-- `call`: the number of keys, the keys, the arguments.
+local function run_call(r, script, call)
+  local res, err = r:evalsha(script.sha, unpack(call))
   if not res and kind_of(err) == "noscript" then  -- an error reply comes as false, err
     local loaded, lerr = r:script("load", script.text)
     if not loaded then return loaded, lerr end
-    res, err = r:evalsha(script.sha, #keys, unpack(all))
+    res, err = r:evalsha(script.sha, unpack(call))
   end
   return res, err
+end
+
+local function run(r, script, keys, args)
+  local all = argv(keys, args)
+  table.insert(all, 1, #keys)
+  return run_call(r, script, all)
 end
 
 -- Every script loaded, at a worker's start (tried for a minute while Redis does not
@@ -408,30 +436,30 @@ local function tenant_key(tenant)
   return plan.queue.tenant_prefix .. tenant .. ":" .. math.floor(ngx.time() / 60)
 end
 
--- The decision script's call (store.queue.pipe_decide's keys and arguments).
+-- The decision script's call (store.queue.pipe_decide's keys and arguments, and the lean
+-- reply's flag), as one array: the number of keys, the keys, the arguments.
 local function decide_call(queue_id, route, tenant, deadline_ms, now, fp, retries)
   local q = plan.queue
-  local keys = {q.record_prefix .. queue_id}
-  for _, k in ipairs(route.keys) do keys[#keys + 1] = k end
-  keys[#keys + 1] = q.routes_key
   local limit = plan.tenants[tenant]
-  local args = {queue_id, route.name, tenant, deadline_ms, now, now, q.retention_ms, q.gc_limit,
-                limit and "1" or "0", fp and tostring(retries) or "", fp and (deadline_ms + route.retry_match_window_ms) or 0,
-                q.record_prefix, #route.engine_age, tostring(retries), limit and string.format("%.17g", limit) or ""}
-  for _, a in ipairs(route.policy) do args[#args + 1] = a end
-  if limit then keys[#keys + 1] = tenant_key(tenant) end
-  if fp then keys[#keys + 1] = q.fp_prefix .. fp end
-  for _, k in ipairs(route.engine_age) do keys[#keys + 1] = k end
-  if #route.engine_age > 0 then
-    for _, k in ipairs(route.engine_waiting) do keys[#keys + 1] = k end
-    for _, k in ipairs(route.inflight) do keys[#keys + 1] = k end
-  end
-  return keys, args
+  local rk = route.keys
+  local call = {0, q.record_prefix .. queue_id, rk[1], rk[2], rk[3], rk[4], rk[5], q.routes_key}
+  if limit then call[#call + 1] = tenant_key(tenant) end
+  if fp then call[#call + 1] = q.fp_prefix .. fp end
+  for _, k in ipairs(route.engine_keys) do call[#call + 1] = k end
+  call[1] = #call - 1
+  local d, t = string.format("%d", deadline_ms), string.format("%d", now)
+  local args = {queue_id, route.name, tenant, d, t, t, q.retention_s, q.gc_limit_s, limit and "1" or "0",
+                fp and string.format("%d", retries) or "", fp and string.format("%d", deadline_ms + route.retry_match_window_ms) or "0",
+                q.record_prefix, route.n_backends, string.format("%d", retries), limit and string.format("%.17g", limit) or ""}
+  for _, a in ipairs(args) do call[#call + 1] = a end
+  for _, a in ipairs(route.decide_tail) do call[#call + 1] = a end
+  return call
 end
 
-local function leave_call(queue_id, route, status, now, ended)
+-- `quiet`: the script replies 1, not the record (a finish, whose reply is not read).
+local function leave_call(queue_id, route, status, now, ended, quiet)
   local keys = {plan.queue.record_prefix .. queue_id, route.keys[1], route.keys[2], route.keys[3], route.inflight[1], route.inflight[2], route.inflight[3]}
-  return keys, {queue_id, "done", status and tostring(status) or "", now, "0", tostring(ended)}
+  return keys, {queue_id, "done", status and tostring(status) or "", now, "0", tostring(ended), quiet and "1" or nil}
 end
 
 local function n(v) if v == ngx.null or v == nil or v == false then return nil end return tonumber(v) end
@@ -475,14 +503,13 @@ function M.access()
   local r, err = connect()
   local res
   if r then
-    local keys, args = decide_call(queue_id, route, tenant, deadline, now, fp, retries)
-    res, err = run(r, plan.scripts.decide, keys, args)
+    res, err = run_call(r, plan.scripts.decide, decide_call(queue_id, route, tenant, deadline, now, fp, retries))
   end
   if res then
-    local used = res[5]
+    local used = res[1]  -- the lean reply: the id used, the record's deadline, the decision, its figures
     if used ~= queue_id then queue_id = used; request_id = used:match("^[^/]*/(.*)$"); fields[1][2] = request_id end
-    deadline = tonumber(res[2][4])
-    local v, f = res[10], res[11]
+    deadline = tonumber(res[2])
+    local v, f = res[3], res[4]
     d = {decision = v[1], reason = v[2], status = tonumber(v[3]), retry_after = n(v[4]), retryable = tonumber(v[5]) == 1}
     age, slack, retry_count, engine_age, wait = tonumber(f[1]), tonumber(f[2]), tonumber(f[3]), n(f[4]), n(f[5])
     fields[#fields + 1] = {"queue_age_ms", age}
@@ -603,24 +630,28 @@ local function flush(premature)
   local r, err = connect()
   local ok = r ~= nil
   if r then
+    local q = plan.queue
+    local leave_sha, attempt_sha, retention = plan.scripts.leave.sha, plan.scripts.attempt.sha, q.retention_s
     for attempt = 1, 2 do
-      r:init_pipeline()
+      r:init_pipeline(#due * 2)
+      local t = string.format("%d", now_ms())
+      -- Each end as RECORD_ATTEMPT_LUA and LEAVE_QUEUE_LUA take it (store.queue.attempt_call
+      -- and leave_call, their replies 1: not read), the arguments written out, no table.
       for _, it in ipairs(due) do
-        local t = now_ms()
+        local rec, rk, inf, id = q.record_prefix .. it.queue_id, it.route.keys, it.route.inflight, it.queue_id
         if it.refusal then
-          local keys, args = leave_call(it.queue_id, it.route, it.refusal, t, 0)
-          r:evalsha(plan.scripts.leave.sha, #keys, unpack(argv(keys, args)))
+          r:evalsha(leave_sha, 7, rec, rk[1], rk[2], rk[3], inf[1], inf[2], inf[3], id, "done", string.format("%d", it.refusal), t, "0", "0", "1")
         else
-          local q, units = plan.queue, it.units or 0
-          local tk = (plan.tenants[it.tenant] and units > 0) and tenant_key(it.tenant) or nil
-          local keys = {q.record_prefix .. it.queue_id}
-          for _, k in ipairs(it.route.keys) do keys[#keys + 1] = k end
-          if tk then keys[#keys + 1] = tk end
-          local args = {it.queue_id, units, it.status and tostring(it.status) or "", t, q.retention_ms,
-                        it.retry_count and tostring(it.retry_count) or "", it.attempt_id, tk and units or 0}
-          r:evalsha(plan.scripts.attempt.sha, #keys, unpack(argv(keys, args)))
-          local lkeys, largs = leave_call(it.queue_id, it.route, it.status, t, it.status == 499 and 2 or 1)
-          r:evalsha(plan.scripts.leave.sha, #lkeys, unpack(argv(lkeys, largs)))
+          local units = it.units or 0
+          local st = it.status and string.format("%d", it.status) or ""
+          local rc = it.retry_count and string.format("%d", it.retry_count) or ""
+          local u = string.format("%d", units)
+          if plan.tenants[it.tenant] and units > 0 then
+            r:evalsha(attempt_sha, 7, rec, rk[1], rk[2], rk[3], rk[4], rk[5], tenant_key(it.tenant), id, u, st, t, retention, rc, it.attempt_id, u, "1")
+          else
+            r:evalsha(attempt_sha, 6, rec, rk[1], rk[2], rk[3], rk[4], rk[5], id, u, st, t, retention, rc, it.attempt_id, "0", "1")
+          end
+          r:evalsha(leave_sha, 7, rec, rk[1], rk[2], rk[3], inf[1], inf[2], inf[3], id, "done", st, t, "0", it.status == 499 and "2" or "1", "1")
         end
       end
       local res, perr = r:commit_pipeline()
