@@ -8,6 +8,9 @@ paths moved to this test's (a doc that drifts fails here):
 - `decide`: `llm-health decide` with its syslog address, behind the shipped nginx
   (deploy/nginx, the syslog address of llm-health-admitted.conf the one the doc gives):
   a request admitted and its end recorded through the syslog report;
+- `nginx-lua`: the Lua door's install line (the packages the test machine's set-up installs),
+  `llm-health nginx-lua` as written, and nginx on the shipped deploy/nginx/nginx-lua.conf
+  with the directory the command wrote: a request admitted and its end recorded;
 - `litellm`: the LiteLLM proxy with the shipped deploy/litellm files, started with the
   documented master key, answering and enforcing it;
 - `notification.json` and `send`: the Alertmanager notification body, sent with the
@@ -39,7 +42,7 @@ from llm_health.core.evidence import parse_evidence
 from llm_health.core.webhook import parse_webhook
 from llm_health.store.keys import DEFAULT_QUEUE_PREFIX
 from tests.fixtures.litellm import VENV, installed
-from tests.fixtures.nginx import Nginx
+from tests.fixtures.nginx import Nginx, NginxLua
 from tests.fixtures.paths import ROOT
 from tests.fixtures.websec import RESTARTER_ENV, TOKEN, restarter_config
 from tests.harness.processes import free_port
@@ -143,6 +146,42 @@ async def test_decide_as_documented_behind_the_shipped_nginx(own_redis_server, t
     finally:
         proc.terminate()
         proc.wait(10)
+        await runner.cleanup()
+
+
+async def test_the_nginx_lua_door_as_documented(own_redis_server, tmp_path):
+    install, generate, run = block(ADMISSION, "nginx-lua").strip().splitlines()
+    packages = install.split()[2:]
+    assert install.startswith("apt-get install ") and all(p in (ROOT / "scripts" / "install-test-deps.sh").read_text() for p in packages), install
+    conf = (ROOT / "deploy" / "nginx" / "nginx-lua.conf").read_text()
+    out = re.search(r"--out (\S+)", generate)
+    assert out and f'lua_package_path "{out.group(1)}/?.lua;' in conf, "the doc's --out is not the directory the shipped nginx file reads"
+    assert run == "nginx -c /etc/nginx/nginx-lua.conf"
+    engine_hits: list[str] = []
+
+    async def engine(request: web.Request) -> web.Response:
+        engine_hits.append(request.headers.get("X-Request-Id", ""))
+        return web.json_response({"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", engine)
+    runner, eurl = await serve(app)
+    gate = tmp_path / "gate.yml"
+    gate.write_text(f"gate:\n  redis: {own_redis_server.url}\n  routes:\n    chat: {{upstream: '{eurl}', default_deadline_ms: 30000}}\n")
+    lua_dir = tmp_path / "lua"
+    argv = moved(generate, {"/etc/llm-health/gate.yml": str(gate), out.group(1): str(lua_dir)}).split()
+    assert argv[0] == "llm-health"
+    done = subprocess.run([sys.executable, "-m", "llm_health", *argv[1:]], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    try:
+        (tmp_path / "nginx").mkdir()
+        with NginxLua(tmp_path / "nginx", engine_port=int(eurl.rsplit(":", 1)[1]), lua_dir=lua_dir) as nginx:
+            async with aiohttp.ClientSession() as s, s.post(nginx.url + "/v1/completions", json={"model": "m"}, headers={"X-Request-Id": "doc-lua"}) as r:
+                assert r.status == 200 and r.headers["X-LLM-Health-Decision"] == "admit_once", await r.text()
+            rec = await recorded(own_redis_server.url, DEFAULT_QUEUE_PREFIX, "doc-lua", timeout=20)
+            assert rec is not None and (rec.state, rec.http_status, rec.token_units) == ("done", 200, 2), rec
+        assert engine_hits == ["doc-lua"]
+    finally:
         await runner.cleanup()
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -328,3 +330,44 @@ async def test_request_ids_are_scoped_by_tenant(lua_door):
     late = str(int(time.time() * 1000) - 1000)
     assert (await send(url, headers={"X-Request-Id": "order-1001", "X-Tenant": "tenant-a", "X-Request-Deadline-Ms": late}))[0] == 422
     assert (await send(url, headers={"X-Request-Id": "order-1001", "X-Tenant": "tenant-b"}))[0] == 200
+
+
+def test_the_plan_s_strings_read_back_exactly_in_lua(redis_server):
+    """`gate.nginx_lua.lua` writes Lua source by hand: strings with quotes, backslashes,
+    control and non-ASCII characters, and digits after an escaped byte, read back byte for
+    byte by Lua (a real redis-server's Lua 5.1, as LuaJIT reads it)."""
+    import redis as redis_py
+
+    from llm_health.gate.nginx_lua import lua
+
+    client = redis_py.Redis.from_url(redis_server.url)
+    try:
+        for value in ['a"b\\c', "new\nline\ttab", "\x00\x01" + "9", "caf\u00e9 \u00b5s 1", "{tag}:prefix:", "%w[^]$"]:
+            assert client.eval(f"return {lua(value)}", 0) == value.encode(), value
+        assert client.eval(f"return ({lua({'k': [1, 2.5, 'x'], 'n': None, 't': True})}).k[2] * 2", 0) == 5
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("redis+sentinel://127.0.0.1:26379/mymaster/0", "sentinel"),
+        ("redis+cluster://127.0.0.1:7000,127.0.0.1:7001", "cluster"),
+        ("rediss://127.0.0.1:6380/0", "TLS"),
+        ("unix:///run/redis.sock?db=0", "unix-socket"),
+    ],
+)
+def test_a_redis_the_lua_door_cannot_reach_is_refused_by_the_command_with_the_door_to_use(tmp_path, url, said):
+    path = tmp_path / "gate.yml"
+    path.write_text(yaml.safe_dump({"gate": {"redis": url, "routes": {"chat": {"upstream": "http://127.0.0.1:1", "default_deadline_ms": 3000}}}}))
+    done = subprocess.run(
+        [sys.executable, "-m", "llm_health", "nginx-lua", "--config.file", str(path), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and "gate.redis" in done.stderr and "llm-health decide" in done.stderr, done.stderr
+    assert said.lower() in done.stderr.lower(), done.stderr
+    assert not (tmp_path / "out").exists()
