@@ -113,3 +113,18 @@ def test_the_readmes_day_of_naive_restarts_is_bench_decisions_table():
     assert f"that meant {counts('naive')[0]} restarts" in para  # the field report's count, which the replay reproduces
     m = re.search(r"where a quarter of them do, (\d+) restarts; half, (\d+)", para)
     assert m and (int(m[1]), int(m[2])) == (counts("naive, 25% answered when busy")[0], counts("naive, 50% answered when busy")[0]), para
+
+
+def test_the_readmes_door_costs_are_bench_admissions_cpu_lines():
+    """The README's CPU ratios of the gate, `decide` and the Lua door are the section's
+    "CPU per request at 500 req/s" lines, as printed."""
+    body = section("bench_admission")
+    ratio = {m[1]: m[2] for m in re.finditer(r"^CPU per request at 500 req/s: (.+?) \d\.\d{3} ms / nginx \d\.\d{3} ms = (\d+\.\d\d)$", body, re.M)}
+    (para,) = [p for p in paragraphs(README.read_text()) if "Admission doors side by side" in p and "Lua door" in p]
+    quoted = {
+        "gate": re.search(r"gate's own CPU per request is (\d+\.\d\d)x", para),
+        "decide": re.search(r"`decide` (\d+\.\d\d)x", para),
+        "the Lua door": re.search(r"Lua door spends (\d+\.\d\d)x", para),
+    }
+    for role, m in quoted.items():
+        assert m and m[1] == ratio[role], (role, m and m[1], ratio)

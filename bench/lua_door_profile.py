@@ -1,0 +1,125 @@
+"""Where the nginx Lua door's CPU goes: the door's module run as shipped and with one part
+of it taken out at a time, each at the same open-loop rate in front of the same engine and
+Redis (bench_admission's engine; one nginx per variant, its module edited before it
+starts). The differences between rows are what each part costs nginx per request.
+
+    python -m bench.lua_door_profile [--rate 500] [--seconds 6] [--rounds 2]
+
+Variants (each drops what the ones above it keep, where named so):
+- shipped: the module as `llm-health nginx-lua` writes it;
+- no finishes: the attempt's end is not queued (log_by_lua returns at once);
+- no script: the connection is taken from the pool and given back, the decision script
+  is not sent (its reply stood in), no finishes;
+- no Redis: no connection either;
+- phases only: access_by_lua returns at once (the four Lua phases still run, empty);
+- nginx alone: the shipped nginx.conf without any admission (bench_admission's baseline).
+
+Rounds interleave the variants, so machine noise hits them alike; the table shows each
+variant's mean over the rounds. No goal is judged here: bench_admission judges the door.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from tests.fixtures.nginx import Nginx, NginxLua
+from tests.fixtures.redis_server import RedisServer
+from tests.harness.processes import free_port
+
+from bench._machine import machine_line
+from bench.bench_admission import Run, Target, engine_proc, open_loop, pin, wait_port
+
+FAKE_REPLY = "{queue_id, deadline, {'admit_once', 'profile', 200, ngx.null, 0}, {0, deadline - now, 0, ngx.null, ngx.null}}"
+SCRIPT = "    res, err = run_call(r, plan.scripts.decide, decide_call(queue_id, route, tenant, deadline, now, fp, retries))"
+NO_FINISH = ("function M.log()\n", "function M.log()\n  do return end\n")
+VARIANTS: dict[str, list[tuple[str, str]]] = {
+    "shipped": [],
+    "no finishes": [NO_FINISH],
+    "no script": [NO_FINISH, (SCRIPT, f"    decide_call(queue_id, route, tenant, deadline, now, fp, retries); res = {FAKE_REPLY}")],
+    "no Redis": [NO_FINISH, ("  local r, err = connect()\n  local res\n", f"  local r, err = nil, nil\n  local res = {FAKE_REPLY}\n")],
+    "phases only": [("function M.access()\n", "function M.access()\n  do return end\n")],
+}
+
+
+def edited(source: str, edits: list[tuple[str, str]]) -> str:
+    for old, new in edits:
+        if old not in source:
+            raise SystemExit(f"lua_door_profile: the module no longer has {old.strip()!r}: update the variant")
+        source = source.replace(old, new)
+    return source
+
+
+async def measure(targets: dict[str, Target], rate: float, seconds: float, rounds: int) -> dict[str, list[Run]]:
+    runs: dict[str, list[Run]] = {name: [] for name in targets}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as s:
+        for t in targets.values():
+            await open_loop(s, t, 50, 1, Run(), f"warm-{t.name}")
+        for r in range(rounds):
+            for name, t in targets.items():
+                run = Run()
+                await open_loop(s, t, rate, seconds, run, f"p{r}-{time.time_ns()}")
+                runs[name].append(run)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate", type=float, default=500)
+    ap.add_argument("--seconds", type=float, default=6)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args(argv)
+    cpus = sorted(os.sched_getaffinity(0))
+    mine, servers = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 else (set(cpus), set(cpus))
+    machine = machine_line()
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="lua-profile-") as tmp_name:
+        tmp = Path(tmp_name)
+        redis = stack.enter_context(RedisServer())
+        port = free_port()
+        engine = mp.Process(target=engine_proc, args=(port,), daemon=True)
+        engine.start()
+        stack.callback(lambda: (engine.terminate(), engine.join(5)))
+        wait_port(port)
+        gate_yml = tmp / "gate.yml"
+        gate_yml.write_text(
+            f"gate:\n  redis: {redis.url}\n  queue_prefix: 'bench:'\n  routes:\n    chat: {{upstream: 'http://127.0.0.1:{port}', default_deadline_ms: 30000}}\n"
+        )
+        assert redis.proc and engine.pid
+        targets: dict[str, Target] = {}
+        for i, (name, edits) in enumerate(VARIANTS.items()):
+            (tmp / f"v{i}").mkdir()
+            nginx = NginxLua(tmp / f"v{i}", gate_file=gate_yml, engine_port=port)
+            module = nginx.lua_dir / "llm_health.lua"
+            module.write_text(edited(module.read_text(), edits))
+            stack.enter_context(nginx)
+            assert nginx.proc
+            targets[name] = Target(name, nginx.url + "/v1/chat/completions", {"nginx": nginx.proc.pid, "redis": redis.proc.pid})
+        (tmp / "alone").mkdir()
+        alone = stack.enter_context(Nginx(tmp / "alone", decide_port=free_port(), engine_port=port, syslog_port=free_port(), admission=False))
+        assert alone.proc
+        targets["nginx alone"] = Target("nginx alone", alone.url + "/v1/chat/completions", {"nginx": alone.proc.pid, "redis": redis.proc.pid})
+        os.sched_setaffinity(0, mine)
+        pin([p for t in targets.values() for p in t.pids.values()] + [engine.pid], servers)
+        runs = asyncio.run(measure(targets, args.rate, args.seconds, args.rounds))
+    print(f"machine: {machine}")
+    print(f"{args.rounds} rounds of {args.seconds:g} s per variant at {args.rate:g} requests/s, interleaved; CPU ms per request, the mean of the rounds")
+    print(f"{'variant':<13} {'sent':>6} {'failed':>6} {'nginx':>7} {'redis':>7} {'nginx less the row below':>25}")
+    names = list(targets)
+    means = {n: sum(r.cpu_ms_per_request("nginx") for r in runs[n]) / len(runs[n]) for n in names}
+    for i, n in enumerate(names):
+        sent, failed = sum(r.sent for r in runs[n]), sum(r.failed for r in runs[n])
+        redis_ms = sum(r.cpu_ms_per_request("redis") for r in runs[n]) / len(runs[n])
+        below = f"{means[n] - means[names[i + 1]]:>25.3f}" if i + 1 < len(names) else f"{'':>25}"
+        print(f"{n:<13} {sent:>6} {failed:>6} {means[n]:>7.3f} {redis_ms:>7.3f} {below}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
