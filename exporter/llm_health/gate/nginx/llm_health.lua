@@ -20,7 +20,8 @@
 -- body_filter: the last 4 KiB of the answer, for its `usage`.
 -- log: the attempt's end queued; a timer per worker sends the queued ends in one pipeline
 --   every 10 ms (store.batch's tick), each idempotent, again while Redis does not answer
---   (0.1, 0.3, 1, 2, 4 s), then given up and counted; an attempt admitted while Redis did
+--   (0.1, 0.3, 1, 2, 4 s), then given up with a warning in nginx's error log naming the
+--   request (its record expires with its retention); an attempt admitted while Redis did
 --   not answer in time is finished too, and once more a second after Redis answered.
 
 local redis = require "nginx.redis"
@@ -28,7 +29,6 @@ local redis = require "nginx.redis"
 local M = {}
 local plan, pol, argv
 local pending, flushing = {}, false
-local stats = {given_up = 0, retried = 0}
 local FINISH_RETRY_S = {0.1, 0.3, 1.0, 2.0, 4.0}
 local LATE_RESEND_S = 1.0
 local TAIL = 4096
@@ -559,7 +559,7 @@ function M.access()
     return
   end
   if recorded then
-    local keys, args = leave_call(queue_id, route, d.status, now_ms(), 0)
+    local keys, args = leave_call(queue_id, route, d.status, now_ms(), 0, true)
     local _, lerr = run(r, plan.scripts.leave, keys, args)
     if lerr then r:close() else release(r) end
   elseif late then
@@ -673,10 +673,8 @@ local function flush(premature)
     else
       it.tries = it.tries + 1
       if it.tries > #FINISH_RETRY_S then
-        stats.given_up = stats.given_up + 1
         ngx.log(ngx.WARN, "llm-health: gave up recording the attempt of ", it.queue_id, " on route ", it.route.name, ": Redis did not answer (", tostring(err), ")")
       else
-        stats.retried = stats.retried + 1
         it.at = ngx.now() + FINISH_RETRY_S[it.tries]
         pending[#pending + 1] = it
       end
@@ -690,7 +688,5 @@ function M.init_worker()
   ngx.timer.at(0, load_scripts, 0)
   ngx.timer.every(0.01, flush)
 end
-
-function M.stats() return stats, #pending end
 
 return M
