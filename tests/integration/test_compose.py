@@ -4,6 +4,7 @@ every config it mounts passes its own tool (promtool, amtool, llm-health's parse
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -195,3 +196,86 @@ def test_gate_config_loads_and_is_scraped():
     assert gate.redis_url == "redis://redis:6379/0" and gate.routes["chat"].upstream == "http://vllm-a:8000"
     jobs = {j["job_name"]: j for j in yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())["scrape_configs"]}
     assert [t for c in jobs["llm-health-gate"]["static_configs"] for t in c["targets"]] == ["gate:9119"]
+
+
+def test_the_nginx_lua_service_builds_and_mounts_what_its_entrypoint_names():
+    service = compose()["services"]["nginx-lua"]
+    assert service["profiles"] == ["nginx-lua"] and "8080:8080" in service["ports"]
+    dockerfile = (COMPOSE_DIR / service["build"]["context"] / service["build"]["dockerfile"]).resolve()
+    assert dockerfile == COMPOSE_DIR / "nginx-lua.Dockerfile"
+    text = dockerfile.read_text()
+    assert re.search(r"^FROM python:3\.11-slim$", text, re.M)  # Debian 12: the packages docs/admission.md names
+    assert "apt-get install -y --no-install-recommends libnginx-mod-http-lua lua-nginx-redis" in text
+    for sources in re.findall(r"^COPY (.+) \S+$", text, re.M):
+        assert all((ROOT / s).exists() for s in sources.split()), sources
+    [entry] = json.loads(re.search(r"^ENTRYPOINT (.+)$", text, re.M).group(1))[2:]
+    gate_file = re.search(r"--config.file (\S+)", entry)[1]
+    out = re.search(r"--out (\S+)", entry)[1]
+    conf_file = re.search(r"exec nginx -c (\S+)", entry)[1]
+    assert mount_of("nginx-lua", gate_file) == COMPOSE_DIR / "gate.yml"
+    conf = mount_of("nginx-lua", conf_file).read_text()
+    assert f'lua_package_path "{out}/?.lua;' in conf and "resolver 127.0.0.11" in conf  # Docker's DNS for `redis`
+
+
+async def test_the_nginx_lua_service_s_files_admit_a_request_on_a_real_nginx(own_redis_server, tmp_path):
+    """compose/nginx-lua.conf and compose/gate.yml as the container runs them, their
+    container paths and service names moved to this test's: `llm-health nginx-lua` writes
+    the plan, nginx loads the file and a request is admitted and recorded."""
+    import asyncio
+    import subprocess
+    import sys
+
+    import aiohttp
+    from aiohttp import web
+
+    from tests.fixtures.nginx import find_nginx
+    from tests.harness.processes import free_port
+    from tests.integration.test_gate import recorded, serve
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", lambda _: web.json_response({"usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}))
+    runner, eurl = await serve(app)
+    gate = tmp_path / "gate.yml"
+    gate.write_text((COMPOSE_DIR / "gate.yml").read_text().replace("redis://redis:6379/0", own_redis_server.url))
+    lua_dir, port = tmp_path / "llm-health", free_port()
+    done = subprocess.run(
+        [sys.executable, "-m", "llm_health", "nginx-lua", "--config.file", str(gate), "--out", str(lua_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    conf = (COMPOSE_DIR / "nginx-lua.conf").read_text()
+    moves = {
+        "/tmp/llm-health": str(lua_dir),
+        "/tmp/": f"{tmp_path}/",
+        "vllm-a:8000": eurl.split("//", 1)[1],
+        "0.0.0.0:8080": f"127.0.0.1:{port}",
+        "error_log stderr": f"error_log {tmp_path}/error.log",
+    }
+    for old, new in moves.items():
+        assert old in conf, old
+        conf = conf.replace(old, new)
+    if os.geteuid() == 0:  # the container runs it as nobody; root here reads this test's files as its own
+        conf = conf.replace("daemon off;\n", "daemon off;\nuser root;\n", 1)
+    (tmp_path / "nginx.conf").write_text(conf)
+    proc = subprocess.Popen([find_nginx(), "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(300):
+            try:
+                async with (
+                    aiohttp.ClientSession() as s,
+                    s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"model": "m"}, headers={"X-Request-Id": "compose-1"}) as r,
+                ):
+                    status, decision = r.status, r.headers.get("X-LLM-Health-Decision")
+                break
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.05)
+        assert (status, decision) == (200, "admit_once"), (tmp_path / "error.log").read_text()
+        rec = await recorded(own_redis_server.url, "llm:admission:", "compose-1")
+        assert rec is not None and (rec.state, rec.token_units) == ("done", 2), rec
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        await runner.cleanup()

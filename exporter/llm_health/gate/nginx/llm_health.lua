@@ -24,7 +24,9 @@
 --   request (its record expires with its retention); an attempt admitted while Redis did
 --   not answer in time is finished too, and once more a second after Redis answered.
 
-local redis = require "nginx.redis"
+-- lua-resty-redis: `resty.redis` in OpenResty, `nginx.redis` in Debian's lua-nginx-redis.
+local found, redis = pcall(require, "resty.redis")
+if not found then redis = require "nginx.redis" end
 
 local M = {}
 local plan, pol, argv
