@@ -233,7 +233,11 @@ async def test_the_nginx_lua_service_s_files_admit_a_request_on_a_real_nginx(own
     from tests.integration.test_gate import recorded, serve
 
     app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", lambda _: web.json_response({"usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}))
+
+    async def engine(_: web.Request) -> web.Response:
+        return web.json_response({"usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    app.router.add_route("*", "/{tail:.*}", engine)
     runner, eurl = await serve(app)
     gate = tmp_path / "gate.yml"
     gate.write_text((COMPOSE_DIR / "gate.yml").read_text().replace("redis://redis:6379/0", own_redis_server.url))
@@ -248,8 +252,7 @@ async def test_the_nginx_lua_service_s_files_admit_a_request_on_a_real_nginx(own
     assert done.returncode == 0, done.stderr
     conf = (COMPOSE_DIR / "nginx-lua.conf").read_text()
     moves = {
-        "/tmp/llm-health": str(lua_dir),
-        "/tmp/": f"{tmp_path}/",
+        "/tmp/": f"{tmp_path}/",  # first: the paths moved in below are under /tmp too (/tmp/llm-health is lua_dir)
         "vllm-a:8000": eurl.split("//", 1)[1],
         "0.0.0.0:8080": f"127.0.0.1:{port}",
         "error_log stderr": f"error_log {tmp_path}/error.log",
@@ -260,9 +263,12 @@ async def test_the_nginx_lua_service_s_files_admit_a_request_on_a_real_nginx(own
     if os.geteuid() == 0:  # the container runs it as nobody; root here reads this test's files as its own
         conf = conf.replace("daemon off;\n", "daemon off;\nuser root;\n", 1)
     (tmp_path / "nginx.conf").write_text(conf)
-    proc = subprocess.Popen([find_nginx(), "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([find_nginx(), "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    status = decision = None
     try:
         for _ in range(300):
+            if proc.poll() is not None:
+                raise AssertionError(f"nginx exited {proc.returncode}: {proc.stderr.read().decode() if proc.stderr else ''}")
             try:
                 async with (
                     aiohttp.ClientSession() as s,
@@ -278,4 +284,6 @@ async def test_the_nginx_lua_service_s_files_admit_a_request_on_a_real_nginx(own
     finally:
         proc.terminate()
         proc.wait(10)
+        if proc.stderr:
+            proc.stderr.close()
         await runner.cleanup()
