@@ -85,8 +85,8 @@ SECTIONS: tuple[Section, ...] = (
         "bench_admission",
         "Admission doors side by side",
         (),
-        ("deploy",),
-        "Every door (the gate, nginx auth_request, the LiteLLM hook) against its own baseline in one run.",
+        ("deploy", "exporter/llm_health/gate/nginx"),  # the Lua door's module: nginx runs it, no import names it
+        "Every door (the gate, nginx auth_request, nginx's Lua module, the LiteLLM hook) against its own baseline in one run.",
     ),
     Section(
         "bench_leases",
