@@ -67,6 +67,7 @@ from prometheus_client import generate_latest
 from bench import _shards
 from bench._goal import goal_line, not_run, printed
 from bench._machine import machine_line, parse_calibration_ms, prometheus_parse_ms
+from bench._raw_get import raw_get
 from bench._unjudged import projected_line
 from llm_health.config.exporter import Backend, Config, Timing
 from llm_health.exporter import slots
@@ -299,7 +300,6 @@ async def floor_per_read_ms(urls: list[str], text: str, reads: int) -> float:
     of the exporter's checks) plus the targeted parse of a busy payload with vLLM's names."""
     from urllib.parse import urlsplit
 
-    from bench.bench_client import raw_get  # bench_client imports this module: here, not at the top
     from llm_health.core import engines
     from llm_health.core.exposition import parse
 

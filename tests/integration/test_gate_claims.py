@@ -227,8 +227,10 @@ async def test_header_aliases_first_present_wins(stack, headers, what, expected)
     assert got == expected and request_id == s.up.calls[0][0]
 
 
-async def test_requests_without_an_id_are_never_retries(stack):
-    """admission.md: without an id the request gets a fresh id and can never be seen as a retry."""
+async def test_requests_without_an_id_or_a_retry_count_are_never_retries(stack):
+    """admission.md: without an id, a request that says no retry count gets a fresh id and
+    is never seen as a retry, even with the body of another (a retry without an id says its
+    count, and is matched to its first copy: tests/integration/test_retry_match.py)."""
     s = await stack()
     answers = [await s.post(body={"model": "m", "prompt": "same"}) for _ in range(2)]
     assert [a[0] for a in answers] == [200, 200]

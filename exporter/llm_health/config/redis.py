@@ -18,10 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..store.keys import DEFAULT_LEASE_PREFIX, DEFAULT_QUEUE_PREFIX, DEFAULT_RETENTION_MS, LeaseKeys, QueueKeys
-from ..store.target import ALL_SCHEMES, TargetError, parse_target
+from ..store.target import TargetError, parse_target
 from .fields import Section
-
-REDIS_SCHEMES = ALL_SCHEMES
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 One source for both paths: `FAMILIES` (name, type, help, label names) and `samples(slot)`
 (what a slot exports, family by family) feed the prometheus_client collector
 (collectors.backend_families, used by /probe, the benchmark's comparison and any format
-this module does not serve) and `render_slot`, which formats a slot's sample lines once
+this module does not serve) and `Renderer.render`, which formats a slot's sample lines once
 per round and keeps them as bytes, one piece per family. A scrape is then each family's
 HELP and TYPE lines (made by prometheus_client's own encoder, once per format) followed by
 every slot's piece for it, in the slots' order: a copy, not a render of 10,000 snapshots.

@@ -5,7 +5,7 @@ Headers read (first one present wins; of the deadlines, the smallest):
 
 | what | headers |
 |---|---|
-| request id | `X-Request-Id`, `Idempotency-Key`: 1-256 printable ASCII characters, no spaces (none: a fresh id, never a retry); ids are scoped by tenant |
+| request id | `X-Request-Id`, `Idempotency-Key`: 1-256 printable ASCII characters, no spaces (none: a fresh id, and a request that says it is a retry is matched to its first copy by `retry_fingerprint`); ids are scoped by tenant |
 | deadline, absolute | `X-Request-Deadline-Ms`: Unix ms, from a day ago to a week ahead |
 | deadline, remaining budget | `X-Request-Timeout-Ms`, `X-Envoy-Expected-Rq-Timeout-Ms`: 0 to 604800000 ms; `x-llm-d-inference-ttl` (llm-d's router): a Go duration up to a week, 0 none |
 | retry count | `X-Retry-Count`, `X-Stainless-Retry-Count` (the OpenAI SDKs), `X-Retry-Attempt`: 0 to 1000 |

@@ -15,7 +15,7 @@ guarantee of the aiohttp read it replaces:
   else is an error that names it;
 - TLS verified as aiohttp verifies it (the default context: system CAs, host name);
 - names resolved by the event loop and kept for `DNS_TTL` seconds, as aiohttp keeps them;
-- errors are values that say what happened, never exceptions, and never carry the
+- a failure raises `HttpError`, which says what happened and never carries the
   request's headers (the API key).
 
 Connections: a `Target` made with `keepalive=True` (the exporter's rounds) keeps the one

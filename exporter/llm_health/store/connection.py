@@ -22,10 +22,6 @@ def text(value: Any) -> Any:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def db_of(redis: aioredis.Redis) -> int:
-    return int(redis.connection_pool.connection_kwargs.get("db", 0) or 0)
-
-
 def without_retries(redis: aioredis.Redis) -> aioredis.Redis:
     """A client on the same server and settings as ``redis`` whose connections never
     retry: a pub/sub reader must see each disconnection to know events were lost."""

@@ -30,9 +30,6 @@ STOP_GRACE_S = 1.0  # how long stop() waits for the feed's task before closing i
 FEED_IDLE_PING_S = 15.0  # a feed silent this long sends itself a message; none back in as long: broken
 FEED_LINGER_S = 10.0  # how long the waiters' feed stays subscribed after its last waiter left
 
-# What the waiters need from notify-keyspace-events: E (keyevent channels) plus
-# g (generic commands: del) and x (expired), or A which includes g and x.
-NEEDED_KEYSPACE_FLAGS = "Egx"
 RELEASE_REASONS = ("del", "expired")
 
 
@@ -41,7 +38,9 @@ def keyevent_channels(db: int) -> tuple[str, str]:
 
 
 def required_keyspace_command(current: str) -> str | None:
-    """The ``CONFIG SET`` that adds what is missing to ``current``, None if nothing is."""
+    """The ``CONFIG SET`` that adds what the waiters need and ``current`` lacks (E, the
+    keyevent channels, with g, generic commands such as del, and x, expired; or A, which
+    holds g and x), None if nothing is."""
     missing = ""
     if "E" not in current:
         missing += "E"
