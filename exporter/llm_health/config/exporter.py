@@ -41,7 +41,7 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 
-from ..core import kinds
+from ..core import kinds, timing
 from ..core.engines import Limits
 from ..core.health import Settings
 from ..core.shard import Shard
@@ -54,14 +54,14 @@ KINDS = kinds.KINDS
 
 @dataclass(frozen=True)
 class Timing:
-    interval: float = 10.0
-    hung_after_seconds: float = 60.0
+    interval: float = timing.INTERVAL_S
+    hung_after_seconds: float = timing.HUNG_AFTER_S
     no_output_after_seconds: float = Settings.no_output_after_seconds
-    probe_interval: float = 60.0
-    probe_timeout: float = 5.0
-    connect_timeout: float = 3.0
-    metrics_timeout: float = 30.0
-    models_timeout: float = 10.0
+    probe_interval: float = timing.PROBE_INTERVAL_S
+    probe_timeout: float = timing.PROBE_TIMEOUT_S
+    connect_timeout: float = timing.CONNECT_TIMEOUT_S
+    metrics_timeout: float = timing.METRICS_TIMEOUT_S
+    models_timeout: float = timing.MODELS_TIMEOUT_S
     max_metrics_bytes: int = 16 * 1024 * 1024
     max_engines: int = Limits.max_engines
     max_samples: int = Limits.max_samples

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..core import kinds
+from ..core import kinds, timing
 from ..core.health import Settings
 from ..core.restart_policy import Budget
 from .capture import Capture, Incidents, parse_capture, parse_incidents
@@ -53,11 +53,11 @@ MAX_DRAIN_TIMEOUT = 60.0
 class Verify:
     """The re-verification: `llm-health check` with these settings."""
 
-    interval: float = 10.0
-    hung_after_seconds: float = 60.0
+    interval: float = timing.INTERVAL_S
+    hung_after_seconds: float = timing.HUNG_AFTER_S
     no_output_after_seconds: float = Settings.no_output_after_seconds
-    probe_timeout: float = 5.0
-    metrics_timeout: float = 30.0
+    probe_timeout: float = timing.PROBE_TIMEOUT_S
+    metrics_timeout: float = timing.METRICS_TIMEOUT_S
     rounds: int | None = None  # None: enough for hung_after_seconds, as `check` does
 
     def rounds_settings(self) -> dict[str, Any]:

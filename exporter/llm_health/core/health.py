@@ -45,6 +45,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from . import timing
 from .engines import BY_NAME, EngineReading, Reading
 from .evidence import output_digest, progress_digest
 from .states import State, worst
@@ -54,8 +55,8 @@ STATES: tuple[State, ...] = tuple(State)
 
 @dataclass(frozen=True)
 class Settings:
-    hung_after_seconds: float = 60.0
-    probe_interval: float = 60.0
+    hung_after_seconds: float = timing.HUNG_AFTER_S
+    probe_interval: float = timing.PROBE_INTERVAL_S
     hung_rounds: int = 2  # consecutive rounds without progress before `hung`
     hung_probe_failures: int = 2
     # Requests running, steps moving and no output for this long is a livelock, not work:

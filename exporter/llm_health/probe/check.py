@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 
+from ..core import timing
 from ..core.health import Settings, Verdict
 from ..core.states import FINAL, State
 from .client import BackendClient
@@ -35,18 +36,23 @@ def output_quiet(verdict: Verdict) -> bool:
 async def run_check(
     url: str,
     kind: str = "engine",
-    interval: float = 10.0,
+    interval: float = timing.INTERVAL_S,
     rounds: int | None = None,
     hung_after: float = 20.0,
-    probe_timeout: float = 5.0,
+    probe_timeout: float = timing.PROBE_TIMEOUT_S,
     no_output_after: float | None = None,
-    metrics_timeout: float = 30.0,
+    metrics_timeout: float = timing.METRICS_TIMEOUT_S,
     api_key: str | None = None,
 ) -> dict[str, Any]:
     """Rounds until a final state (or `rounds` ran out); the verdict as a JSON-ready dict."""
     async with aiohttp.ClientSession() as session:
         client = BackendClient(
-            session, url, api_key=api_key, probe_timeout=probe_timeout, metrics_timeout=metrics_timeout, models_timeout=min(10.0, metrics_timeout)
+            session,
+            url,
+            api_key=api_key,
+            probe_timeout=probe_timeout,
+            metrics_timeout=metrics_timeout,
+            models_timeout=min(timing.MODELS_TIMEOUT_S, metrics_timeout),
         )
         return await check_with(client, kind=kind, interval=interval, rounds=rounds, hung_after=hung_after, no_output_after=no_output_after)
 
@@ -54,7 +60,7 @@ async def run_check(
 async def check_with(
     client: BackendClient,
     kind: str = "engine",
-    interval: float = 10.0,
+    interval: float = timing.INTERVAL_S,
     rounds: int | None = None,
     hung_after: float = 20.0,
     no_output_after: float | None = None,

@@ -40,7 +40,7 @@ from typing import Any
 
 import aiohttp
 
-from ..core import engines
+from ..core import engines, timing
 from ..urls import base_url
 from . import http
 
@@ -130,10 +130,10 @@ class BackendClient:
         session: aiohttp.ClientSession,
         url: str,
         api_key: str | None = None,
-        connect_timeout: float = 3.0,
-        metrics_timeout: float = 30.0,
-        models_timeout: float = 10.0,
-        probe_timeout: float = 5.0,
+        connect_timeout: float = timing.CONNECT_TIMEOUT_S,
+        metrics_timeout: float = timing.METRICS_TIMEOUT_S,
+        models_timeout: float = timing.MODELS_TIMEOUT_S,
+        probe_timeout: float = timing.PROBE_TIMEOUT_S,
         max_bytes: int = DEFAULT_MAX_BYTES,
         keepalive: bool = False,
     ):
