@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -289,6 +290,8 @@ HOSTILE = [
     ("x-llm-d-inference-ttl", "-1s"),
     ("x-llm-d-inference-ttl", "1.5.2s"),
     ("x-llm-d-inference-ttl", "1\u00b5"),
+    ("X-Tenant", "acme\u2003x"),
+    ("X-Request-Timeout-Ms", "5\u00a05"),
 ]
 
 
@@ -371,3 +374,45 @@ def test_a_redis_the_lua_door_cannot_reach_is_refused_by_the_command_with_the_do
     assert done.returncode == 2 and "gate.redis" in done.stderr and "llm-health decide" in done.stderr, done.stderr
     assert said.lower() in done.stderr.lower(), done.stderr
     assert not (tmp_path / "out").exists()
+
+
+async def test_unicode_whitespace_is_stripped_as_the_gate_strips_it(lua_door):
+    """Python's str.strip() takes Unicode's spaces too (NBSP, EM SPACE): a tenant and a
+    timeout padded with them are read as the gate reads them."""
+    url, _, gurl, _ = lua_door
+    headers = [("X-Tenant", "\u00a0acme\u2003"), ("X-Request-Timeout-Ms", "\u200030000\u00a0")]
+    lua = await send_multi(url, [("X-Request-Id", "ws-1"), *headers])
+    gate = await send_multi(gurl, [("X-Request-Id", "ws-1g"), *headers])
+    assert lua[0] == gate[0] == 200, (lua, gate)
+
+
+async def test_a_client_gone_mid_stream_is_recorded_as_499(lua_door, own_redis_server):
+    """nginx keeps the status it began with (200); the answer's end never passed: the attempt
+    is 499, as the gate records it, and its record done."""
+    url, _, _, _ = lua_door
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(url + "/v1/chat/completions", json={"model": "m"}, headers={"X-Request-Id": "gone-1"})
+        assert r.status == 200
+        assert (await asyncio.wait_for(r.content.readline(), 5)).startswith(b"data: ")
+        r.close()  # the client leaves after the first event
+    rec = await recorded(own_redis_server.url, PREFIX, "gone-1", timeout=20)
+    assert rec is not None and (rec.state, rec.http_status, rec.attempts) == ("done", 499, 1), rec
+
+
+async def test_a_reload_with_a_stream_in_flight_still_records_its_end(lua_door, own_redis_server):
+    """`nginx -s reload` (SIGHUP): the old worker runs its timers early and exits once its
+    streams end; an end that comes after that is written by a timer of its own."""
+    url, _, _, nginx = lua_door
+    task = asyncio.ensure_future(send(url, "/v1/chat/completions", {"X-Request-Id": "reload-1"}))
+    q = AdmissionQueue.from_url(own_redis_server.url, prefix=PREFIX)
+    try:
+        while (rec := await q.read("default/reload-1")) is None or rec.state != "running":
+            await asyncio.sleep(0.01)
+    finally:
+        await q.aclose()
+    assert nginx.proc is not None
+    nginx.proc.send_signal(signal.SIGHUP)
+    status, body, _ = await task
+    assert status == 200 and body.rstrip().endswith(b"data: [DONE]"), body
+    rec = await recorded(own_redis_server.url, PREFIX, "reload-1", timeout=20)
+    assert rec is not None and (rec.state, rec.http_status, rec.attempts) == ("done", 200, 1), rec

@@ -135,6 +135,14 @@ def test_check_needs_no_redis():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_the_nginx_lua_door_s_plan_needs_no_redis():
+    """`llm-health nginx-lua` runs where only nginx will talk to Redis (compose/nginx-lua.Dockerfile
+    installs the package without the `redis` extra)."""
+    code = "import sys, llm_health.cli, llm_health.gate.nginx_lua\nprint(sorted({n.split('.')[0] for n in sys.modules} & {'redis', 'hiredis'}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def python_files() -> list[Path]:
     """Every Python file of the repository: the package, tests, benchmarks, generators."""
     out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT, capture_output=True, text=True, check=False)

@@ -31,6 +31,7 @@ def cmd(args: argparse.Namespace) -> int:
         (out / MODULE).write_text(module_source())
         # The plan holds gate.redis' password where it has one: nginx's master (root) reads it.
         fd = os.open(out / PLAN, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if secret else 0o644)
+        os.fchmod(fd, 0o600 if secret else 0o644)  # a plan written before without a password keeps no wider mode
         with os.fdopen(fd, "w") as f:
             f.write(text)
     except OSError as exc:

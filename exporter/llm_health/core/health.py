@@ -334,11 +334,16 @@ def decide(prev: Memory | None, obs: Observation, s: Settings, kind: str = "engi
     requests the engine refused itself since the last round (`Verdict.refused`): shedding
     is said in the reason and changes no state but idle (a refusal is a full queue, so
     busy); what the evidence endpoint said is said in the reason too."""
-    verdict = _decide(prev, obs, s, kind)
+    verdict = _shedding(prev, obs, _decide(prev, obs, s, kind), kind)
     if obs.evidence is not None:
         # Said, never judged alone: the state is what the reads above already prove.
         said = f"{obs.evidence}: the inference loop takes no task (hang evidence)" if obs.evidence_timed_out else obs.evidence
         verdict = replace(verdict, reason=f"{verdict.reason}; {said}")
+    return verdict
+
+
+def _shedding(prev: Memory | None, obs: Observation, verdict: Verdict, kind: str) -> Verdict:
+    """The verdict with the refusals since the last round (shedding), a new baseline kept."""
     now = obs.reading.refusals if obs.reading is not None and kind != "proxy" else None
     if now is None:
         return verdict

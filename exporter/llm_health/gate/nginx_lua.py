@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 from ..config.gate import GateConfig, Route
 from ..core import forwarding
+from ..store.codes import RETRYABLE_CODES
 from ..store.keys import DEFAULT_RETENTION_MS, QueueKeys
 from ..store.policy import POLICY_LUA, policy_args
 from ..store.scripts import DECIDE_LUA, GAVE_UP_MS, GC_LIMIT, LEAVE_QUEUE_LUA, RECORD_ATTEMPT_LUA
@@ -133,6 +134,7 @@ def plan(cfg: GateConfig) -> dict[str, Any]:
         "never": list(forwarding.NEVER),
         "tenants": dict(cfg.tenants),
         "scripts": {"decide": _script(DECIDE_LUA), "attempt": _script(RECORD_ATTEMPT_LUA), "leave": _script(LEAVE_QUEUE_LUA)},
+        "down_codes": sorted(RETRYABLE_CODES),  # an error reply that is Redis down (store.errors: one classification)
         "policy_lua": POLICY_LUA,
     }
 

@@ -46,6 +46,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .codes import RETRYABLE_CODES  # the error codes (an error reply's first word) of a failover or a resync
 from .connection import TRANSIENT
 from .records import LeaseError
 
@@ -58,9 +59,6 @@ class NotReplicated(LeaseError, RedisError):
         super().__init__(f"write acknowledged by {acked} replica(s) of the {wanted} required within {timeout_ms} ms (WAIT)")
         self.acked, self.wanted, self.replies = acked, wanted, list(replies)
 
-
-# The error codes (the first word of an error reply) of a failover or a resync.
-RETRYABLE_CODES = frozenset({"NOREPLICAS", "READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK", "UNBLOCKED"})
 
 # The classes redis-py raises for them (MovedError is an AskError); a connection error or
 # a timeout (TRANSIENT: BusyLoadingError is a ConnectionError too).

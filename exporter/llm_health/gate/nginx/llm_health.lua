@@ -39,10 +39,11 @@ local ID_HEADERS = {"X-Request-Id", "Idempotency-Key"}
 local RETRY_HEADERS = {"X-Retry-Count", "X-Stainless-Retry-Count", "X-Retry-Attempt"}
 local FP_HEADERS = {"Authorization", "Api-Key", "X-Api-Key", "X-Request-Deadline-Ms", "X-Request-Timeout-Ms",
                     "X-Envoy-Expected-Rq-Timeout-Ms", "x-llm-d-inference-ttl"}
-local DOWN = {LOADING = true, BUSY = true, READONLY = true, MASTERDOWN = true, CLUSTERDOWN = true, NOREPLICAS = true, TRYAGAIN = true}
+local DOWN = {}  -- store.errors.RETRYABLE_CODES, from the plan: one classification for every door
 
 function M.init(p)
   plan = p
+  for _, code in ipairs(p.down_codes) do DOWN[code] = true end
   -- What every decision sends unchanged, computed once.
   p.queue.retention_s, p.queue.gc_limit_s = string.format("%d", p.queue.retention_ms), string.format("%d", p.queue.gc_limit)
   for _, route in pairs(p.routes) do
@@ -63,8 +64,6 @@ end
 
 -- ------------------------------------------------------------------ small pieces
 
-local function strip(s) return (s:match("^%s*(.-)%s*$")) end
-
 -- One character of `s` at byte i as Python reads a header (UTF-8, surrogateescape): its
 -- code point and length, or nil and 1 for a byte that starts no valid sequence.
 local function decode(s, i)
@@ -82,6 +81,52 @@ local function decode(s, i)
   end
   if cp < min or cp > 0x10FFFF or (cp >= 0xD800 and cp <= 0xDFFF) then return nil, 1 end
   return cp, n + 1
+end
+
+-- Python's str.isspace (what .strip() and a str pattern's \s take): ASCII's and Unicode's.
+local SPACES = {[0x85] = true, [0xa0] = true, [0x1680] = true, [0x2028] = true, [0x2029] = true, [0x202f] = true, [0x205f] = true, [0x3000] = true}
+for cp = 0x2000, 0x200a do SPACES[cp] = true end
+for _, b in ipairs({9, 10, 11, 12, 13, 28, 29, 30, 31, 32}) do SPACES[b] = true end
+
+-- str.strip() of a header as Python reads it.
+local function strip(s)
+  if not s:find("[\128-\255]") then return (s:match("^[%s\28-\31]*(.-)[%s\28-\31]*$")) end  -- ASCII: the same set
+  local first, last, i = nil, 0, 1
+  while i <= #s do
+    local cp, len = decode(s, i)
+    if not (cp and SPACES[cp]) then
+      first = first or i
+      last = i + len - 1
+    end
+    i = i + len
+  end
+  return first and s:sub(first, last) or ""
+end
+
+-- The first n characters of `s` (Python's s[:n]) and how many it has (len(s)).
+local function cut(s, n)
+  local i, count = 1, 0
+  while i <= #s and count < n do
+    local _, len = decode(s, i)
+    i, count = i + len, count + 1
+  end
+  return s:sub(1, i - 1)
+end
+local function chars(s)
+  local i, count = 1, 0
+  while i <= #s do
+    local _, len = decode(s, i)
+    i, count = i + len, count + 1
+  end
+  return count
+end
+
+-- What Python's repr escapes beyond ASCII's controls: the non-printable code points it
+-- meets in headers (Unicode's spaces, format and private-use characters).
+local function unprintable(cp)
+  return cp < 0x20 or (cp >= 0x7f and cp <= 0xa0) or cp == 0xad or cp == 0x61c or cp == 0x1680 or cp == 0x180e
+    or (cp >= 0x2000 and cp <= 0x200f) or (cp >= 0x2028 and cp <= 0x202f) or (cp >= 0x205f and cp <= 0x206f)
+    or cp == 0x3000 or (cp >= 0xe000 and cp <= 0xf8ff) or cp == 0xfeff or (cp >= 0xfff9 and cp <= 0xfffb) or cp >= 0xfffe and cp <= 0xffff
 end
 
 -- Each character of `s` through f(code point or nil, its bytes, the byte where invalid).
@@ -103,7 +148,7 @@ local function repr(s)
     if cp == nil then return string.format("\\udc%02x", b) end
     if bytes == "\\" then return "\\\\" elseif bytes == q then return "\\" .. q elseif bytes == "\n" then return "\\n"
     elseif bytes == "\r" then return "\\r" elseif bytes == "\t" then return "\\t" end
-    if cp < 0x20 or (cp >= 0x7f and cp <= 0xa0) or cp == 0xad then return string.format("\\x%02x", cp) end
+    if unprintable(cp) then return string.format(cp < 0x100 and "\\x%02x" or "\\u%04x", cp) end
     return bytes
   end) .. q
 end
@@ -154,10 +199,10 @@ local function get(headers, name)
 end
 
 local function integer(name, raw, low, high, what)
-  local digits = raw:match("^%s*(%d+)%s*$")
+  local digits = strip(raw):match("^(%d+)$")
   local n = digits and #digits <= 16 and tonumber(digits)
   if not n or n < low or n > high then
-    bad(string.format("%s must be %s, an integer from %d to %d, got %s", name, what, low, high, repr(raw:sub(1, 64))))
+    bad(string.format("%s must be %s, an integer from %d to %d, got %s", name, what, low, high, repr(cut(raw, 64))))
   end
   return n
 end
@@ -166,8 +211,8 @@ local GO_UNITS = {{"ns", 1e-6}, {"us", 1e-3}, {"\194\181s", 1e-3}, {"\206\188s",
 local function go_duration_ms(name, raw)
   local value = strip(raw)
   if value == "0" then return 0 end
-  local function fail() bad(string.format("%s must be a Go duration such as 1500ms or 2s, from 0 to a week, got %s", name, repr(raw:sub(1, 64)))) end
-  if #value > 64 or value == "" then fail() end
+  local function fail() bad(string.format("%s must be a Go duration such as 1500ms or 2s, from 0 to a week, got %s", name, repr(cut(raw, 64)))) end
+  if chars(value) > 64 or value == "" then fail() end
   local ms, i = 0, 1
   while i <= #value do
     local num = value:match("^%d+%.?%d*", i) or value:match("^%.%d+", i)
@@ -201,7 +246,7 @@ local function read_tenant(headers)
   local v = get(headers, "X-Tenant")
   local tenant = strip(v == nil and "default" or v)
   if #tenant > 64 or not tenant:match("^[%w_%.:%-]+$") then
-    bad("X-Tenant must be 1 to 64 of letters, digits and _ . : -, got " .. repr(tenant:sub(1, 64)))
+    bad("X-Tenant must be 1 to 64 of letters, digits and _ . : -, got " .. repr(cut(tenant, 64)))
   end
   return tenant
 end
@@ -325,12 +370,16 @@ local function release(r) r:set_keepalive(60000, 64) end
 -- "noscript", or "answer" (Redis answered, and refused).
 local function kind_of(err)
   if err == nil then return nil end
-  local word = tostring(err):match("^(%u+)")
+  local text = tostring(err)
+  local word = text:match("^(%u+) ") or text:match("^(%u+)$")
+  if word == nil then return "down" end  -- no error reply: the connection failed or timed out
   if word == "NOSCRIPT" then return "noscript" end
-  if word and DOWN[word] then return "down" end
-  if word and word ~= "ERR" and tostring(err):match("^%u+ ") then return "answer" end
-  if tostring(err):match("^ERR ") then return "answer" end
-  return "down"
+  if DOWN[word] then return "down" end
+  if word == "ERR" and text:lower():find("script", 1, true) then
+    -- a failover's code met inside a script, under the script's own error (store.errors._INNER_CODE)
+    for inner in text:gmatch("[%s:%-](%u+)") do if DOWN[inner] then return "down" end end
+  end
+  return "answer"
 end
 
 -- EVALSHA, or EVAL where the server does not hold the script (a restart, a failover).
@@ -553,6 +602,7 @@ function M.access()
   if d.decision == "admit_once" or d.decision == "admit_unrecorded" then
     if r then release(r) end
     ngx.req.set_header("X-Request-Id", request_id)
+    ngx.req.set_header("X-LLM-Health-Decision", d.decision)  -- the door's, never a client's own
     ngx.req.set_header("x-deadline-slack-ms", out["x-deadline-slack-ms"])
     ngx.req.set_header("x-queue-age-ms", out["x-queue-age-ms"])
     ngx.ctx.llm_health = {out = out, attempt = (recorded or late) and {queue_id = queue_id, route = route, tenant = tenant,
@@ -563,7 +613,12 @@ function M.access()
   if recorded then
     local keys, args = leave_call(queue_id, route, d.status, now_ms(), 0, true)
     local _, lerr = run(r, plan.scripts.leave, keys, args)
-    if lerr then r:close() else release(r) end
+    if lerr then
+      r:close()
+      M.queue_end({queue_id = queue_id, route = route, refusal = d.status})  -- sent again with the ends
+    else
+      release(r)
+    end
   elseif late then
     M.queue_end({queue_id = queue_id, route = route, refusal = d.status, late = true})
   end
@@ -587,6 +642,7 @@ function M.body_filter()
       local tail = (c.tail or "") .. chunk
       c.tail = #tail > TAIL and tail:sub(-TAIL) or tail
     end
+    if ngx.arg[2] then c.eof = true end  -- the answer's last buffer was passed on
   end
 end
 
@@ -612,23 +668,22 @@ function M.log()
   local upstream = (ngx.var.upstream_status or ""):match("([^,]*)$")
   upstream = strip(upstream or "")
   local status = upstream:match("^[1-5]%d%d$") and tonumber(upstream) or tonumber(ngx.var.status)
+  -- The client went away before the answer's end (nginx still says the status it began
+  -- with): 499, with the token units the answer reported so far, as the gate records it.
+  if not c.eof then status = 499 end
   local units = 0
   if status ~= 503 and status ~= 529 and c.tail then units = token_units(c.tail) end
   local a = c.attempt
   a.status, a.units, a.now = status, units, now_ms()
   M.queue_end(a)
+  -- A worker shutting down (a reload) runs its timers once, early: what ends after that is
+  -- sent by a timer of its own (a zero delay is still allowed then).
+  if ngx.worker.exiting() then ngx.timer.at(0, M.flush_exiting) end
 end
 
--- One try at the queued ends that are due, in one pipeline.
-local function flush(premature)
-  if premature or flushing or #pending == 0 then return end
-  flushing = true
-  local now, due, later = ngx.now(), {}, {}
-  for _, item in ipairs(pending) do
-    if item.at <= now and #due < 256 then due[#due + 1] = item else later[#later + 1] = item end
-  end
-  pending = later
-  if #due == 0 then flushing = false; return end
+-- One try at the queued ends that are due (all of them, `everything`: the worker is
+-- exiting), in one pipeline.
+local function send(due)
   local r, err = connect()
   local ok = r ~= nil
   if r then
@@ -669,6 +724,12 @@ local function flush(premature)
     end
     if ok then release(r) else r:close() end
   end
+  return ok, err
+end
+
+-- After a try: a late attempt once more a second on, the ends not written again after
+-- their pause, or given up.
+local function settle(due, ok, err)
   for _, it in ipairs(due) do
     if ok then
       if it.late then it.late = false; it.at = ngx.now() + LATE_RESEND_S; pending[#pending + 1] = it end
@@ -682,13 +743,44 @@ local function flush(premature)
       end
     end
   end
+end
+
+-- One try at the queued ends that are due (`everything`: all of them), at most 256 at once.
+local function flush(everything)
+  if flushing or #pending == 0 then return end
+  flushing = true
+  local now, due, later = ngx.now(), {}, {}
+  for _, item in ipairs(pending) do
+    if (everything or item.at <= now) and #due < 256 then due[#due + 1] = item else later[#later + 1] = item end
+  end
+  pending = later
+  if #due > 0 then
+    local ran, ok, err = pcall(send, due)  -- an error here must not stop this worker's recording
+    if not ran then ngx.log(ngx.ERR, "llm-health: writing attempt ends failed: ", tostring(ok)); ok, err = false, ok end
+    settle(due, ok, err)
+  end
   flushing = false
+end
+
+-- The worker is exiting (a reload, a stop): what is queued is sent now, each end tried as
+-- many times as ever (FINISH_RETRY_S), then given up with its warning.
+function M.flush_exiting()
+  for _ = 1, #FINISH_RETRY_S + 2 do
+    if #pending == 0 then return end
+    flush(true)
+    if #pending > 0 then ngx.sleep(0.5) end
+  end
+end
+
+local function tick(premature)
+  if premature then return M.flush_exiting() end
+  flush(false)
 end
 
 function M.init_worker()
   math.randomseed(ngx.now() * 1000 + ngx.worker.pid())
   ngx.timer.at(0, load_scripts, 0)
-  ngx.timer.every(0.01, flush)
+  ngx.timer.every(0.01, tick)
 end
 
 return M
