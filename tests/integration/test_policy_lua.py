@@ -73,15 +73,7 @@ def opt(x: float | int | None) -> str:
 
 
 def run(client: redis.Redis, req: admission.Request, p: admission.Policy, unknown: bool) -> Verdict:
-    args = policy_args(
-        p.reject_if_queue_age_ms_gte,
-        p.reject_if_retry_count_gte,
-        p.ignore_worker_util_when_slack_ms_lte,
-        p.mode,
-        p.late_status,
-        p.expected_service_ms,
-        p.unknown_age_mode,
-    )
+    args = policy_args(p)
     args += [repr(req.queue_age_ms), repr(req.deadline_slack_ms), str(req.retry_count)]
     args += [opt(req.worker_util), opt(req.last_upstream_status), opt(req.tenant_budget_left), opt(req.wait_ms), "1" if unknown else "0"]
     return Verdict.read(client.eval(HARNESS, 0, *args))

@@ -74,15 +74,7 @@ FORWARDED_CACHE = 1024  # (method, path) pairs remembered as forwarded (`not_for
 @functools.lru_cache(maxsize=256)
 def _policy_args(p: admission.Policy) -> list[str]:
     """A route's policy as the decision script's arguments (store.policy), once per policy."""
-    return policy_args(
-        p.reject_if_queue_age_ms_gte,
-        p.reject_if_retry_count_gte,
-        p.ignore_worker_util_when_slack_ms_lte,
-        p.mode,
-        p.late_status,
-        p.expected_service_ms,
-        p.unknown_age_mode,
-    )
+    return policy_args(p)
 
 
 class Admission:

@@ -17,7 +17,7 @@ so the Retry-After wait comes back as text.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 # policy(P, age, slack, retries, util, upstream, budget, wait): the decision of
 # core.admission.decide (its `_decide` and `bounded`), as (name, reason, status,
@@ -96,9 +96,37 @@ end
 POLICY_ARGS = 7  # the settings policy_args encodes, in read_policy's order
 
 
-def policy_args(age_gte: float, retry_gte: int, late_slack: float, mode: str, late_status: int, service: float, unknown: str) -> list[str]:
-    """The policy's settings as the script's arguments (repr: a float read back exactly)."""
-    return [repr(float(age_gte)), str(int(retry_gte)), repr(float(late_slack)), mode, str(int(late_status)), repr(float(service)), unknown]
+class Settings(Protocol):
+    """What the script reads of a policy (core.admission.Policy: this package imports no core)."""
+
+    @property
+    def reject_if_queue_age_ms_gte(self) -> float: ...
+    @property
+    def reject_if_retry_count_gte(self) -> int: ...
+    @property
+    def ignore_worker_util_when_slack_ms_lte(self) -> float: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def late_status(self) -> int: ...
+    @property
+    def expected_service_ms(self) -> float: ...
+    @property
+    def unknown_age_mode(self) -> str: ...
+
+
+def policy_args(p: Settings) -> list[str]:
+    """The policy's settings as the script's arguments, in read_policy's order (repr: a
+    float read back exactly)."""
+    return [
+        repr(float(p.reject_if_queue_age_ms_gte)),
+        str(int(p.reject_if_retry_count_gte)),
+        repr(float(p.ignore_worker_util_when_slack_ms_lte)),
+        p.mode,
+        str(int(p.late_status)),
+        repr(float(p.expected_service_ms)),
+        p.unknown_age_mode,
+    ]
 
 
 @dataclass(frozen=True)
