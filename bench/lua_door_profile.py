@@ -37,13 +37,13 @@ from tests.harness.processes import free_port
 from bench._machine import machine_line
 from bench.bench_admission import Run, Target, engine_proc, open_loop, pin, wait_port
 
-FAKE_REPLY = "{queue_id, deadline, {'admit_once', 'profile', 200, ngx.null, 0}, {0, deadline - now, 0, ngx.null, ngx.null}}"
-SCRIPT = "    res, err = run_call(r, plan.scripts.decide, decide_call(queue_id, route, tenant, deadline, now, fp, retries))"
+FAKE_REPLY = 'queue_id .. "\\t" .. deadline .. "\\tadmit_once\\t200\\t\\t0\\t0\\t" .. (deadline - now) .. "\\t0\\t\\t\\tprofile"'  # a lean reply
+SCRIPT = "      res, err = run_call(r, plan.scripts.decide, call)"
 NO_FINISH = ("function M.log()\n", "function M.log()\n  do return end\n")
 VARIANTS: dict[str, list[tuple[str, str]]] = {
     "shipped": [],
     "no finishes": [NO_FINISH],
-    "no script": [NO_FINISH, (SCRIPT, f"    decide_call(queue_id, route, tenant, deadline, now, fp, retries); res = {FAKE_REPLY}")],
+    "no script": [NO_FINISH, (SCRIPT, f"      res = {FAKE_REPLY}")],
     "no Redis": [NO_FINISH, ("  local r, err = connect()\n  local res\n", f"  local r, err = nil, nil\n  local res = {FAKE_REPLY}\n")],
     "phases only": [("function M.access()\n", "function M.access()\n  do return end\n")],
 }

@@ -43,6 +43,8 @@ class Engine:
             await resp.write(b"data: [DONE]\n\n")
             return resp
         await asyncio.sleep(float(request.headers.get("X-Test-Delay", "0")))
+        if "X-Test-Status" in request.headers:  # an engine that refuses (a retry's first copy)
+            return web.json_response({"error": "busy"}, status=int(request.headers["X-Test-Status"]))
         return web.json_response({"choices": [{"text": "ok"}], "usage": USAGE})
 
 

@@ -167,15 +167,17 @@ async def test_queue_age_beating_slack_is_refused_with_retry_after_as_the_gate_d
 async def test_a_retry_of_one_body_is_matched_to_its_own_first_copy_among_bodies_of_its_length(lua_door, own_redis_server):
     """The OpenAI SDK sends no id: a retry is matched by fingerprint. The Lua door hashes the
     body, so two first copies of one length and different content stay apart (nginx
-    auth_request sees only the length): X, then Y, then Y's retry, which must take Y's id."""
+    auth_request sees only the length): X, then Y, answered 503 by the engine, then Y's
+    retry, which must take Y's id (Y's end is in Redis before the retry is decided: the
+    retry's decision carries it)."""
     url, _, _, _ = lua_door
     base = {"X-Request-Timeout-Ms": "30000", "Authorization": "Bearer sk-shared", "X-Stainless-Retry-Count": "0"}
     x, y = {"model": "m", "prompt": "xxxx"}, {"model": "m", "prompt": "yyyy"}
     assert len(json.dumps(x)) == len(json.dumps(y))
     sx = await send(url, headers={**base, "X-Test-Delay": "0"}, body=x)
-    sy = await send(url, headers=base, body=y)
+    sy = await send(url, headers={**base, "X-Test-Status": "503"}, body=y)
     retry = await send(url, headers={**base, "X-Stainless-Retry-Count": "1"}, body=y)
-    assert sx[0] == sy[0] == retry[0] == 200, (sx, sy, retry)
+    assert (sx[0], sy[0], retry[0]) == (200, 503, 200), (sx, sy, retry)
     assert retry[2]["X-Request-Id"] == sy[2]["X-Request-Id"] != sx[2]["X-Request-Id"]
     rid = sy[2]["X-Request-Id"]
     rec = await recorded(own_redis_server.url, PREFIX, rid, attempts=2)

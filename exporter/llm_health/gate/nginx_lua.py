@@ -5,8 +5,8 @@ nginx with its Lua module (Debian: libnginx-mod-http-lua, lua-nginx-redis) runs 
 in `gate/nginx/llm_health.lua`: it reads the headers, hashes the body into the retry
 fingerprint, sends the one decision script every door sends (`store.scripts.DECIDE_LUA`,
 the policy inside it: `store.policy`) in one `EVALSHA` over a keepalive pool, answers a
-refusal as every door does, and records each attempt's end from `log_by_lua` in batches.
-No Python runs on the request path. What varies by configuration (the Redis server, the
+refusal as every door does, and records each attempt's end from `log_by_lua`, carried
+by the worker's next decision or its 10 ms timer (`store.ends`). No Python runs on the request path. What varies by configuration (the Redis server, the
 routes with their policies, keys, backends and allowlists, the tenants' budgets) and the
 scripts themselves come from here, as a Lua table: the configuration is validated once,
 by the same parser as the gate's, and nginx never parses YAML.
@@ -27,9 +27,10 @@ from urllib.parse import urlsplit
 from ..config.gate import GateConfig, Route
 from ..core import forwarding
 from ..store.codes import RETRYABLE_CODES
+from ..store.ends import DECIDE_ENDS_LUA, ENDS_LUA
 from ..store.keys import DEFAULT_RETENTION_MS, QueueKeys
 from ..store.policy import POLICY_LUA, policy_args
-from ..store.scripts import DECIDE_LUA, GAVE_UP_MS, GC_LIMIT, LEAVE_QUEUE_LUA, RECORD_ATTEMPT_LUA
+from ..store.scripts import DECIDE_LUA, GAVE_UP_MS, GC_LIMIT, LEAVE_QUEUE_LUA
 from ..store.target import parse_target
 
 MODULE = "llm_health.lua"  # the door itself, shipped in this package (gate/nginx/)
@@ -125,7 +126,12 @@ def plan(cfg: GateConfig) -> dict[str, Any]:
         "any_allow": any_rules,
         "never": list(forwarding.NEVER),
         "tenants": dict(cfg.tenants),
-        "scripts": {"decide": _script(DECIDE_LUA), "attempt": _script(RECORD_ATTEMPT_LUA), "leave": _script(LEAVE_QUEUE_LUA)},
+        "scripts": {
+            "decide": _script(DECIDE_LUA),
+            "decide_ends": _script(DECIDE_ENDS_LUA),  # the decision carrying the worker's queued ends (store.ends)
+            "ends": _script(ENDS_LUA),
+            "leave": _script(LEAVE_QUEUE_LUA),
+        },
         "down_codes": sorted(RETRYABLE_CODES),  # an error reply that is Redis down (store.errors: one classification)
         "policy_lua": POLICY_LUA,
     }

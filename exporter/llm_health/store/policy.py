@@ -91,6 +91,16 @@ local function verdict(name, reason, status, after, retryable)
   if retryable then r = 1 end
   return {name, reason, status, a, r}
 end
+-- The lean reply (the nginx Lua door's): one string, tab-separated, the reason last (it is
+-- read with one pattern, not as nested replies): the id used, the record's deadline, the
+-- decision, status, Retry-After ('' none), retryable (1/0), then the figures (queue age,
+-- slack, retry count, engine age and projected wait, '' where unknown), then the reason.
+local function lean(id, deadline, name, reason, status, after, retryable, figures)
+  local function num(x) if x == false or x == nil then return '' end return string.format('%d', x) end
+  local v = verdict(name, reason, status, after, retryable)
+  return table.concat({id, deadline, name, num(status), v[4] or '', v[5], num(figures[1]), num(figures[2]), num(figures[3]),
+                       num(figures[4]), num(figures[5]), reason}, '\t')
+end
 """
 
 POLICY_ARGS = 7  # the settings policy_args encodes, in read_policy's order

@@ -308,8 +308,8 @@ end
 # or the matched first copy's), the door's figure in ms or false, 1 or 0, the requests ahead
 # and the sequences (false where a count is unknown), the decision (store.policy.Verdict),
 # {queue_age_ms, deadline_slack_ms, retry count, the engine queue age acted on and the
-# projected wait in ms, false where unknown}}. The lean reply: {the id used, the record's
-# deadline, the decision, those figures}.
+# projected wait in ms, false where unknown}}. The lean reply: one string (store.policy's
+# `lean`: the id used, the record's deadline, the decision, those figures).
 DECIDE_LUA = (
     _GC_FN
     + _ENQUEUE_FN
@@ -441,7 +441,7 @@ if ARGV[15] ~= '' then budget = tonumber(ARGV[15]) - (tonumber(spent) or 0) end
 local name, reason, status, after, retryable = policy(P, queue_age, slack, retries, nil, tonumber(record[9]), budget, wait)
 if n > 0 and engine_age == nil then name, reason, status, after, retryable = unknown_age(P, name, reason, status, after, retryable, slack) end
 local figures = {queue_age, slack, retries, engine_age or false, wait or false}
-if ARGV[23] == '1' then return {id, record[4], verdict(name, reason, status, after, retryable), figures} end
+if ARGV[23] == '1' then return lean(id, record[4], name, reason, status, after, retryable, figures) end
 return {stats, record, spent, ages, id, door, covers, ahead, slots, verdict(name, reason, status, after, retryable), figures}
 """
 )

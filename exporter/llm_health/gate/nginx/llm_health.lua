@@ -18,8 +18,9 @@
 --   passed on with x-queue-age-ms and x-deadline-slack-ms. Redis down: the route's
 --   redis_down policy, decided by the same policy code (store.policy) run here.
 -- body_filter: the last 4 KiB of the answer, for its `usage`.
--- log: the attempt's end queued; a timer per worker sends the queued ends in one pipeline
---   every 10 ms (store.batch's tick), each idempotent, again while Redis does not answer
+-- log: the attempt's end queued; the worker's next decision carries the queued ends
+--   (store.ends.DECIDE_ENDS_LUA), else a timer per worker sends them in one call every
+--   10 ms (ENDS_LUA; store.batch's tick), each idempotent, again while Redis does not answer
 --   (0.1, 0.3, 1, 2, 4 s), then given up with a warning in nginx's error log naming the
 --   request (its record expires with its retention); an attempt admitted while Redis did
 --   not answer in time is finished too, and once more a second after Redis answered.
@@ -186,9 +187,13 @@ end
 
 local function bad(message) error({bad = message}, 0) end
 
+-- A header name as ngx.req.get_headers keys it (lower case): looked up directly, not
+-- through the table's case-folding __index on every request.
+local LOWER = setmetatable({}, {__index = function(t, name) local low = name:lower(); t[name] = low; return low end})
+
 -- A header's value; 400 if it came more than once with different values.
 local function get(headers, name)
-  local v = headers[name]
+  local v = headers[LOWER[name]]
   if type(v) == "table" then
     local seen, n = {}, 0
     for _, x in ipairs(v) do if not seen[strip(x)] then seen[strip(x)] = true; n = n + 1 end end
@@ -432,10 +437,90 @@ end
 
 local function now_ms() return math.floor(ngx.now() * 1000) end
 
+local HEX20 = string.rep("%02x", 20)  -- a SHA-1 digest in hex, in one format call
+
 local function random_id()
   local bin = ngx.sha1_bin(ngx.worker.pid() .. ":" .. ngx.now() .. ":" .. math.random() .. ":" .. tostring({}))
-  local hex = bin:gsub(".", function(c) return string.format("%02x", c:byte()) end)
+  local hex = string.format(HEX20, bin:byte(1, 20))
   return string.format("gate-%s-%s-%s-%s-%s", hex:sub(1, 8), hex:sub(9, 12), hex:sub(13, 16), hex:sub(17, 20), hex:sub(21, 32))
+end
+
+-- ------------------------------------------------------------------ the ends
+
+local function tenant_key(tenant)
+  return plan.queue.tenant_prefix .. tenant .. ":" .. math.floor(ngx.time() / 60)
+end
+
+
+-- An attempt's end, or a refusal's, queued for Redis: sent with this worker's next
+-- decision (DECIDE_ENDS_LUA) or by its 10 ms timer (ENDS_LUA), whichever comes first.
+function M.queue_end(item)
+  item.tries, item.at = 0, 0
+  pending[#pending + 1] = item
+end
+
+-- The queued ends that are due, at most `most`, taken off the queue (nil where none).
+local function take_due(most, everything)
+  if #pending == 0 then return nil end
+  local now, due, later = ngx.now(), {}, {}
+  for _, item in ipairs(pending) do
+    if (everything or item.at <= now) and #due < most then due[#due + 1] = item else later[#later + 1] = item end
+  end
+  pending = later
+  if #due == 0 then return nil end
+  return due
+end
+
+-- Each end's script calls appended to `call` as store.ends reads them: 'a'
+-- (RECORD_ATTEMPT_LUA) or 'l' (LEAVE_QUEUE_LUA), the number of keys, the number of
+-- arguments, the keys, the arguments (store.queue.attempt_call and leave_call, their
+-- replies 1: not read); `t` the time they are written. No string is built here: the
+-- arguments go out as they are (a long string built per end costs nginx more).
+local function pack_ends(due, t, call)
+  local q = plan.queue
+  local n = #call
+  for _, it in ipairs(due) do
+    local rec, rk, inf, id = q.record_prefix .. it.queue_id, it.route.keys, it.route.inflight, it.queue_id
+    local st, ended = nil, "0"
+    if it.refusal then
+      st = string.format("%d", it.refusal)
+    else
+      local units = it.units or 0
+      local u = string.format("%d", units)
+      st = it.status and string.format("%d", it.status) or ""
+      ended = it.status == 499 and "2" or "1"
+      local charged = plan.tenants[it.tenant] and units > 0
+      call[n + 1], call[n + 2], call[n + 3] = "a", charged and "7" or "6", "9"
+      call[n + 4], call[n + 5], call[n + 6], call[n + 7], call[n + 8], call[n + 9] = rec, rk[1], rk[2], rk[3], rk[4], rk[5]
+      n = n + 9
+      if charged then call[n + 1] = tenant_key(it.tenant); n = n + 1 end
+      call[n + 1], call[n + 2], call[n + 3], call[n + 4], call[n + 5] = id, u, st, t, q.retention_s
+      call[n + 6], call[n + 7], call[n + 8], call[n + 9] = it.retry_count and string.format("%d", it.retry_count) or "", it.attempt_id, charged and u or "0", "1"
+      n = n + 9
+    end
+    call[n + 1], call[n + 2], call[n + 3] = "l", "7", "7"
+    call[n + 4], call[n + 5], call[n + 6], call[n + 7], call[n + 8], call[n + 9], call[n + 10] = rec, rk[1], rk[2], rk[3], inf[1], inf[2], inf[3]
+    call[n + 11], call[n + 12], call[n + 13], call[n + 14], call[n + 15], call[n + 16], call[n + 17] = id, "done", st, t, "0", ended, "1"
+    n = n + 17
+  end
+end
+
+-- After a try: a late attempt once more a second on, the ends not written again after
+-- their pause, or given up.
+local function settle(due, ok, err)
+  for _, it in ipairs(due) do
+    if ok then
+      if it.late then it.late = false; it.at = ngx.now() + LATE_RESEND_S; pending[#pending + 1] = it end
+    else
+      it.tries = it.tries + 1
+      if it.tries > #FINISH_RETRY_S then
+        ngx.log(ngx.WARN, "llm-health: gave up recording the attempt of ", it.queue_id, " on route ", it.route.name, ": Redis did not answer (", tostring(err), ")")
+      else
+        it.at = ngx.now() + FINISH_RETRY_S[it.tries]
+        pending[#pending + 1] = it
+      end
+    end
+  end
 end
 
 -- ------------------------------------------------------------------ the decision
@@ -453,8 +538,9 @@ local function read_body()
   return body or ""
 end
 
+-- `body`: a function that reads the body (only model routing needs it).
 local function route_for(headers, body)
-  local name = headers["X-Route"]
+  local name = headers["x-route"]
   if type(name) == "table" then name = name[1] end
   if name ~= nil and name ~= "" then
     local route = plan.routes[name]
@@ -462,7 +548,9 @@ local function route_for(headers, body)
     return route
   end
   local first = plan.routes[plan.route_order[1]]
-  if #plan.route_order == 1 or not plan.by_model or body:sub(1, 1) ~= "{" then return first end
+  if #plan.route_order == 1 or not plan.by_model then return first end
+  body = body()
+  if body:sub(1, 1) ~= "{" then return first end
   local model = body:match('"model"%s*:%s*"([^"\\]*)"')
   if model == nil then return first end
   for _, rname in ipairs(plan.route_order) do
@@ -474,17 +562,12 @@ end
 local function fingerprint(tenant, route, method, raw_path, headers, body)
   local parts = {tenant, "\0", route.name, "\0", method:upper(), "\0", raw_path, "\0"}
   for _, name in ipairs(FP_HEADERS) do
-    local v = headers[name]
+    local v = headers[LOWER[name]]
     if type(v) == "table" then v = v[1] end
     parts[#parts + 1] = name .. "=" .. (v or "") .. "\0"
   end
   parts[#parts + 1] = "body\0" .. body
-  local hex = ngx.sha1_bin(table.concat(parts)):gsub(".", function(c) return string.format("%02x", c:byte()) end)
-  return hex
-end
-
-local function tenant_key(tenant)
-  return plan.queue.tenant_prefix .. tenant .. ":" .. math.floor(ngx.time() / 60)
+  return string.format(HEX20, ngx.sha1_bin(table.concat(parts)):byte(1, 20))
 end
 
 -- The decision script's call (store.queue.pipe_decide's keys and arguments, and the lean
@@ -513,7 +596,20 @@ local function leave_call(queue_id, route, status, now, ended, quiet)
   return keys, {queue_id, "done", status and tostring(status) or "", now, "0", tostring(ended), quiet and "1" or nil}
 end
 
-local function n(v) if v == ngx.null or v == nil or v == false then return nil end return tonumber(v) end
+local LEAN = "^" .. string.rep("([^\t]*)\t", 11) .. "(.*)$"
+
+-- What the request's headers say (a `bad` error: its 400), or the allowlist's refusal of
+-- the route they name.
+local function read_request(method, path, headers, now)
+  local client_id = read_request_id(headers)
+  local route = route_for(headers, read_body)
+  local s, why, methods = nil, nil, nil
+  if #plan.route_order > 1 then s, why, methods = not_forwarded(method, path, route.allow) end
+  if s then return {refused = {s, why, methods}} end
+  local tenant = read_tenant(headers)
+  local deadline = read_deadline_ms(headers, now, route.default_deadline_ms)
+  return {client_id = client_id, route = route, tenant = tenant, deadline = deadline, retries = read_retry_count(headers)}
+end
 
 function M.access()
   local method = ngx.req.get_method()
@@ -523,17 +619,7 @@ function M.access()
   if status then return error_answer(status, "not_forwarded", reason, allow and {Allow = allow} or nil) end
   local headers = ngx.req.get_headers(200)
   local now = now_ms()
-  local body = read_body()
-  local ok, got = pcall(function()
-    local client_id = read_request_id(headers)
-    local route = route_for(headers, body)
-    local s, why, methods = nil, nil, nil
-    if #plan.route_order > 1 then s, why, methods = not_forwarded(method, path, route.allow) end
-    if s then return {refused = {s, why, methods}} end
-    local tenant = read_tenant(headers)
-    local deadline = read_deadline_ms(headers, now, route.default_deadline_ms)
-    return {client_id = client_id, route = route, tenant = tenant, deadline = deadline, retries = read_retry_count(headers)}
-  end)
+  local ok, got = pcall(read_request, method, path, headers, now)
   if not ok then
     if type(got) == "table" and got.bad then return error_answer(400, "bad_request", got.bad) end
     error(got)
@@ -544,7 +630,7 @@ function M.access()
   local route, tenant, deadline, retries = got.route, got.tenant, got.deadline, got.retries
   local fp, request_id = nil, got.client_id
   if request_id == nil then
-    fp = fingerprint(tenant, route, method, raw_path, headers, body)
+    fp = fingerprint(tenant, route, method, raw_path, headers, read_body())
     request_id = random_id()
   end
   local queue_id = tenant .. "/" .. request_id
@@ -554,15 +640,24 @@ function M.access()
   local r, err = connect()
   local res
   if r then
-    res, err = run_call(r, plan.scripts.decide, decide_call(queue_id, route, tenant, deadline, now, fp, retries))
+    local call, ends = decide_call(queue_id, route, tenant, deadline, now, fp, retries), take_due(32)
+    if ends then
+      -- the ends queued since this worker's last call go with the decision (store.ends)
+      pack_ends(ends, string.format("%d", now), call)
+      res, err = run_call(r, plan.scripts.decide_ends, call)
+      settle(ends, res ~= nil, err)
+    else
+      res, err = run_call(r, plan.scripts.decide, call)
+    end
   end
   if res then
-    local used = res[1]  -- the lean reply: the id used, the record's deadline, the decision, its figures
+    -- the lean reply (store.policy's `lean`): the id used, the record's deadline, the
+    -- decision, its status, Retry-After, retryable, the figures, the reason
+    local used, dl, name, st, after, retryable, a, sl, rc, eng, w, why = res:match(LEAN)
     if used ~= queue_id then queue_id = used; request_id = used:match("^[^/]*/(.*)$"); fields[1][2] = request_id end
-    deadline = tonumber(res[2])
-    local v, f = res[3], res[4]
-    d = {decision = v[1], reason = v[2], status = tonumber(v[3]), retry_after = n(v[4]), retryable = tonumber(v[5]) == 1}
-    age, slack, retry_count, engine_age, wait = tonumber(f[1]), tonumber(f[2]), tonumber(f[3]), n(f[4]), n(f[5])
+    deadline = tonumber(dl)
+    d = {decision = name, reason = why, status = tonumber(st), retry_after = tonumber(after), retryable = retryable == "1"}
+    age, slack, retry_count, engine_age, wait = tonumber(a), tonumber(sl), tonumber(rc), tonumber(eng), tonumber(w)
     fields[#fields + 1] = {"queue_age_ms", age}
     fields[#fields + 1] = {"deadline_slack_ms", slack}
     fields[#fields + 1] = {"retry_count", retry_count}
@@ -657,11 +752,6 @@ local function token_units(tail)
   return (tonumber(last:match('"prompt_tokens"%s*:%s*(%d+)')) or 0) + (tonumber(last:match('"completion_tokens"%s*:%s*(%d+)')) or 0)
 end
 
-function M.queue_end(item)
-  item.tries, item.at = 0, 0
-  pending[#pending + 1] = item
-end
-
 function M.log()
   local c = ngx.ctx.llm_health
   if not (c and c.attempt) then return end
@@ -681,84 +771,28 @@ function M.log()
   if ngx.worker.exiting() then ngx.timer.at(0, M.flush_exiting) end
 end
 
--- One try at the queued ends that are due (all of them, `everything`: the worker is
--- exiting), in one pipeline.
+-- One try at `due`: one ENDS_LUA call (the script's own reply errors, an end Redis refuses,
+-- are skipped inside it: what fails here is Redis itself, and the ends are tried again).
 local function send(due)
   local r, err = connect()
-  local ok = r ~= nil
-  if r then
-    local q = plan.queue
-    local leave_sha, attempt_sha, retention = plan.scripts.leave.sha, plan.scripts.attempt.sha, q.retention_s
-    for attempt = 1, 2 do
-      r:init_pipeline(#due * 2)
-      local t = string.format("%d", now_ms())
-      -- Each end as RECORD_ATTEMPT_LUA and LEAVE_QUEUE_LUA take it (store.queue.attempt_call
-      -- and leave_call, their replies 1: not read), the arguments written out, no table.
-      for _, it in ipairs(due) do
-        local rec, rk, inf, id = q.record_prefix .. it.queue_id, it.route.keys, it.route.inflight, it.queue_id
-        if it.refusal then
-          r:evalsha(leave_sha, 7, rec, rk[1], rk[2], rk[3], inf[1], inf[2], inf[3], id, "done", string.format("%d", it.refusal), t, "0", "0", "1")
-        else
-          local units = it.units or 0
-          local st = it.status and string.format("%d", it.status) or ""
-          local rc = it.retry_count and string.format("%d", it.retry_count) or ""
-          local u = string.format("%d", units)
-          if plan.tenants[it.tenant] and units > 0 then
-            r:evalsha(attempt_sha, 7, rec, rk[1], rk[2], rk[3], rk[4], rk[5], tenant_key(it.tenant), id, u, st, t, retention, rc, it.attempt_id, u, "1")
-          else
-            r:evalsha(attempt_sha, 6, rec, rk[1], rk[2], rk[3], rk[4], rk[5], id, u, st, t, retention, rc, it.attempt_id, "0", "1")
-          end
-          r:evalsha(leave_sha, 7, rec, rk[1], rk[2], rk[3], inf[1], inf[2], inf[3], id, "done", st, t, "0", it.status == 499 and "2" or "1", "1")
-        end
-      end
-      local res, perr = r:commit_pipeline()
-      if not res then ok, err = false, perr; break end
-      local noscript = false
-      for _, x in ipairs(res) do
-        if type(x) == "table" and x[1] == false and kind_of(x[2]) == "noscript" then noscript = true end
-        if type(x) == "table" and x[1] == false and kind_of(x[2]) == "down" then ok, err = false, x[2] end
-      end
-      if not noscript then break end
-      for _, s in pairs(plan.scripts) do r:script("load", s.text) end
-      if attempt == 2 then ok, err = false, "NOSCRIPT after SCRIPT LOAD" end
-    end
-    if ok then release(r) else r:close() end
-  end
-  return ok, err
-end
-
--- After a try: a late attempt once more a second on, the ends not written again after
--- their pause, or given up.
-local function settle(due, ok, err)
-  for _, it in ipairs(due) do
-    if ok then
-      if it.late then it.late = false; it.at = ngx.now() + LATE_RESEND_S; pending[#pending + 1] = it end
-    else
-      it.tries = it.tries + 1
-      if it.tries > #FINISH_RETRY_S then
-        ngx.log(ngx.WARN, "llm-health: gave up recording the attempt of ", it.queue_id, " on route ", it.route.name, ": Redis did not answer (", tostring(err), ")")
-      else
-        it.at = ngx.now() + FINISH_RETRY_S[it.tries]
-        pending[#pending + 1] = it
-      end
-    end
-  end
+  if not r then return false, err end
+  local call = {0}
+  pack_ends(due, string.format("%d", now_ms()), call)
+  local res, serr = run_call(r, plan.scripts.ends, call)
+  if res then release(r); return true end
+  r:close()
+  return false, serr
 end
 
 -- One try at the queued ends that are due (`everything`: all of them), at most 256 at once.
 local function flush(everything)
-  if flushing or #pending == 0 then return end
+  if flushing then return end
+  local due = take_due(256, everything)
+  if due == nil then return end
   flushing = true
-  local now, due, later = ngx.now(), {}, {}
-  for _, item in ipairs(pending) do
-    if (everything or item.at <= now) and #due < 256 then due[#due + 1] = item else later[#later + 1] = item end
-  end
-  pending = later
-  if #due > 0 then
-    local ran, ok, err = pcall(send, due)  -- an error here must not stop this worker's recording
-    if not ran then ngx.log(ngx.ERR, "llm-health: writing attempt ends failed: ", tostring(ok)); ok, err = false, ok end
-    settle(due, ok, err)
-  end
+  local ran, ok, err = pcall(send, due)  -- an error here must not stop this worker's recording
+  if not ran then ngx.log(ngx.ERR, "llm-health: writing attempt ends failed: ", tostring(ok)); ok, err = false, ok end
+  settle(due, ok, err)
   flushing = false
 end
 

@@ -1,0 +1,135 @@
+"""Ends carried in one script call (store.ends), on a real redis-server: the same keys and
+values as the two scripts the Python doors pipeline, run before the decision that carries
+them, and an end Redis refuses skipped without failing the rest or the decision."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from llm_health.core.admission import Policy
+from llm_health.store.ends import DECIDE_ARGS, DECIDE_ENDS_LUA, ENDS_LUA, packed
+from llm_health.store.policy import policy_args
+from llm_health.store.queue import AdmissionQueue
+
+NOW = 1_800_000_000_000
+
+
+class Captured:
+    """A stand-in pipeline that keeps the one EVALSHA pipe_decide queues."""
+
+    def __init__(self) -> None:
+        self.call: list[Any] = []
+
+    def evalsha(self, sha: str, n: int, *rest: Any) -> None:
+        self.call = [n, *rest]
+
+
+def decide_call(q: AdmissionQueue, rid: str, lean: str = "1", **policy: Any) -> list[Any]:
+    pipe = Captured()
+    settings = policy_args(Policy(**policy))
+    q.pipe_decide(pipe, rid, "chat", "default", NOW + 30_000, NOW, tenant_key=None, fingerprint=None, backends=["b1"], policy=settings)
+    call = [*pipe.call, lean]  # '1': the lean reply, as the Lua door asks
+    assert len(call) == 1 + call[0] + DECIDE_ARGS
+    return call
+
+
+def ends_of(q: AdmissionQueue, rid: str, status: int, units: int) -> list[tuple[str, list[Any], list[Any]]]:
+    keys, args = q.attempt_call(rid, "chat", units, status, 0, NOW + 5, attempt_id="att-" + rid)
+    lkeys, largs = q.leave_call(rid, "chat", "done", status, NOW + 5, ended=1)
+    return [("a", keys, [*args, "1"]), ("l", lkeys, [*largs, "1"])]
+
+
+def flat(ends: list[tuple[str, list[Any], list[Any]]]) -> list[str]:
+    """The ends as the Lua door sends them (store.ends.packed), one argument list."""
+    return [x for kind, keys, args in ends for x in packed(kind, keys, [str(v) for v in args])]
+
+
+async def dump(r: Any, prefix: str) -> dict[str, Any]:
+    """Every key under ``prefix`` (the prefix taken off) and its value, by type."""
+    out: dict[str, Any] = {}
+    async for raw in r.scan_iter(match=prefix + "*"):
+        key = raw.decode()
+        kind = (await r.type(key)).decode()
+        if kind == "hash":
+            value: Any = await r.hgetall(key)
+        elif kind == "zset":
+            value = await r.zrange(key, 0, -1, withscores=True)
+        elif kind == "set":
+            value = sorted(await r.smembers(key))
+        else:
+            value = await r.get(key)
+        out[key[len(prefix) :]] = (kind, value, await r.pttl(key) > 0)
+    return out
+
+
+@pytest.fixture
+async def two(own_redis_server):
+    r = aioredis.Redis.from_url(own_redis_server.url)
+    queues = [AdmissionQueue(r, prefix=p, clock=lambda: NOW) for p in ("one:", "two:")]
+    yield r, queues
+    await r.aclose()
+
+
+async def test_ends_write_what_the_two_scripts_write(two):
+    r, (a, b) = two
+    for q in (a, b):
+        await r.eval(DECIDE_ENDS_LUA, *decide_call(q, "x"))
+    pipe = await a.pipeline()
+    for kind, keys, args in ends_of(a, "x", 200, 42):  # the Python doors' finish, as store.batch sends it
+        pipe.evalsha(a._attempt.sha if kind == "a" else a._leave.sha, len(keys), *keys, *args)
+    await a.load_scripts()
+    assert await a.execute(pipe) == [1, 1]
+    assert await r.eval(ENDS_LUA, 0, *flat(ends_of(b, "x", 200, 42))) == 2
+    one, other = await dump(r, "one:"), await dump(r, "two:")
+    assert (
+        one == other and one[a.keys.record("x")[len("one:") :]][1][b"state"] == b"done" and one[a.keys.record("x")[len("one:") :]][1][b"token_units"] == b"42"
+    ), one
+
+
+async def test_a_decision_runs_the_ends_it_carries_first(two):
+    r, (a, b) = two
+    for q in (a, b):
+        await r.eval(DECIDE_ENDS_LUA, *decide_call(q, "x"))
+    # a: the end written on its own, then the next decision; b: the end carried by that decision
+    assert await r.eval(ENDS_LUA, 0, *flat(ends_of(a, "x", 503, 0))) == 2
+    alone = await r.eval(DECIDE_ENDS_LUA, *decide_call(a, "y"))
+    carried = await r.eval(DECIDE_ENDS_LUA, *decide_call(b, "y"), *flat(ends_of(b, "x", 503, 0)))
+    assert carried == alone and carried.split(b"\t")[:3] == [b"y", b"1800000030000", b"admit_once"], carried
+    assert await dump(r, "one:") == await dump(r, "two:")
+    assert (await r.hget(b.keys.record("x"), "http_status"), await r.hget(b.keys.record("x"), "state")) == (b"503", b"done")
+
+
+async def test_an_end_redis_refuses_is_skipped_and_the_rest_run(two):
+    r, (a, _) = two
+    await r.eval(DECIDE_ENDS_LUA, *decide_call(a, "x"))
+    await r.set(a.keys.record("bad"), "a string where a record was")
+    await r.hset(a.keys.record("bad2"), "deadline_ms", "not a number")  # the attempt script's tonumber fails
+    bad = [*packed("a", [a.keys.record("bad2"), *a.keys.route_keys("chat")], ["bad2", "1", "200", str(NOW), "1000", "", "att", "0", "1"])]
+    bad.extend(packed("l", [a.keys.record("bad"), *a.keys.route_keys("chat")[:3]], ["bad", "done", "200", str(NOW), "0", "0", "1"]))
+    good = flat(ends_of(a, "x", 200, 7))
+    assert await r.eval(ENDS_LUA, 0, *bad, *good) == 2
+    assert await r.hget(a.keys.record("x"), "state") == b"done"
+    reply = await r.eval(DECIDE_ENDS_LUA, *decide_call(a, "y"), *bad)
+    assert reply.split(b"\t")[2] == b"admit_once", reply
+
+
+@pytest.mark.parametrize("policy", [{}, {"reject_if_queue_age_ms_gte": 0.0}, {"engine_age_unknown": "closed"}])
+async def test_the_lean_reply_says_what_the_full_one_says(two, policy):
+    """The Lua door reads one tab-separated line (store.policy's `lean`): the same id,
+    deadline, decision and figures as the reply the Python doors read."""
+    r, (a, b) = two
+    await r.zadd(a.keys.route_keys("chat")[0], {"old": NOW - 5000})  # a queue 5 s old
+    await r.zadd(b.keys.route_keys("chat")[0], {"old": NOW - 5000})
+    full = await r.eval(DECIDE_ENDS_LUA, *decide_call(a, "x", "0", **policy))
+    lean = (await r.eval(DECIDE_ENDS_LUA, *decide_call(b, "x", "1", **policy))).decode().split("\t")
+    name, reason, status, after, retryable = (v.decode() if isinstance(v, bytes) else v for v in full[9])
+    figures = ["" if v is None else str(v) for v in full[10]]
+    assert lean == [full[4].decode(), full[1][3].decode(), name, str(status), after or "", str(retryable), *figures, reason], (lean, full)
+
+
+def test_packed_refuses_an_unknown_call() -> None:
+    with pytest.raises(ValueError, match=r"'a' .* or 'l'"):
+        packed("x", [], [])
