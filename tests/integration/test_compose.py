@@ -4,7 +4,6 @@ every config it mounts passes its own tool (promtool, amtool, llm-health's parse
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -221,69 +220,13 @@ async def test_the_nginx_lua_service_s_files_admit_a_request_on_a_real_nginx(own
     """compose/nginx-lua.conf and compose/gate.yml as the container runs them, their
     container paths and service names moved to this test's: `llm-health nginx-lua` writes
     the plan, nginx loads the file and a request is admitted and recorded."""
-    import asyncio
-    import subprocess
-    import sys
+    from tests.fixtures.lua_conf import admit_through_lua_conf
 
-    import aiohttp
-    from aiohttp import web
-
-    from tests.fixtures.nginx import find_nginx
-    from tests.harness.processes import free_port
-    from tests.integration.test_gate import recorded, serve
-
-    app = web.Application()
-
-    async def engine(_: web.Request) -> web.Response:
-        return web.json_response({"usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
-
-    app.router.add_route("*", "/{tail:.*}", engine)
-    runner, eurl = await serve(app)
-    gate = tmp_path / "gate.yml"
-    gate.write_text((COMPOSE_DIR / "gate.yml").read_text().replace("redis://redis:6379/0", own_redis_server.url))
-    lua_dir, port = tmp_path / "llm-health", free_port()
-    done = subprocess.run(
-        [sys.executable, "-m", "llm_health", "nginx-lua", "--config.file", str(gate), "--out", str(lua_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    conf = (COMPOSE_DIR / "nginx-lua.conf").read_text()
     moves = {
-        "/tmp/": f"{tmp_path}/",  # first: the paths moved in below are under /tmp too (/tmp/llm-health is lua_dir)
-        "vllm-a:8000": eurl.split("//", 1)[1],
-        "0.0.0.0:8080": f"127.0.0.1:{port}",
-        "error_log stderr": f"error_log {tmp_path}/error.log",
+        "/tmp/": "{tmp}",  # first: the paths moved in below are under /tmp too (/tmp/llm-health is lua_dir)
+        "vllm-a:8000": "{engine}",
+        "0.0.0.0:8080": "{listen}",
+        "error_log stderr": "error_log {tmp}error.log",
     }
-    for old, new in moves.items():
-        assert old in conf, old
-        conf = conf.replace(old, new)
-    if os.geteuid() == 0:  # the container runs it as nobody; root here reads this test's files as its own
-        conf = conf.replace("daemon off;\n", "daemon off;\nuser root;\n", 1)
-    (tmp_path / "nginx.conf").write_text(conf)
-    proc = subprocess.Popen([find_nginx(), "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    status = decision = None
-    try:
-        for _ in range(300):
-            if proc.poll() is not None:
-                raise AssertionError(f"nginx exited {proc.returncode}: {proc.stderr.read().decode() if proc.stderr else ''}")
-            try:
-                async with (
-                    aiohttp.ClientSession() as s,
-                    s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"model": "m"}, headers={"X-Request-Id": "compose-1"}) as r,
-                ):
-                    status, decision = r.status, r.headers.get("X-LLM-Health-Decision")
-                break
-            except aiohttp.ClientConnectionError:
-                await asyncio.sleep(0.05)
-        assert (status, decision) == (200, "admit_once"), (tmp_path / "error.log").read_text()
-        rec = await recorded(own_redis_server.url, "llm:admission:", "compose-1")
-        assert rec is not None and (rec.state, rec.token_units) == ("done", 2), rec
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        if proc.stderr:
-            proc.stderr.close()
-        await runner.cleanup()
+    gate = (COMPOSE_DIR / "gate.yml").read_text().replace("redis://redis:6379/0", own_redis_server.url)
+    await admit_through_lua_conf((COMPOSE_DIR / "nginx-lua.conf").read_text(), gate, moves, own_redis_server.url, tmp_path, "compose-1")
