@@ -85,7 +85,11 @@ SECTIONS: tuple[Section, ...] = (
         "bench_admission",
         "Admission doors side by side",
         (),
-        ("deploy/nginx", "deploy/litellm", "exporter/llm_health/gate/nginx"),  # the shipped files the doors run, and the Lua door's module: no import names them
+        (
+            "deploy/nginx",
+            "deploy/litellm",
+            "exporter/llm_health/gate/nginx",
+        ),  # the shipped files the doors run, and the Lua door's module: no import names them
         "Every door (the gate, nginx auth_request, nginx's Lua module, the LiteLLM hook) against its own baseline in one run.",
     ),
     Section(

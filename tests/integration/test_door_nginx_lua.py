@@ -408,3 +408,21 @@ async def test_a_reload_with_a_stream_in_flight_still_records_its_end(lua_door, 
     assert status == 200 and body.rstrip().endswith(b"data: [DONE]"), body
     rec = await recorded(own_redis_server.url, PREFIX, "reload-1", timeout=20)
     assert rec is not None and (rec.state, rec.http_status, rec.attempts) == ("done", 200, 1), rec
+
+
+def test_a_plan_whose_decision_takes_another_count_is_refused_at_start(tmp_path):
+    """The ends carried with a decision start after its arguments (store.ends.DECIDE_ARGS):
+    a plan written for another count (another version's) stops nginx with what to do,
+    rather than have ends read as the decision's arguments."""
+    path = gate_file(tmp_path, "redis://127.0.0.1:9/0", "http://127.0.0.1:9")
+    lua_dir = tmp_path / "llm-health"
+    done = subprocess.run(
+        [sys.executable, "-m", "llm_health", "nginx-lua", "--config.file", str(path), "--out", str(lua_dir)], capture_output=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    plan = lua_dir / "llm_health_plan.lua"
+    text = plan.read_text()
+    assert text.count('["decide_args"] = 23,') == 1
+    plan.write_text(text.replace('["decide_args"] = 23,', '["decide_args"] = 22,'))
+    with pytest.raises(RuntimeError, match="DECIDE_LUA takes 22 arguments: run llm-health nginx-lua again"), NginxLua(tmp_path, lua_dir=lua_dir, engine_port=9):
+        pass

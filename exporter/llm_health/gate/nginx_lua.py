@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from ..config.gate import GateConfig, Route
 from ..core import forwarding
 from ..store.codes import RETRYABLE_CODES
-from ..store.ends import DECIDE_ENDS_LUA, ENDS_LUA
+from ..store.ends import DECIDE_ARGS, DECIDE_ENDS_LUA, ENDS_LUA
 from ..store.keys import DEFAULT_RETENTION_MS, QueueKeys
 from ..store.policy import POLICY_LUA, policy_args
 from ..store.scripts import DECIDE_LUA, GAVE_UP_MS, GC_LIMIT, LEAVE_QUEUE_LUA
@@ -132,6 +132,7 @@ def plan(cfg: GateConfig) -> dict[str, Any]:
             "ends": _script(ENDS_LUA),
             "leave": _script(LEAVE_QUEUE_LUA),
         },
+        "decide_args": DECIDE_ARGS,  # the decision's arguments: the carried ends follow them
         "down_codes": sorted(RETRYABLE_CODES),  # an error reply that is Redis down (store.errors: one classification)
         "policy_lua": POLICY_LUA,
     }

@@ -5,18 +5,19 @@ An end is what the Python doors pipeline as two scripts (`store.batch`): RECORD_
 then LEAVE_QUEUE_LUA, or LEAVE_QUEUE_LUA alone for a refusal. Here each script's call is a
 run of arguments: `a` (record the attempt) or `l` (leave the queue), the number of keys,
 the number of arguments, the keys, the arguments, exactly as the script takes them (no
-string is built or split on either side). The scripts
-run unchanged, as local functions of KEYS and ARGV; an end Redis refuses (a wrong type
-where a record was) is skipped, never failing the rest of the call.
+string is built or split on either side). The scripts run unchanged, as local functions of
+KEYS and ARGV; an end Redis refuses (a wrong type where a record was) is skipped, never
+failing the rest of the call.
 
 - DECIDE_ENDS_LUA: the decision script (DECIDE_LUA, its keys and 23 arguments) after the
   ends queued since the door's last call, from ARGV[24] on. A door that decides sends its
-  pending ends with the decision: at 500 requests/s the ends cost nginx no write, no reply
-  and no timer wake of their own (bench/notes/bench_admission.md has the profile).
+  pending ends with the decision: they cost nginx no write, no reply and no timer wake of
+  their own (1,948 of 2,000 ends at 500 requests/s went this way in a diagnostic run;
+  bench/notes/bench_admission.md has the profile).
 - ENDS_LUA: the ends alone, from ARGV[1] (what the door's 10 ms timer sends when no
   decision carried them).
 
-The keys of an end are not declared to Redis (they are packed in arguments): the Lua door
+The keys of an end are not declared to Redis (they travel as arguments): the Lua door
 reaches one Redis server only (`gate.nginx_lua` refuses Sentinel and Cluster), where that
 is allowed. Each end is idempotent as the scripts are (an attempt id, a leave that finds
 the id gone), so an end sent again after a timeout is counted once.

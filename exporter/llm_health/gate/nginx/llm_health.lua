@@ -58,6 +58,9 @@ function M.init(p)
     route.decide_tail = {}
     for _, a in ipairs(route.policy) do route.decide_tail[#route.decide_tail + 1] = a end
     route.decide_tail[#route.decide_tail + 1] = "1"  -- the lean reply
+    -- decide_call's fifteen arguments and this tail are DECIDE_LUA's: the ends carried with a
+    -- decision start after them (store.ends.DECIDE_ARGS), so a count that differs is refused here
+    assert(15 + #route.decide_tail == p.decide_args, "llm_health_plan.lua: DECIDE_LUA takes " .. tostring(p.decide_args) .. " arguments: run llm-health nginx-lua again")
   end
   -- The policy (store.policy), for what is decided with no Redis to ask.
   pol = assert(loadstring(p.policy_lua .. "\nreturn {policy = policy, read_policy = read_policy}"))()
@@ -450,7 +453,6 @@ end
 local function tenant_key(tenant)
   return plan.queue.tenant_prefix .. tenant .. ":" .. math.floor(ngx.time() / 60)
 end
-
 
 -- An attempt's end, or a refusal's, queued for Redis: sent with this worker's next
 -- decision (DECIDE_ENDS_LUA) or by its 10 ms timer (ENDS_LUA), whichever comes first.
