@@ -84,9 +84,8 @@ async def test_ends_write_what_the_two_scripts_write(two):
     assert await a.execute(pipe) == [1, 1]
     assert await r.eval(ENDS_LUA, 0, *flat(ends_of(b, "x", 200, 42))) == 2
     one, other = await dump(r, "one:"), await dump(r, "two:")
-    assert (
-        one == other and one[a.keys.record("x")[len("one:") :]][1][b"state"] == b"done" and one[a.keys.record("x")[len("one:") :]][1][b"token_units"] == b"42"
-    ), one
+    record = one[a.keys.record("x")[len("one:") :]][1]
+    assert one == other and (record[b"state"], record[b"token_units"]) == (b"done", b"42"), one
 
 
 async def test_a_decision_runs_the_ends_it_carries_first(two):
