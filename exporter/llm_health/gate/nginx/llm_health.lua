@@ -476,8 +476,8 @@ end
 -- Each end's script calls appended to `call` as store.ends reads them: 'a'
 -- (RECORD_ATTEMPT_LUA) or 'l' (LEAVE_QUEUE_LUA), the number of keys, the number of
 -- arguments, the keys, the arguments (store.queue.attempt_call and leave_call, their
--- replies 1: not read); `t` the time they are written. No string is built here: the
--- arguments go out as they are (a long string built per end costs nginx more).
+-- replies 1: not read); `t` the time they are written. The arguments go out as they are:
+-- nothing is joined here or split in Redis.
 local function pack_ends(due, t, call)
   local q = plan.queue
   local n = #call
