@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from llm_health.core.admission import Policy
@@ -113,6 +114,27 @@ async def test_an_end_redis_refuses_is_skipped_and_the_rest_run(two):
     assert await r.hget(a.keys.record("x"), "state") == b"done"
     reply = await r.eval(DECIDE_ENDS_LUA, *decide_call(a, "y"), *bad)
     assert reply.split(b"\t")[2] == b"admit_once", reply
+
+
+async def test_redis_saying_not_now_fails_the_call_and_loses_no_end(two):
+    """min-replicas-to-write with no replica in reach: every write is NOREPLICAS. The call
+    fails (the door sends its ends again) instead of skipping them as refused; once Redis
+    takes writes again, the same call records them."""
+    r, (a, _) = two
+    await r.eval(DECIDE_ENDS_LUA, *decide_call(a, "x"))
+    ends = flat(ends_of(a, "x", 200, 7))
+    await r.config_set("min-replicas-to-write", 1)
+    try:
+        # the reply starts with Redis' own code: every door reads it as Redis down (store.codes)
+        with pytest.raises(redis.exceptions.ResponseError, match=r"^NOREPLICAS "):
+            await r.eval(ENDS_LUA, 0, *ends)
+        with pytest.raises(redis.exceptions.ResponseError, match=r"^NOREPLICAS "):
+            await r.eval(DECIDE_ENDS_LUA, *decide_call(a, "y"), *ends)
+        assert await r.hget(a.keys.record("x"), "state") == b"running"
+    finally:
+        await r.config_set("min-replicas-to-write", 0)
+    assert await r.eval(ENDS_LUA, 0, *ends) == 2
+    assert await r.hget(a.keys.record("x"), "state") == b"done"
 
 
 @pytest.mark.parametrize("policy", [{}, {"reject_if_queue_age_ms_gte": 0.0}, {"engine_age_unknown": "closed"}])

@@ -7,7 +7,9 @@ run of arguments: `a` (record the attempt) or `l` (leave the queue), the number 
 the number of arguments, the keys, the arguments, exactly as the script takes them (no
 string is built or split on either side). The scripts run unchanged, as local functions of
 KEYS and ARGV; an end Redis refuses (a wrong type where a record was) is skipped, never
-failing the rest of the call.
+failing the rest of the call, while an error that is Redis itself saying "not now"
+(store.codes: NOREPLICAS under min-replicas-to-write, READONLY after a failover) fails the
+whole call, so that the door sends its ends again rather than lose them.
 
 - DECIDE_ENDS_LUA: the decision script (DECIDE_LUA, its keys and 23 arguments) after the
   ends queued since the door's last call, from ARGV[24] on. A door that decides sends its
@@ -25,9 +27,11 @@ the id gone), so an end sent again after a timeout is counted once.
 
 from __future__ import annotations
 
+from .codes import RETRYABLE_CODES
+from .policy import POLICY_ARGS
 from .scripts import DECIDE_LUA, LEAVE_QUEUE_LUA, RECORD_ATTEMPT_LUA
 
-DECIDE_ARGS = 23  # DECIDE_LUA's arguments: the ends follow them
+DECIDE_ARGS = 15 + POLICY_ARGS + 1  # DECIDE_LUA's arguments (its own, the policy's settings, the lean flag): the ends follow them
 
 
 def _function(name: str, body: str) -> str:
@@ -36,7 +40,11 @@ def _function(name: str, body: str) -> str:
     return f"local function {name}(KEYS, ARGV)\n{body}\nend\n"
 
 
-_RUN_ENDS = """
+_RUN_ENDS = (
+    "local DOWN = {"
+    + ", ".join(f"{code} = true" for code in sorted(RETRYABLE_CODES))
+    + "}\n"
+    + """
 local function run_ends(from)
   local i, done, last = from, 0, #ARGV
   while i <= last do
@@ -46,12 +54,23 @@ local function run_ends(from)
     for j = 1, na do args[j] = ARGV[i + 2 + nk + j] end
     local script = record_attempt
     if ARGV[i] == 'l' then script = leave_queue end
-    if pcall(script, keys, args) then done = done + 1 end
+    local ok, e = pcall(script, keys, args)
+    if ok then
+      done = done + 1
+    else
+      -- a command's error reply comes as its text (or, on some versions, a table holding it)
+      local text = e
+      if type(e) == 'table' then text = e.err end
+      if type(text) == 'string' and DOWN[string.match(text, '^(%u+) ') or ''] then
+        error({err = text})  -- Redis itself said "not now" (NOREPLICAS, READONLY, ...): the call fails, the door sends it again
+      end
+    end
     i = i + 3 + nk + na
   end
   return done
 end
 """
+)
 
 _ENDS = _function("record_attempt", RECORD_ATTEMPT_LUA) + _function("leave_queue", LEAVE_QUEUE_LUA) + _RUN_ENDS
 
