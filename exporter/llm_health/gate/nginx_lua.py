@@ -30,7 +30,7 @@ from ..store.codes import RETRYABLE_CODES
 from ..store.ends import DECIDE_ARGS, DECIDE_ENDS_LUA, ENDS_LUA
 from ..store.keys import DEFAULT_RETENTION_MS, QueueKeys
 from ..store.policy import POLICY_LUA, policy_args
-from ..store.scripts import DECIDE_LUA, GAVE_UP_MS, GC_LIMIT, LEAVE_QUEUE_LUA
+from ..store.scripts import DECIDE_LUA, GAVE_UP_MS, GC_LIMIT
 from ..store.target import parse_target
 
 MODULE = "llm_health.lua"  # the door itself, shipped in this package (gate/nginx/)
@@ -129,8 +129,7 @@ def plan(cfg: GateConfig) -> dict[str, Any]:
         "scripts": {
             "decide": _script(DECIDE_LUA),
             "decide_ends": _script(DECIDE_ENDS_LUA),  # the decision carrying the worker's queued ends (store.ends)
-            "ends": _script(ENDS_LUA),
-            "leave": _script(LEAVE_QUEUE_LUA),
+            "ends": _script(ENDS_LUA),  # the ends alone (the timer's, a refusal's)
         },
         "decide_args": DECIDE_ARGS,  # the decision's arguments: the carried ends follow them
         "down_codes": sorted(RETRYABLE_CODES),  # an error reply that is Redis down (store.errors: one classification)

@@ -30,7 +30,7 @@ local found, redis = pcall(require, "resty.redis")
 if not found then redis = require "nginx.redis" end
 
 local M = {}
-local plan, pol, argv
+local plan, pol
 local pending, flushing = {}, false
 local FINISH_RETRY_S = {0.1, 0.3, 1.0, 2.0, 4.0}
 local LATE_RESEND_S = 1.0
@@ -390,20 +390,8 @@ local function kind_of(err)
   return "answer"
 end
 
--- EVALSHA, or EVAL where the server does not hold the script (a restart, a failover).
--- The keys then the arguments, as Redis takes them: numbers as integers where whole (a
--- Unix millisecond is past what tostring writes without an exponent on some builds).
-argv = function(keys, args)
-  local out = {}
-  for _, k in ipairs(keys) do out[#out + 1] = k end
-  for _, a in ipairs(args) do
-    if type(a) == "number" then a = (a == math.floor(a)) and string.format("%d", a) or string.format("%.17g", a) end
-    out[#out + 1] = a
-  end
-  return out
-end
-
--- `call`: the number of keys, the keys, the arguments.
+-- EVALSHA, or SCRIPT LOAD and EVALSHA again where the server does not hold the script (a
+-- restart, a failover). `call`: the number of keys, the keys, the arguments, as strings.
 local function run_call(r, script, call)
   local res, err = r:evalsha(script.sha, unpack(call))
   if not res and kind_of(err) == "noscript" then  -- an error reply comes as false, err
@@ -412,12 +400,6 @@ local function run_call(r, script, call)
     res, err = r:evalsha(script.sha, unpack(call))
   end
   return res, err
-end
-
-local function run(r, script, keys, args)
-  local all = argv(keys, args)
-  table.insert(all, 1, #keys)
-  return run_call(r, script, all)
 end
 
 -- Every script loaded, at a worker's start (tried for a minute while Redis does not
@@ -592,11 +574,6 @@ local function decide_call(queue_id, route, tenant, deadline_ms, now, fp, retrie
   return call
 end
 
--- `quiet`: the script replies 1, not the record (a finish, whose reply is not read).
-local function leave_call(queue_id, route, status, now, ended, quiet)
-  local keys = {plan.queue.record_prefix .. queue_id, route.keys[1], route.keys[2], route.keys[3], route.inflight[1], route.inflight[2], route.inflight[3]}
-  return keys, {queue_id, "done", status and tostring(status) or "", now, "0", tostring(ended), quiet and "1" or nil}
-end
 
 local LEAN = "^" .. string.rep("([^\t]*)\t", 11) .. "(.*)$"
 
@@ -708,11 +685,15 @@ function M.access()
     return
   end
   if recorded then
-    local keys, args = leave_call(queue_id, route, d.status, now_ms(), 0, true)
-    local _, lerr = run(r, plan.scripts.leave, keys, args)
+    -- the refusal's end at once, as an end is written (ENDS_LUA); sent again with the ends
+    -- where Redis does not take it now
+    local refusal = {queue_id = queue_id, route = route, refusal = d.status}
+    local call = {0}
+    pack_ends({refusal}, string.format("%d", now_ms()), call)
+    local _, lerr = run_call(r, plan.scripts.ends, call)
     if lerr then
       r:close()
-      M.queue_end({queue_id = queue_id, route = route, refusal = d.status})  -- sent again with the ends
+      M.queue_end(refusal)
     else
       release(r)
     end
