@@ -160,27 +160,38 @@ end
 
 # KEYS: record, enqueued, deadline, retried, live, dup, routes
 # ARGV: id, route, tenant, deadline_ms, enqueued_ms, now_ms, retention_ms, gc_limit
-# enqueue(rec, id): the record key and id, KEYS[1] and ARGV[1] unless DECIDE_LUA matched a
-# retry without an id to a first copy (its record key derived from the queue's prefix: the
-# same hash slot on Cluster).
+# enqueue(rec, id, running): the record key and id, KEYS[1] and ARGV[1] unless DECIDE_LUA
+# matched a retry without an id to a first copy (its record key derived from the queue's
+# prefix: the same hash slot on Cluster). `running`: the request leaves the queue as it
+# joins (DECIDE_LUA: its stats were read before): the record says running, and the id is
+# taken off the waiting sets rather than added and taken off again (what _LEAVE_FN's
+# leave(rec, id, 'running', '', now, '0') after a plain enqueue leaves, in fewer calls).
 _ENQUEUE_FN = """
-local function enqueue(rec, id)
+local function enqueue(rec, id, running)
   local retry = 0
   local enq, dl
+  local state = 'queued'
+  if running then state = 'running' end
   if redis.call('EXISTS', rec) == 1 then
     retry = redis.call('HINCRBY', rec, 'retry_count', 1)
-    enq = redis.call('HGET', rec, 'enqueued_ms')
-    dl = redis.call('HGET', rec, 'deadline_ms')
-    redis.call('HSET', rec, 'route', ARGV[2], 'state', 'queued', 'updated_ms', ARGV[6])
+    local f = redis.call('HMGET', rec, 'enqueued_ms', 'deadline_ms')
+    enq, dl = f[1], f[2]
+    redis.call('HSET', rec, 'route', ARGV[2], 'state', state, 'updated_ms', ARGV[6])
   else
     enq, dl = ARGV[5], ARGV[4]
     redis.call('HSET', rec, 'route', ARGV[2], 'tenant', ARGV[3], 'enqueued_ms', enq,
                'deadline_ms', dl, 'retry_count', 0, 'attempts', 0, 'token_units', 0,
-               'attempt_units_max', 0, 'http_status', '', 'state', 'queued', 'updated_ms', ARGV[6])
+               'attempt_units_max', 0, 'http_status', '', 'state', state, 'updated_ms', ARGV[6])
   end
-  redis.call('ZADD', KEYS[2], enq, id)
-  redis.call('ZADD', KEYS[3], dl, id)
-  if retry >= 1 then redis.call('ZADD', KEYS[4], dl, id) end
+  if running then
+    redis.call('ZREM', KEYS[2], id)
+    redis.call('ZREM', KEYS[3], id)
+    redis.call('ZREM', KEYS[4], id)
+  else
+    redis.call('ZADD', KEYS[2], enq, id)
+    redis.call('ZADD', KEYS[3], dl, id)
+    if retry >= 1 then redis.call('ZADD', KEYS[4], dl, id) end
+  end
   local keep = math.max(tonumber(dl), tonumber(ARGV[6]))
   redis.call('ZADD', KEYS[5], string.format('%d', keep), id)
   redis.call('PEXPIREAT', rec, string.format('%d', keep + tonumber(ARGV[7])))
@@ -188,7 +199,7 @@ local function enqueue(rec, id)
   gc(string.format('(%d', tonumber(ARGV[6]) - tonumber(ARGV[7])), tonumber(ARGV[8]))
 end
 """
-ENQUEUE_LUA = _GC_FN + _ENQUEUE_FN + "enqueue(KEYS[1], ARGV[1])\nreturn redis.call('HGETALL', KEYS[1])\n"
+ENQUEUE_LUA = _GC_FN + _ENQUEUE_FN + "enqueue(KEYS[1], ARGV[1], false)\nreturn redis.call('HGETALL', KEYS[1])\n"
 
 # KEYS: record, enqueued, deadline, retried. Arguments: the record key, id, new state,
 # http_status ('' keeps), now_ms, only_if_waiting ('1': fail unless the id was still
@@ -200,8 +211,11 @@ local function leave(rec, id, state, status, now, only_if_waiting)
   if only_if_waiting == '1' and removed == 0 then return false end
   redis.call('ZREM', KEYS[3], id)
   redis.call('ZREM', KEYS[4], id)
-  redis.call('HSET', rec, 'state', state, 'updated_ms', now)
-  if status ~= '' then redis.call('HSET', rec, 'http_status', status) end
+  if status ~= '' then
+    redis.call('HSET', rec, 'state', state, 'updated_ms', now, 'http_status', status)
+  else
+    redis.call('HSET', rec, 'state', state, 'updated_ms', now)
+  end
   return true
 end
 """
@@ -217,13 +231,16 @@ LEAVE_QUEUE_LUA = (
     + f"local GAVE_UP_MS = {GAVE_UP_MS}\n"
     + """
 if KEYS[7] then
-  if (ARGV[6] == '1' or ARGV[6] == '2') and redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then
-    local at = tonumber(ARGV[4])
-    if ARGV[6] == '2' then at = at + GAVE_UP_MS end
-    redis.call('ZADD', KEYS[7], string.format('%d', at), ARGV[1])
-    redis.call('PEXPIRE', KEYS[7], 2 * GAVE_UP_MS)
+  if ARGV[6] == '1' or ARGV[6] == '2' then
+    if redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then
+      local at = tonumber(ARGV[4])
+      if ARGV[6] == '2' then at = at + GAVE_UP_MS end
+      redis.call('ZADD', KEYS[7], string.format('%d', at), ARGV[1])
+      redis.call('PEXPIRE', KEYS[7], 2 * GAVE_UP_MS)
+    end
+  else
+    redis.call('ZREM', KEYS[5], ARGV[1])
   end
-  redis.call('ZREM', KEYS[5], ARGV[1])
   redis.call('ZREM', KEYS[6], ARGV[1])
 end
 if not leave(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]) then return false end
@@ -303,7 +320,7 @@ end
 #       settings (store.policy.policy_args), and '1' for the lean reply below (the nginx Lua
 #       door: what a door acts on, no more)
 # Returns {stats (depth, oldest score, tightest score, past deadline, retried, max dup
-# score; '' where none), the record as enqueued (its ten fields, queue.parse_decide's order),
+# score; '' where none), the record as it now stands, running (its ten fields, queue.parse_decide's order),
 # the tenant's spend or false, {the engine ages, false where absent}, the id used (ARGV[1],
 # or the matched first copy's), the door's figure in ms or false, 1 or 0, the requests ahead
 # and the sequences (false where a count is unknown), the decision (store.policy.Verdict),
@@ -313,7 +330,6 @@ end
 DECIDE_LUA = (
     _GC_FN
     + _ENQUEUE_FN
-    + _LEAVE_FN
     + _MATCH_FN
     + POLICY_LUA
     + f"local GAVE_UP_MS = {GAVE_UP_MS}\n"
@@ -329,15 +345,21 @@ if fp and tonumber(ARGV[10]) >= 1 then
   local found = match(fp, tonumber(ARGV[10]), now, ARGV[12], FP_SCAN)
   if found then rec, id, matched = ARGV[12] .. found, found, true end
 end
-local stats = {
-  redis.call('ZCARD', KEYS[2]),
-  score(redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')),
-  score(redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')),
-  redis.call('ZCOUNT', KEYS[3], '-inf', ARGV[6]),
-  redis.call('ZCARD', KEYS[4]),
-  score(redis.call('ZRANGE', KEYS[6], -1, -1, 'WITHSCORES')),
-}
-enqueue(rec, id)
+local stats
+if ARGV[23] == '1' then
+  -- the lean reply: of the route's stats the decision reads the oldest waiting only
+  stats = {false, score(redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES'))}
+else
+  stats = {
+    redis.call('ZCARD', KEYS[2]),
+    score(redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')),
+    score(redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')),
+    redis.call('ZCOUNT', KEYS[3], '-inf', ARGV[6]),
+    redis.call('ZCARD', KEYS[4]),
+    score(redis.call('ZRANGE', KEYS[6], -1, -1, 'WITHSCORES')),
+  }
+end
+enqueue(rec, id, true)
 if matched then
   redis.call('HSET', rec, 'matched_retry', ARGV[10])
 elseif fp then
@@ -415,7 +437,6 @@ if n > 0 then
   end
   if #gone > 0 then redis.call('PEXPIRE', ended, 2 * GAVE_UP_MS) end
 end
-leave(rec, id, 'running', '', ARGV[6], '0')
 -- The decision (store.policy): the route's queue age, the backends' as the door acts on it
 -- (core.queue_age.acted_on: the door's own figure where it covers, else the larger; the
 -- counters' the youngest published), the wait projected (door_wait), the policy.
@@ -458,33 +479,39 @@ local function reply()
   if ARGV[9] == '1' then return 1 end
   return redis.call('HGETALL', rec)
 end
-if redis.call('EXISTS', rec) == 0 then return false end
-if ARGV[7] and ARGV[7] ~= '' then
-  if redis.call('HGET', rec, 'last_attempt') == ARGV[7] then return reply() end
-  redis.call('HSET', rec, 'last_attempt', ARGV[7])
+-- one read and one write of the record (the script is atomic: read, add, write back)
+local f = redis.call('HMGET', rec, 'deadline_ms', 'last_attempt', 'attempts', 'token_units', 'attempt_units_max', 'retry_count')
+if not f[1] and redis.call('EXISTS', rec) == 0 then return false end
+local function count(v, what)
+  local n = tonumber(v or '0')
+  if n == nil or n ~= math.floor(n) then error('ERR ' .. what .. ' is not an integer') end
+  return n
 end
+local units = count(ARGV[2], 'token_units')
+local attempt = ARGV[7] or ''
+if attempt ~= '' and f[2] == attempt then return reply() end
 if KEYS[7] and tonumber(ARGV[8] or '0') > 0 then
   redis.call('INCRBY', KEYS[7], ARGV[8])
   redis.call('EXPIRE', KEYS[7], 120)
 end
-redis.call('HINCRBY', rec, 'attempts', 1)
-local units = tonumber(ARGV[2])
-local total = redis.call('HINCRBY', rec, 'token_units', units)
-local most = tonumber(redis.call('HGET', rec, 'attempt_units_max') or '0')
+local total = count(f[4], 'token_units') + units
+local most = count(f[5], 'attempt_units_max')
+local write = {'attempts', string.format('%d', count(f[3], 'attempts') + 1), 'token_units', string.format('%d', total),
+               'updated_ms', ARGV[4]}
+if attempt ~= '' then write[#write + 1] = 'last_attempt'; write[#write + 1] = attempt end
 if units > most then
   most = units
-  redis.call('HSET', rec, 'attempt_units_max', units)
+  write[#write + 1] = 'attempt_units_max'; write[#write + 1] = string.format('%d', units)
 end
-if ARGV[3] ~= '' then redis.call('HSET', rec, 'http_status', ARGV[3]) end
-local dl = tonumber(redis.call('HGET', rec, 'deadline_ms'))
-if ARGV[6] ~= '' and tonumber(ARGV[6]) > tonumber(redis.call('HGET', rec, 'retry_count') or '0') then
-  redis.call('HSET', rec, 'retry_count', ARGV[6])
-  if redis.call('ZSCORE', KEYS[2], ARGV[1]) then
-    redis.call('ZADD', KEYS[4], string.format('%d', dl), ARGV[1])
-  end
+if ARGV[3] ~= '' then write[#write + 1] = 'http_status'; write[#write + 1] = ARGV[3] end
+local dl = tonumber(f[1])
+local raised = ARGV[6] ~= '' and tonumber(ARGV[6]) > tonumber(f[6] or '0')
+if raised then write[#write + 1] = 'retry_count'; write[#write + 1] = ARGV[6] end
+redis.call('HSET', rec, unpack(write))
+if raised and redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+  redis.call('ZADD', KEYS[4], string.format('%d', dl), ARGV[1])
 end
 if most > 0 then redis.call('ZADD', KEYS[6], tostring(total / most), ARGV[1]) end
-redis.call('HSET', rec, 'updated_ms', ARGV[4])
 local keep = math.max(dl, tonumber(ARGV[4]))
 redis.call('ZADD', KEYS[5], string.format('%d', keep), ARGV[1])
 redis.call('PEXPIREAT', rec, string.format('%d', keep + tonumber(ARGV[5])))
