@@ -38,7 +38,7 @@ from bench._machine import machine_line
 from bench.bench_admission import Run, Target, engine_proc, open_loop, pin, wait_port
 
 FAKE_REPLY = 'queue_id .. "\\t" .. deadline .. "\\tadmit_once\\t200\\t\\t0\\t0\\t" .. (deadline - now) .. "\\t0\\t\\t\\tprofile"'  # a lean reply
-SCRIPT = "      res, err = run_call(r, plan.scripts.decide, call)"
+SCRIPT = "      res, err = run_call(r, plan.scripts.decide, parts, count)"
 NO_FINISH = ("function M.log()\n", "function M.log()\n  do return end\n")
 VARIANTS: dict[str, list[tuple[str, str]]] = {
     "shipped": [],

@@ -6,9 +6,10 @@
 --   init_by_lua_block        { require("llm_health").init(require("llm_health_plan")) }
 --   init_worker_by_lua_block { require("llm_health").init_worker() }
 --   location / { access_by_lua_block { require("llm_health").access() }
---                header_filter_by_lua_block { require("llm_health").header_filter() }
 --                body_filter_by_lua_block { require("llm_health").body_filter() }
 --                log_by_lua_block { require("llm_health").log() }
+--                proxy_hide_header X-Request-Id; proxy_hide_header X-LLM-Health-Decision;
+--                proxy_hide_header x-deadline-slack-ms; proxy_hide_header x-queue-age-ms;
 --                proxy_pass http://engines; }
 --
 -- What each phase does, as gate/decision.py does it for the Python doors:
@@ -19,8 +20,8 @@
 --   redis_down policy, decided by the same policy code (store.policy) run here.
 -- body_filter: the last 4 KiB of the answer, for its `usage`.
 -- log: the attempt's end queued; the worker's next decision carries the queued ends
---   (store.ends.DECIDE_ENDS_LUA), else a timer per worker sends them in one call every
---   10 ms (ENDS_LUA; store.batch's tick), each idempotent, again while Redis does not answer
+--   (store.ends.DECIDE_ENDS_LUA), else a timer per worker, armed only while ends wait, sends
+--   them in one call 10 ms on (ENDS_LUA; store.batch's tick), each idempotent, again while Redis does not answer
 --   (0.1, 0.3, 1, 2, 4 s), then given up with a warning in nginx's error log naming the
 --   request (its record expires with its retention); an attempt admitted while Redis did
 --   not answer in time is finished too, and once more a second after Redis answered.
@@ -32,6 +33,9 @@ if not found then redis = require "nginx.redis" end
 local M = {}
 local plan, pol
 local pending, flushing = {}, false
+local FLUSH_S = 0.01  -- how long an end waits for a decision to carry it before a timer sends it (store.batch's tick)
+local armed_at = nil  -- when this worker's ends timer fires (nil: none armed)
+local arm  -- arm(delay): a timer that sends the ends due by then (below)
 local FINISH_RETRY_S = {0.1, 0.3, 1.0, 2.0, 4.0}
 local LATE_RESEND_S = 1.0
 local TAIL = 4096
@@ -42,25 +46,53 @@ local FP_HEADERS = {"Authorization", "Api-Key", "X-Api-Key", "X-Request-Deadline
                     "X-Envoy-Expected-Rq-Timeout-Ms", "x-llm-d-inference-ttl"}
 local DOWN = {}  -- store.errors.RETRYABLE_CODES, from the plan: one classification for every door
 
+-- ------------------------------------------------------------------ RESP
+-- The decision and the ends go to Redis as RESP written here: lua-resty-redis's command
+-- methods take five table slots per argument, one of them its length as a number that
+-- nginx formats to text twice while it sends the table (8.6% of the door's nginx CPU in a
+-- perf profile, bench/notes/bench_admission.md), and a decision that carries its ends has
+-- some sixty arguments, most of them the same for every request of a route (its keys, its
+-- policy). Those are encoded once, here at init; a request encodes only its own values.
+-- lua-resty-redis still connects, authenticates, selects the database and loads scripts.
+local function enc(s) return "$" .. #s .. "\r\n" .. s .. "\r\n" end
+local function encs(list)
+  local out = {}
+  for i, v in ipairs(list) do out[i] = enc(v) end
+  return table.concat(out)
+end
+local E0, E1, E2, EMPTY, DONE = enc("0"), enc("1"), enc("2"), enc(""), enc("done")
+local A6, A7, L7 = encs({"a", "6", "9"}), encs({"a", "7", "9"}), encs({"l", "7", "7"})  -- an end's kind and counts (store.ends)
+
 function M.init(p)
   plan = p
   for _, code in ipairs(p.down_codes) do DOWN[code] = true end
-  -- What every decision sends unchanged, computed once.
-  p.queue.retention_s, p.queue.gc_limit_s = string.format("%d", p.queue.retention_ms), string.format("%d", p.queue.gc_limit)
+  -- What every decision sends unchanged, encoded once.
+  local q = p.queue
+  q.retention_enc = enc(string.format("%d", q.retention_ms))
+  q.retention_gc_enc = q.retention_enc .. enc(string.format("%d", q.gc_limit))
+  q.record_prefix_enc = enc(q.record_prefix)
+  for _, s in pairs(p.scripts) do s.head = encs({"EVALSHA", s.sha}) end
   for _, route in pairs(p.routes) do
-    route.n_backends = string.format("%d", #route.engine_age)
-    route.engine_keys = {}
-    for _, k in ipairs(route.engine_age) do route.engine_keys[#route.engine_keys + 1] = k end
+    local rk, engine_keys = route.keys, {}
+    for _, k in ipairs(route.engine_age) do engine_keys[#engine_keys + 1] = k end
     if #route.engine_age > 0 then
-      for _, k in ipairs(route.engine_waiting) do route.engine_keys[#route.engine_keys + 1] = k end
-      for _, k in ipairs(route.inflight) do route.engine_keys[#route.engine_keys + 1] = k end
+      for _, k in ipairs(route.engine_waiting) do engine_keys[#engine_keys + 1] = k end
+      for _, k in ipairs(route.inflight) do engine_keys[#engine_keys + 1] = k end
     end
-    route.decide_tail = {}
-    for _, a in ipairs(route.policy) do route.decide_tail[#route.decide_tail + 1] = a end
-    route.decide_tail[#route.decide_tail + 1] = "1"  -- the lean reply
-    -- decide_call's fifteen arguments and this tail are DECIDE_LUA's: the ends carried with a
+    route.decide_keys = 7 + #engine_keys  -- the record, the route's five sets, the routes' set, the engines'
+    route.decide_keys_enc = encs({rk[1], rk[2], rk[3], rk[4], rk[5], q.routes_key})
+    route.engine_keys_enc = encs(engine_keys)
+    route.name_enc = enc(route.name)
+    route.n_backends_enc = enc(string.format("%d", #route.engine_age))
+    route.attempt_keys_enc = encs({rk[1], rk[2], rk[3], rk[4], rk[5]})
+    route.leave_keys_enc = encs({rk[1], rk[2], rk[3], route.inflight[1], route.inflight[2], route.inflight[3]})
+    local tail = {}
+    for _, a in ipairs(route.policy) do tail[#tail + 1] = a end
+    tail[#tail + 1] = "1"  -- the lean reply
+    route.decide_tail_enc = encs(tail)
+    -- decide_parts' fifteen arguments and this tail are DECIDE_LUA's: the ends carried with a
     -- decision start after them (store.ends.DECIDE_ARGS), so a count that differs is refused here
-    assert(15 + #route.decide_tail == p.decide_args, "llm_health_plan.lua: DECIDE_LUA takes " .. tostring(p.decide_args) .. " arguments: run llm-health nginx-lua again")
+    assert(15 + #tail == p.decide_args, "llm_health_plan.lua: DECIDE_LUA takes " .. tostring(p.decide_args) .. " arguments: run llm-health nginx-lua again")
   end
   -- The policy (store.policy), for what is decided with no Redis to ask.
   pol = assert(loadstring(p.policy_lua .. "\nreturn {policy = policy, read_policy = read_policy}"))()
@@ -94,6 +126,8 @@ for _, b in ipairs({9, 10, 11, 12, 13, 28, 29, 30, 31, 32}) do SPACES[b] = true 
 
 -- str.strip() of a header as Python reads it.
 local function strip(s)
+  local first, last = s:byte(1), s:byte(-1)
+  if first and first > 32 and first < 127 and last > 32 and last < 127 then return s end  -- nothing to strip (most headers)
   if not s:find("[\128-\255]") then return (s:match("^[%s\28-\31]*(.-)[%s\28-\31]*$")) end  -- ASCII: the same set
   local first, last, i = nil, 0, 1
   while i <= #s do
@@ -259,19 +293,21 @@ local function read_tenant(headers)
   return tenant
 end
 
+local function earliest(found, ms) if found == nil or ms < found then return ms end return found end
+local BUDGET_HEADERS = {"X-Request-Timeout-Ms", "X-Envoy-Expected-Rq-Timeout-Ms"}
+
 local function read_deadline_ms(headers, now, default_ms)
   local found
-  local function add(ms) if found == nil or ms < found then found = ms end end
   local absolute = get(headers, "X-Request-Deadline-Ms")
-  if absolute ~= nil then add(integer("X-Request-Deadline-Ms", absolute, now - DAY, now + WEEK, "Unix time in milliseconds within a week")) end
-  for _, name in ipairs({"X-Request-Timeout-Ms", "X-Envoy-Expected-Rq-Timeout-Ms"}) do
+  if absolute ~= nil then found = integer("X-Request-Deadline-Ms", absolute, now - DAY, now + WEEK, "Unix time in milliseconds within a week") end
+  for _, name in ipairs(BUDGET_HEADERS) do
     local budget = get(headers, name)
-    if budget ~= nil then add(now + integer(name, budget, 0, WEEK, "the milliseconds left")) end
+    if budget ~= nil then found = earliest(found, now + integer(name, budget, 0, WEEK, "the milliseconds left")) end
   end
   local ttl = get(headers, "x-llm-d-inference-ttl")
   if ttl ~= nil then
     local ms = go_duration_ms("x-llm-d-inference-ttl", ttl)
-    if ms > 0 then add(now + ms) end
+    if ms > 0 then found = earliest(found, now + ms) end
   end
   if found ~= nil then return found end
   if default_ms == nil then
@@ -390,14 +426,40 @@ local function kind_of(err)
   return "answer"
 end
 
+-- One reply: a bulk string, an integer, a status, or false and an error reply's text; nil
+-- and the socket's error where none came. (A script's reply here is never an array.)
+local function read_reply(sock)
+  local line, err = sock:receive()
+  if not line then return nil, err end
+  local c = line:byte(1)
+  if c == 36 then  -- $
+    local size = tonumber(line:sub(2))
+    if size < 0 then return ngx.null end
+    local data, derr = sock:receive(size + 2)
+    if not data then return nil, derr end
+    return data:sub(1, size)
+  elseif c == 58 then return tonumber(line:sub(2))  -- :
+  elseif c == 45 then return false, line:sub(2)  -- -
+  elseif c == 43 then return line:sub(2) end  -- +
+  return nil, "unexpected reply from Redis: " .. line:sub(1, 64)
+end
+
 -- EVALSHA, or SCRIPT LOAD and EVALSHA again where the server does not hold the script (a
--- restart, a failover). `call`: the number of keys, the keys, the arguments, as strings.
-local function run_call(r, script, call)
-  local res, err = r:evalsha(script.sha, unpack(call))
-  if not res and kind_of(err) == "noscript" then  -- an error reply comes as false, err
+-- restart, a failover). `parts`: the request from parts[3] on (the number of keys, the
+-- keys, the arguments, encoded: see RESP above); `count`: how many arguments they hold.
+local function run_call(r, script, parts, count)
+  local sock = rawget(r, "_sock")
+  if not sock then error("llm-health: this lua-resty-redis keeps no _sock: the door cannot send its script") end
+  parts[1], parts[2] = "*" .. (count + 2) .. "\r\n", script.head
+  local sent, serr = sock:send(parts)
+  if not sent then return nil, serr end
+  local res, err = read_reply(sock)
+  if res == false and kind_of(err) == "noscript" then
     local loaded, lerr = r:script("load", script.text)
     if not loaded then return loaded, lerr end
-    res, err = r:evalsha(script.sha, unpack(call))
+    sent, serr = sock:send(parts)
+    if not sent then return nil, serr end
+    res, err = read_reply(sock)
   end
   return res, err
 end
@@ -437,16 +499,21 @@ local function tenant_key(tenant)
 end
 
 -- An attempt's end, or a refusal's, queued for Redis: sent with this worker's next
--- decision (DECIDE_ENDS_LUA) or by its 10 ms timer (ENDS_LUA), whichever comes first.
+-- decision (DECIDE_ENDS_LUA) or, where no decision came within FLUSH_S, by a timer
+-- (ENDS_LUA). The timer is armed only while ends wait: a worker with nothing to send is
+-- not woken, and under traffic the decisions carry the ends before it fires.
 function M.queue_end(item)
-  item.tries, item.at = 0, 0
+  item.tries, item.at = 0, ngx.now() + FLUSH_S
   pending[#pending + 1] = item
+  arm(FLUSH_S)
 end
 
--- The queued ends that are due, at most `most`, taken off the queue (nil where none).
-local function take_due(most, everything)
+-- The queued ends due within `ahead` seconds (a decision: every end not pausing after a
+-- failed try; the timer: those due now), at most `most`, taken off the queue (nil where
+-- none); `everything`: all of them.
+local function take_due(most, everything, ahead)
   if #pending == 0 then return nil end
-  local now, due, later = ngx.now(), {}, {}
+  local now, due, later = ngx.now() + (ahead or 0), {}, {}
   for _, item in ipairs(pending) do
     if (everything or item.at <= now) and #due < most then due[#due + 1] = item else later[#later + 1] = item end
   end
@@ -455,38 +522,41 @@ local function take_due(most, everything)
   return due
 end
 
--- Each end's script calls appended to `call` as store.ends reads them: 'a'
+-- Each end's script calls appended to `parts` (at n) as store.ends reads them: 'a'
 -- (RECORD_ATTEMPT_LUA) or 'l' (LEAVE_QUEUE_LUA), the number of keys, the number of
 -- arguments, the keys, the arguments (store.queue.attempt_call and leave_call, their
--- replies 1: not read); `t` the time they are written. The arguments go out as they are:
--- nothing is joined here or split in Redis.
-local function pack_ends(due, t, call)
+-- replies 1: not read); `t` the time they are written. The new n and the number of
+-- arguments added.
+local function pack_ends(due, t, parts, n)
   local q = plan.queue
-  local n = #call
+  local te, count = enc(t), 0
   for _, it in ipairs(due) do
-    local rec, rk, inf, id = q.record_prefix .. it.queue_id, it.route.keys, it.route.inflight, it.queue_id
-    local st, ended = nil, "0"
+    local route = it.route
+    local rec, id = enc(q.record_prefix .. it.queue_id), enc(it.queue_id)
+    local st, ended = nil, E0
     if it.refusal then
-      st = string.format("%d", it.refusal)
+      st = enc(string.format("%d", it.refusal))
     else
       local units = it.units or 0
-      local u = string.format("%d", units)
-      st = it.status and string.format("%d", it.status) or ""
-      ended = it.status == 499 and "2" or "1"
+      local u = enc(string.format("%d", units))
+      st = it.status and enc(string.format("%d", it.status)) or EMPTY
+      ended = it.status == 499 and E2 or E1
       local charged = plan.tenants[it.tenant] and units > 0
-      call[n + 1], call[n + 2], call[n + 3] = "a", charged and "7" or "6", "9"
-      call[n + 4], call[n + 5], call[n + 6], call[n + 7], call[n + 8], call[n + 9] = rec, rk[1], rk[2], rk[3], rk[4], rk[5]
+      parts[n + 1], parts[n + 2], parts[n + 3] = charged and A7 or A6, rec, route.attempt_keys_enc
+      n = n + 3
+      if charged then n = n + 1; parts[n] = enc(tenant_key(it.tenant)) end
+      parts[n + 1], parts[n + 2], parts[n + 3], parts[n + 4], parts[n + 5] = id, u, st, te, q.retention_enc
+      parts[n + 6] = it.retry_count and enc(string.format("%d", it.retry_count)) or EMPTY
+      parts[n + 7], parts[n + 8], parts[n + 9] = enc(it.attempt_id), charged and u or E0, E1
       n = n + 9
-      if charged then call[n + 1] = tenant_key(it.tenant); n = n + 1 end
-      call[n + 1], call[n + 2], call[n + 3], call[n + 4], call[n + 5] = id, u, st, t, q.retention_s
-      call[n + 6], call[n + 7], call[n + 8], call[n + 9] = it.retry_count and string.format("%d", it.retry_count) or "", it.attempt_id, charged and u or "0", "1"
-      n = n + 9
+      count = count + (charged and 19 or 18)
     end
-    call[n + 1], call[n + 2], call[n + 3] = "l", "7", "7"
-    call[n + 4], call[n + 5], call[n + 6], call[n + 7], call[n + 8], call[n + 9], call[n + 10] = rec, rk[1], rk[2], rk[3], inf[1], inf[2], inf[3]
-    call[n + 11], call[n + 12], call[n + 13], call[n + 14], call[n + 15], call[n + 16], call[n + 17] = id, "done", st, t, "0", ended, "1"
-    n = n + 17
+    parts[n + 1], parts[n + 2], parts[n + 3], parts[n + 4], parts[n + 5] = L7, rec, route.leave_keys_enc, id, DONE
+    parts[n + 6], parts[n + 7], parts[n + 8], parts[n + 9], parts[n + 10] = st, te, E0, ended, E1
+    n = n + 10
+    count = count + 17
   end
+  return n, count
 end
 
 -- After a try: a late attempt once more a second on, the ends not written again after
@@ -494,7 +564,7 @@ end
 local function settle(due, ok, err)
   for _, it in ipairs(due) do
     if ok then
-      if it.late then it.late = false; it.at = ngx.now() + LATE_RESEND_S; pending[#pending + 1] = it end
+      if it.late then it.late = false; it.at = ngx.now() + LATE_RESEND_S; pending[#pending + 1] = it; arm(LATE_RESEND_S) end
     else
       it.tries = it.tries + 1
       if it.tries > #FINISH_RETRY_S then
@@ -502,6 +572,7 @@ local function settle(due, ok, err)
       else
         it.at = ngx.now() + FINISH_RETRY_S[it.tries]
         pending[#pending + 1] = it
+        arm(FINISH_RETRY_S[it.tries])
       end
     end
   end
@@ -554,24 +625,28 @@ local function fingerprint(tenant, route, method, raw_path, headers, body)
   return string.format(HEX20, ngx.sha1_bin(table.concat(parts)):byte(1, 20))
 end
 
--- The decision script's call (store.queue.pipe_decide's keys and arguments, and the lean
--- reply's flag), as one array: the number of keys, the keys, the arguments.
-local function decide_call(queue_id, route, tenant, deadline_ms, now, fp, retries)
+-- The decision script's request (store.queue.pipe_decide's keys and arguments, and the
+-- lean reply's flag) from parts[3] on: the parts, their last index, the arguments counted.
+local function decide_parts(queue_id, route, tenant, deadline_ms, now, fp, retries)
   local q = plan.queue
   local limit = plan.tenants[tenant]
-  local rk = route.keys
-  local call = {0, q.record_prefix .. queue_id, rk[1], rk[2], rk[3], rk[4], rk[5], q.routes_key}
-  if limit then call[#call + 1] = tenant_key(tenant) end
-  if fp then call[#call + 1] = q.fp_prefix .. fp end
-  for _, k in ipairs(route.engine_keys) do call[#call + 1] = k end
-  call[1] = #call - 1
-  local d, t = string.format("%d", deadline_ms), string.format("%d", now)
-  local args = {queue_id, route.name, tenant, d, t, t, q.retention_s, q.gc_limit_s, limit and "1" or "0",
-                fp and string.format("%d", retries) or "", fp and string.format("%d", deadline_ms + route.retry_match_window_ms) or "0",
-                q.record_prefix, route.n_backends, string.format("%d", retries), limit and string.format("%.17g", limit) or ""}
-  for _, a in ipairs(args) do call[#call + 1] = a end
-  for _, a in ipairs(route.decide_tail) do call[#call + 1] = a end
-  return call
+  local nkeys = route.decide_keys
+  local parts = {false, false, false, enc(q.record_prefix .. queue_id), route.decide_keys_enc}
+  local n = 5
+  if limit then n = n + 1; parts[n] = enc(tenant_key(tenant)); nkeys = nkeys + 1 end
+  if fp then n = n + 1; parts[n] = enc(q.fp_prefix .. fp); nkeys = nkeys + 1 end
+  parts[n + 1] = route.engine_keys_enc
+  parts[3] = enc(string.format("%d", nkeys))
+  local t = enc(string.format("%d", now))
+  -- id, route, tenant, deadline, enqueued, now, retention, gc limit, tenant flag, retry count
+  -- with a fingerprint, match_until, the records' prefix, n backends, retry count, budget
+  parts[n + 2], parts[n + 3], parts[n + 4], parts[n + 5] = enc(queue_id), route.name_enc, enc(tenant), enc(string.format("%d", deadline_ms))
+  parts[n + 6], parts[n + 7], parts[n + 8], parts[n + 9] = t, t, q.retention_gc_enc, limit and E1 or E0
+  parts[n + 10] = fp and enc(string.format("%d", retries)) or EMPTY
+  parts[n + 11] = fp and enc(string.format("%d", deadline_ms + route.retry_match_window_ms)) or E0
+  parts[n + 12], parts[n + 13], parts[n + 14] = q.record_prefix_enc, route.n_backends_enc, enc(string.format("%d", retries))
+  parts[n + 15], parts[n + 16] = limit and enc(string.format("%.17g", limit)) or EMPTY, route.decide_tail_enc
+  return parts, n + 16, 1 + nkeys + plan.decide_args
 end
 
 
@@ -613,35 +688,30 @@ function M.access()
     request_id = random_id()
   end
   local queue_id = tenant .. "/" .. request_id
-  local fields = {{"request_id", request_id}}
   local recorded, late, d = true, false, nil
   local age, slack, retry_count, engine_age, wait
   local r, err = connect()
   local res
   if r then
-    local call, ends = decide_call(queue_id, route, tenant, deadline, now, fp, retries), take_due(32)
+    local parts, n, count = decide_parts(queue_id, route, tenant, deadline, now, fp, retries)
+    local ends = take_due(32, false, FLUSH_S)
     if ends then
       -- the ends queued since this worker's last call go with the decision (store.ends)
-      pack_ends(ends, string.format("%d", now), call)
-      res, err = run_call(r, plan.scripts.decide_ends, call)
+      local _, added = pack_ends(ends, string.format("%d", now), parts, n)
+      res, err = run_call(r, plan.scripts.decide_ends, parts, count + added)
       settle(ends, res ~= nil, err)
     else
-      res, err = run_call(r, plan.scripts.decide, call)
+      res, err = run_call(r, plan.scripts.decide, parts, count)
     end
   end
   if res then
     -- the lean reply (store.policy's `lean`): the id used, the record's deadline, the
     -- decision, its status, Retry-After, retryable, the figures, the reason
     local used, dl, name, st, after, retryable, a, sl, rc, eng, w, why = res:match(LEAN)
-    if used ~= queue_id then queue_id = used; request_id = used:match("^[^/]*/(.*)$"); fields[1][2] = request_id end
+    if used ~= queue_id then queue_id = used; request_id = used:match("^[^/]*/(.*)$") end
     deadline = tonumber(dl)
     d = {decision = name, reason = why, status = tonumber(st), retry_after = tonumber(after), retryable = retryable == "1"}
     age, slack, retry_count, engine_age, wait = tonumber(a), tonumber(sl), tonumber(rc), tonumber(eng), tonumber(w)
-    fields[#fields + 1] = {"queue_age_ms", age}
-    fields[#fields + 1] = {"deadline_slack_ms", slack}
-    fields[#fields + 1] = {"retry_count", retry_count}
-    if #route.engine_age > 0 then fields[#fields + 1] = {"engine_queue_age_ms", engine_age or ngx.null} end
-    if wait then fields[#fields + 1] = {"expected_wait_ms", wait} end
   elseif kind_of(err) == "answer" then
     if r then r:close() end
     ngx.log(ngx.ERR, "llm-health: redis refused the request record for route ", route.name, ": ", err)
@@ -653,9 +723,6 @@ function M.access()
     ngx.log(ngx.WARN, "llm-health: redis unreachable for route ", route.name, " (", tostring(err), "): failing ", route.redis_down)
     slack = deadline - now
     retry_count = retries
-    fields[#fields + 1] = {"queue_age_ms", ngx.null}
-    fields[#fields + 1] = {"deadline_slack_ms", slack}
-    fields[#fields + 1] = {"retry_count", retries}
     local P = pol.read_policy(route.policy, 1)
     local name, why, st, after, retryable
     if route.redis_down == "closed" then
@@ -675,11 +742,17 @@ function M.access()
   if age ~= nil then out["x-queue-age-ms"] = string.format("%d", age) end
   if d.decision == "admit_once" or d.decision == "admit_unrecorded" then
     if r then release(r) end
+    local slack_ms, age_ms = out["x-deadline-slack-ms"], out["x-queue-age-ms"]
     ngx.req.set_header("X-Request-Id", request_id)
     ngx.req.set_header("X-LLM-Health-Decision", d.decision)  -- the door's, never a client's own
-    ngx.req.set_header("x-deadline-slack-ms", out["x-deadline-slack-ms"])
-    ngx.req.set_header("x-queue-age-ms", out["x-queue-age-ms"])
-    ngx.ctx.llm_health = {out = out, attempt = (recorded or late) and {queue_id = queue_id, route = route, tenant = tenant,
+    ngx.req.set_header("x-deadline-slack-ms", slack_ms)
+    ngx.req.set_header("x-queue-age-ms", age_ms)
+    -- The answer's headers, set now: nginx keeps them through proxy_pass (and on its own 502),
+    -- with no header filter phase; the engine's own copies are hidden (proxy_hide_header).
+    local h = ngx.header
+    h["X-Request-Id"], h["X-LLM-Health-Decision"], h["x-deadline-slack-ms"] = request_id, d.decision, slack_ms
+    if age_ms then h["x-queue-age-ms"] = age_ms end
+    ngx.ctx.llm_health = {attempt = (recorded or late) and {queue_id = queue_id, route = route, tenant = tenant,
       retry_count = retry_count, attempt_id = string.format("%08x%08x", math.random(0, 0x7fffffff), math.random(0, 0x7fffffff)),
       late = late, deadline = deadline} or nil}
     return
@@ -688,9 +761,9 @@ function M.access()
     -- the refusal's end at once, as an end is written (ENDS_LUA); sent again with the ends
     -- where Redis does not take it now
     local refusal = {queue_id = queue_id, route = route, refusal = d.status}
-    local call = {0}
-    pack_ends({refusal}, string.format("%d", now_ms()), call)
-    local _, lerr = run_call(r, plan.scripts.ends, call)
+    local parts = {false, false, E0}
+    local _, added = pack_ends({refusal}, string.format("%d", now_ms()), parts, 3)
+    local _, lerr = run_call(r, plan.scripts.ends, parts, 1 + added)
     if lerr then
       r:close()
       M.queue_end(refusal)
@@ -703,14 +776,18 @@ function M.access()
   if d.retry_after then out["Retry-After"] = string.format("%d", math.max(1, math.ceil(d.retry_after))) end
   out["x-should-retry"] = d.retryable and "true" or "false"
   local err_fields = {{"type", "admission_rejected"}, {"code", d.decision}, {"message", d.reason}, {"retryable", d.retryable}, {"route", route.name}}
-  for _, f in ipairs(fields) do err_fields[#err_fields + 1] = f end
+  -- the figures decided on (age unknown where Redis did not answer)
+  local n = #err_fields
+  err_fields[n + 1], err_fields[n + 2] = {"request_id", request_id}, {"queue_age_ms", res and age or ngx.null}
+  err_fields[n + 3], err_fields[n + 4] = {"deadline_slack_ms", slack}, {"retry_count", retry_count}
+  if res and #route.engine_age > 0 then err_fields[#err_fields + 1] = {"engine_queue_age_ms", engine_age or ngx.null} end
+  if res and wait then err_fields[#err_fields + 1] = {"expected_wait_ms", wait} end
   return answer(d.status, out, json({{"error", err_fields}}))
 end
 
-function M.header_filter()
-  local c = ngx.ctx.llm_health
-  if c then for k, v in pairs(c.out) do ngx.header[k] = v end end
-end
+-- Nothing: the answer's headers are set in access (a configuration written for an earlier
+-- door may still name this phase).
+function M.header_filter() end
 
 function M.body_filter()
   local c = ngx.ctx.llm_health
@@ -759,9 +836,9 @@ end
 local function send(due)
   local r, err = connect()
   if not r then return false, err end
-  local call = {0}
-  pack_ends(due, string.format("%d", now_ms()), call)
-  local res, serr = run_call(r, plan.scripts.ends, call)
+  local parts = {false, false, E0}
+  local _, added = pack_ends(due, string.format("%d", now_ms()), parts, 3)
+  local res, serr = run_call(r, plan.scripts.ends, parts, 1 + added)
   if res then release(r); return true end
   r:close()
   return false, serr
@@ -789,15 +866,28 @@ function M.flush_exiting()
   end
 end
 
+-- The ends timer: what is due is sent; the timer is armed again for the earliest end still
+-- waiting. At a worker's exit (a reload) it runs early and sends everything.
 local function tick(premature)
+  armed_at = nil
   if premature then return M.flush_exiting() end
   flush(false)
+  local first
+  for _, it in ipairs(pending) do if first == nil or it.at < first then first = it.at end end
+  if first then arm(math.max(flushing and FLUSH_S or 0.001, first - ngx.now())) end  -- a try in flight: not sooner than FLUSH_S
+end
+
+arm = function(delay)
+  local when = ngx.now() + delay
+  if armed_at ~= nil and armed_at <= when then return end  -- one armed fires sooner
+  if ngx.worker.exiting() then return end  -- log() sends what ends now (flush_exiting)
+  local ok, err = ngx.timer.at(delay, tick)
+  if ok then armed_at = when else ngx.log(ngx.ERR, "llm-health: could not arm the timer that writes attempt ends: ", err) end
 end
 
 function M.init_worker()
   math.randomseed(ngx.now() * 1000 + ngx.worker.pid())
   ngx.timer.at(0, load_scripts, 0)
-  ngx.timer.every(0.01, tick)
 end
 
 return M
