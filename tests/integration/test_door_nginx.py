@@ -45,6 +45,9 @@ class Engine:
         await asyncio.sleep(float(request.headers.get("X-Test-Delay", "0")))
         if "X-Test-Status" in request.headers:  # an engine that refuses (a retry's first copy)
             return web.json_response({"error": "busy"}, status=int(request.headers["X-Test-Status"]))
+        if "X-Test-Own-Headers" in request.headers:  # an engine that answers with the door's header names
+            own = {"X-Request-Id": "engine-id", "X-LLM-Health-Decision": "engine", "x-queue-age-ms": "999999", "x-deadline-slack-ms": "-1"}
+            return web.json_response({"choices": [{"text": "ok"}], "usage": USAGE}, headers=own)
         return web.json_response({"choices": [{"text": "ok"}], "usage": USAGE})
 
 

@@ -29,6 +29,7 @@ from llm_health.config.gate import parse_gate_config
 from llm_health.gate.app import Gate
 from llm_health.store.queue import AdmissionQueue
 from tests.fixtures.nginx import NginxLua
+from tests.harness.processes import free_port
 from tests.integration.hostile.test_gate_and_restarter import BAD_HEADERS
 from tests.integration.test_door_nginx import USAGE, Engine
 from tests.integration.test_gate import recorded, serve
@@ -99,6 +100,30 @@ async def test_a_fresh_request_is_admitted_forwarded_and_its_end_recorded_with_i
     assert "x-queue-age-ms" in up and 0 < int(up["x-deadline-slack-ms"]) <= 30000
     rec = await recorded(own_redis_server.url, PREFIX, "fresh-1")
     assert rec is not None and (rec.attempts, rec.http_status, rec.token_units) == (1, 200, USAGE["total_tokens"]), rec
+
+
+async def test_the_answer_carries_the_door_s_headers_not_the_engine_s_own(lua_door):
+    """The door sets its headers on the answer in access: the engine's copies of those names
+    are not passed on (proxy_hide_header), so each comes once, the door's."""
+    url, _, _, _ = lua_door
+    status, _, headers = await send(url, headers={"X-Request-Id": "own-1", "X-Test-Own-Headers": "1", "X-Request-Timeout-Ms": "30000"})
+    assert status == 200
+    assert headers.getall("X-Request-Id") == ["own-1"]
+    assert headers.getall("X-LLM-Health-Decision") == ["admit_once"]
+    [age] = headers.getall("x-queue-age-ms")
+    [slack] = headers.getall("x-deadline-slack-ms")
+    assert age != "999999" and 0 < int(slack) <= 30000
+
+
+async def test_nginx_s_own_502_for_a_dead_engine_still_carries_the_door_s_headers(own_redis_server, tmp_path):
+    dead = free_port()
+    path = gate_file(tmp_path, own_redis_server.url, f"http://127.0.0.1:{dead}")
+    with NginxLua(tmp_path, gate_file=path, engine_port=dead) as nginx:
+        status, _, headers = await send(nginx.url, headers={"X-Request-Id": "dead-1", "X-Request-Timeout-Ms": "30000"})
+    assert status == 502
+    assert headers.getall("X-Request-Id") == ["dead-1"] and headers["X-LLM-Health-Decision"] == "admit_once"
+    rec = await recorded(own_redis_server.url, PREFIX, "dead-1")
+    assert rec is not None and rec.http_status == 502, rec
 
 
 CASES = [
