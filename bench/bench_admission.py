@@ -12,19 +12,19 @@ carries its own `X-Request-Id`.
 This process (the load generator) runs on CPU 0; every server it starts on the other
 CPUs, so the generator does not take the cores the doors run on (on a 2-core machine the
 servers share CPU 1). Open loop at each rate (default 100 and 500 requests/s), each path
-in two interleaved halves, so machine noise hits them alike: latency p50/p99, what each
+in six interleaved parts, so machine noise hits them alike: latency p50/p99, what each
 door adds over its baseline (the gate over direct, the nginx door over nginx alone, the
 LiteLLM hook over LiteLLM alone), answers other than 200, errors, and the CPU time per
 request of the path's server processes (its door, Redis where it asks Redis, the engine),
 also by process. One LiteLLM process serves about 100 requests/s on one core, so the
 LiteLLM paths run at their own rates (default 25 and 50 requests/s, direct beside them).
-Then closed loop (64 clients) for each path's ceiling.
+Then closed loop (64 clients) for each path's ceiling, in six interleaved parts too.
 
 The calibration figure is prometheus_client's parse of the 45 KB vLLM payload
 (tests/data/real-world/metrics/vllm-v1-0.11-qwen15-05b-idle-engine0-created.prom), best
 of 7, in ms: runs on machines of different speed compare through it.
 
-    python -m bench.bench_admission [--rates 100,500] [--litellm-rates 25,50] [--seconds 6] [--closed-seconds 3] [--no-litellm]
+    python -m bench.bench_admission [--rates 100,500] [--litellm-rates 25,50] [--seconds 6] [--closed-seconds 3] [--rounds 6] [--no-litellm]
 
 Goals, judged at 500 requests/s (a run that did not reach that rate for a path prints
 NOT RUN for its goals): the gate and the nginx door each add under 1 ms at p50 and p99 over
@@ -45,7 +45,6 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,10 +60,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.fixtures import litellm as litellm_fixture
 from tests.fixtures.nginx import Nginx, NginxLua
 from tests.fixtures.redis_server import RedisServer
-from tests.harness.processes import descendants, free_port
+from tests.harness.processes import free_port
 
 from bench._goal import added_latency, goal_line, not_run, printed
 from bench._machine import machine_line
+from bench._processes import cpu_seconds, pin, wait_port
 from bench._stats import percentile
 from bench._unjudged import failed_line
 
@@ -73,6 +73,7 @@ CALIBRATION_PAYLOAD = ROOT / "tests" / "data" / "real-world" / "metrics" / "vllm
 GOAL_ADDED_P99_MS = {"gate": 1.0, "nginx+door": 1.0, "nginx+lua": 1.0, "litellm+hook": 0.5}
 GOAL_ADDED_P50_MS = {"nginx+lua": 0.5}  # where the p50's goal is below the p99's
 GOAL_CEILING_RATIO = 0.5
+ROUNDS = 6  # each path's seconds in this many interleaved parts (open loop and closed)
 GOAL_RATE = 500.0  # every door's latency and CPU goals are judged at this rate, or print NOT RUN
 # ... except the LiteLLM hook's latency: one LiteLLM process tops out near 150 requests/s here
 GOAL_RATES = {"litellm+hook": 50.0}
@@ -107,44 +108,6 @@ def engine_proc(port: int) -> None:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
-
-
-# --- processes and CPUs ------------------------------------------------------------------
-
-
-def tree(pid: int) -> list[int]:
-    """The pid and every descendant of it alive now."""
-    return [pid, *(p for p, _ in descendants(pid))]
-
-
-def cpu_seconds(root: int) -> float:
-    """User plus system CPU seconds of this process and its descendants so far."""
-    total = 0
-    for p in tree(root):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def pin(pids: list[int], cpus: set[int]) -> None:
-    for root in pids:
-        for p in tree(root):
-            with contextlib.suppress(OSError):
-                for task in os.listdir(f"/proc/{p}/task"):  # every thread: a pid's own affinity is its main thread's
-                    with contextlib.suppress(OSError):
-                        os.sched_setaffinity(int(task), cpus)
-
-
-def wait_port(port: int, proc: subprocess.Popen | mp.Process | None = None, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        if isinstance(proc, subprocess.Popen) and proc.poll() is not None:
-            raise RuntimeError(f"a server exited with {proc.returncode} before listening on {port}")
-        time.sleep(0.05)
-    raise RuntimeError(f"port {port} never opened")
 
 
 @contextlib.contextmanager
@@ -228,17 +191,19 @@ async def open_loop(session: aiohttp.ClientSession, path: Target, rate: float, s
         run.cpu[role] = run.cpu.get(role, 0.0) + cpu_seconds(pid) - cpu0[role]
 
 
-async def closed_loop(session: aiohttp.ClientSession, path: Target, concurrency: int, seconds: float) -> tuple[float, int]:
-    """(200 answers per second, other answers and errors)."""
+async def closed_loop(session: aiohttp.ClientSession, path: Target, concurrency: int, seconds: float, tag: str = "") -> tuple[float, int]:
+    """(200 answers per second, other answers and errors): the clients start no request
+    after `seconds`, and the rate is over the time until the last of them is answered."""
     ok = bad = 0
-    stop = time.perf_counter() + seconds
+    start = time.perf_counter()
+    stop = start + seconds
 
     async def worker(w: int) -> None:
         nonlocal ok, bad
         i = 0
         while time.perf_counter() < stop:
             try:
-                async with session.post(path.url, json=BODY, headers={**path.headers, "X-Request-Id": f"closed-{path.name}-{w}-{i}"}) as r:
+                async with session.post(path.url, json=BODY, headers={**path.headers, "X-Request-Id": f"closed{tag}-{path.name}-{w}-{i}"}) as r:
                     await r.read()
                     ok, bad = (ok + 1, bad) if r.status == 200 else (ok, bad + 1)
             except (aiohttp.ClientError, TimeoutError):
@@ -246,14 +211,16 @@ async def closed_loop(session: aiohttp.ClientSession, path: Target, concurrency:
             i += 1
 
     await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    return ok / seconds, bad
+    return ok / (time.perf_counter() - start), bad
 
 
 Runs = list[tuple[float, dict[str, Run]]]  # (rate, the runs of the paths measured at it), in the order run
 
 
-async def measure(plan: list[tuple[float, list[Target]]], seconds: float, closed_seconds: float, concurrency: int) -> tuple[Runs, dict]:
-    """`plan`: (rate, the paths measured at it), in order. (the runs, ceilings by path)."""
+async def measure(plan: list[tuple[float, list[Target]]], seconds: float, closed_seconds: float, concurrency: int, rounds: int = ROUNDS) -> tuple[Runs, dict]:
+    """`plan`: (rate, the paths measured at it), in order. (the runs, ceilings by path).
+    Each path's seconds, open loop and closed, in `rounds` interleaved parts: a drift of the
+    machine over the run hits every path alike."""
     paths = list({p.name: p for _, group in plan for p in group}.values())
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256), timeout=timeout) as s:
@@ -262,10 +229,15 @@ async def measure(plan: list[tuple[float, list[Target]]], seconds: float, closed
         runs: Runs = []
         for rate, group in plan:
             runs.append((rate, {p.name: Run() for p in group}))
-            for half in range(2):
+            for part in range(rounds):
                 for p in group:
-                    await open_loop(s, p, rate, seconds / 2, runs[-1][1][p.name], f"r{rate:g}-{p.name}-{half}-{time.time_ns()}")
-        ceilings = {p.name: await closed_loop(s, p, concurrency, closed_seconds) for p in paths}
+                    await open_loop(s, p, rate, seconds / rounds, runs[-1][1][p.name], f"r{rate:g}-{p.name}-{part}-{time.time_ns()}")
+        done: dict[str, tuple[float, int]] = {p.name: (0.0, 0) for p in paths}
+        for part in range(rounds):
+            for p in paths:
+                answered, bad = await closed_loop(s, p, concurrency, closed_seconds / rounds, f"{part}-{time.time_ns()}")
+                done[p.name] = (done[p.name][0] + answered / rounds, done[p.name][1] + bad)
+        ceilings = done
     return runs, ceilings
 
 
@@ -312,7 +284,7 @@ def failures(runs: dict[str, Run]) -> str:
 def goals(runs: Runs, ceilings: dict) -> list[str]:
     """Each door's goals, judged at GOAL_RATE only (GOAL_RATES for LiteLLM's latency; NOT
     RUN where the run did not reach it):
-    the added latency from matched quantiles of interleaved halves (bench/_goal.py), the
+    the added latency from matched quantiles of interleaved parts (bench/_goal.py), the
     ceiling against its baseline's, and the CPU per request of the decision (`decide`) and of
     the gate against nginx's own per proxied request in the same run. Each ratio is printed
     in a line of its own above the goal lines, and judged as printed."""
@@ -389,7 +361,8 @@ def goals(runs: Runs, ceilings: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="100,500", help="open-loop rates, requests/s, comma-separated")
-    ap.add_argument("--seconds", type=float, default=6, help="open-loop seconds per path and rate (two halves)")
+    ap.add_argument("--seconds", type=float, default=6, help="open-loop seconds per path and rate (in --rounds parts)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved parts of each path's seconds, open and closed loop")
     ap.add_argument("--closed-seconds", type=float, default=3)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--litellm-rates", default="25,50", help="the LiteLLM paths' rates: one LiteLLM process serves about 100 requests/s on one core")
@@ -459,13 +432,13 @@ def main(argv: list[str] | None = None) -> int:
         if with_litellm:
             plan += [(rate, [paths[0], *lite]) for rate in litellm_rates]  # direct beside them: the same moment's machine
         pin([p for _, group in plan for path in group for p in path.pids.values()], servers)
-        runs, ceilings = asyncio.run(measure(plan, args.seconds, args.closed_seconds, args.concurrency))
+        runs, ceilings = asyncio.run(measure(plan, args.seconds, args.closed_seconds, args.concurrency, args.rounds))
 
     print(f"machine: {machine}")
     print(f"calibration: prometheus_client parses the 45 KB vLLM payload in {calibration:.1f} ms (best of 7)")
     print(f"load generator on CPU {sorted(mine)}, every server on CPU {sorted(servers)}")
     print(
-        f"open loop: {args.seconds:g} s per path and rate, in two interleaved halves; closed loop: {args.concurrency} clients, {args.closed_seconds:g} s per path"
+        f"open loop: {args.seconds:g} s per path and rate, in {args.rounds} interleaved parts; closed loop: {args.concurrency} clients, {args.closed_seconds:g} s per path, in {args.rounds} interleaved parts"
     )
     if not with_litellm:
         print("LiteLLM paths not run: " + ("--no-litellm" if args.no_litellm else f"{litellm_fixture.VENV} missing (bash .ci/install-litellm.sh)"))

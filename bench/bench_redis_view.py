@@ -38,9 +38,9 @@ from bench._machine import machine_line
 from llm_health.config.redis import parse_redis_config
 from llm_health.exporter.redis_collector import redis_status
 from llm_health.exporter.redis_view import RedisView
+from llm_health.store.lease_scripts import CLAIM_LUA
 from llm_health.store.leases import LeaseClient
 from llm_health.store.queue import AdmissionQueue, now_ms
-from llm_health.store.scripts import CLAIM_LUA
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -35,7 +35,8 @@ from tests.fixtures.redis_server import RedisServer
 from tests.harness.processes import free_port
 
 from bench._machine import machine_line
-from bench.bench_admission import Run, Target, engine_proc, open_loop, pin, wait_port
+from bench._processes import pin, wait_port
+from bench.bench_admission import Run, Target, engine_proc, open_loop
 
 FAKE_REPLY = 'queue_id .. "\\t" .. deadline .. "\\tadmit_once\\t200\\t\\t0\\t0\\t" .. (deadline - now) .. "\\t0\\t\\t\\tprofile"'  # a lean reply
 SCRIPT = "      res, err = run_call(r, plan.scripts.decide, parts, count)"

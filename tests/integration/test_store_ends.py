@@ -11,7 +11,7 @@ import redis
 import redis.asyncio as aioredis
 
 from llm_health.core.admission import Policy
-from llm_health.store.ends import DECIDE_ARGS, DECIDE_ENDS_LUA, ENDS_LUA, packed
+from llm_health.store.ends import DECIDE_ARGS, DECIDE_ENDS_LUA, ENDS_LUA, attempt_end, packed
 from llm_health.store.policy import policy_args
 from llm_health.store.queue import AdmissionQueue
 
@@ -89,6 +89,35 @@ async def test_ends_write_what_the_two_scripts_write(two):
     assert one == other and (record[b"state"], record[b"token_units"]) == (b"done", b"42"), one
 
 
+@pytest.mark.parametrize(("status", "units", "ended", "tenant"), [(200, 42, 1, False), (499, 3, 2, False), (503, 0, 1, True), (200, 9, 1, True)])
+async def test_an_attempt_s_end_whole_writes_what_its_two_calls_write(two, status, units, ended, tenant):
+    """`e`, the attempt's end in one run (what the Lua door sends), against `a` then `l`:
+    every key the same, a client gone (499, ended 2) and a tenant charged included."""
+    r, (a, b) = two
+    for q in (a, b):
+        await r.eval(DECIDE_ENDS_LUA, *decide_call(q, "x"))
+    calls = []
+    for q in (a, b):
+        tkey = q.keys.tenant("default", NOW // 60_000) if tenant else None
+        keys, args = q.attempt_call("x", "chat", units, status, 0, NOW + 5, attempt_id="att-x", tenant_key=tkey)
+        lkeys, largs = q.leave_call("x", "chat", "done", status, NOW + 5, ended=ended)
+        calls.append(((keys, [*args, "1"]), (lkeys, [*largs, "1"])))
+    (attempt, leave), (battempt, bleave) = calls
+    pairs = [("a", *attempt), ("l", *leave)]
+    assert await r.eval(ENDS_LUA, 0, *flat(pairs)) == 2
+    assert await r.eval(ENDS_LUA, 0, *attempt_end((battempt[0], battempt[1][:8]), (bleave[0], bleave[1][:6]))) == 2
+    assert await dump(r, "one:") == await dump(r, "two:")
+
+
+def test_attempt_end_refuses_calls_of_two_records() -> None:
+    q = AdmissionQueue(redis.Redis(), prefix="p:")
+    attempt = q.attempt_call("x", "chat", 1, 200, 0, NOW)
+    with pytest.raises(ValueError, match="one record at one time"):
+        attempt_end(attempt, q.leave_call("y", "chat", "done", 200, NOW, ended=1))
+    with pytest.raises(ValueError, match="one record at one time"):
+        attempt_end(attempt, q.leave_call("x", "chat", "done", 200, NOW + 1, ended=1))
+
+
 async def test_a_decision_runs_the_ends_it_carries_first(two):
     r, (a, b) = two
     for q in (a, b):
@@ -152,5 +181,5 @@ async def test_the_lean_reply_says_what_the_full_one_says(two, policy):
 
 
 def test_packed_refuses_an_unknown_call() -> None:
-    with pytest.raises(ValueError, match=r"'a' .* or 'l'"):
+    with pytest.raises(ValueError, match=r"'a' .*, 'l' .* or 'e'"):
         packed("x", [], [])

@@ -1,6 +1,6 @@
 """Reading many leases at once, for the exporter's view of a pool, in one batch whatever
 the pool size: on one server (or Sentinel's primary) one short script per chunk of GPUs
-(scripts.READ_LEASES_LUA); on Cluster, where a script may only touch its own slot, plain
+(lease_scripts.READ_LEASES_LUA); on Cluster, where a script may only touch its own slot, plain
 commands per GPU on the cluster pipeline. `BulkReads` is the one interface the view uses;
 `Deployment.bulk_reads` picks the kind's, so nothing outside store/ asks which kind it is.
 """
@@ -13,7 +13,7 @@ from typing import Any
 from .connection import text
 from .keys import LeaseKeys
 from .records import LeaseState
-from .scripts import READ_LEASES_LUA
+from .lease_scripts import READ_LEASES_LUA
 
 READ_CHUNK = 500
 

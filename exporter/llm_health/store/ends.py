@@ -5,8 +5,10 @@ An end is what the Python doors pipeline as two scripts (`store.batch`): RECORD_
 then LEAVE_QUEUE_LUA, or LEAVE_QUEUE_LUA alone for a refusal. Here each script's call is a
 run of arguments: `a` (record the attempt) or `l` (leave the queue), the number of keys,
 the number of arguments, the keys, the arguments, exactly as the script takes them (no
-string is built or split on either side). The scripts run unchanged, as local functions of
-KEYS and ARGV; an end Redis refuses (a wrong type where a record was) is skipped, never
+string is built or split on either side); or `e`, an attempt's end whole: both calls from
+one run of what they do not share (`attempt_end`: 21 arguments where `a` and `l` take 35).
+The scripts run unchanged, as local functions of KEYS and ARGV; an end Redis refuses (a
+wrong type where a record was) is skipped, never
 failing the rest of the call, while an error that is Redis itself saying "not now"
 (store.codes: NOREPLICAS under min-replicas-to-write, READONLY after a failover) fails the
 whole call, so that the door sends its ends again rather than lose them.
@@ -45,25 +47,37 @@ _RUN_ENDS = (
     + ", ".join(f"{code} = true" for code in sorted(RETRYABLE_CODES))
     + "}\n"
     + """
+-- One script's call: 1 where it ran, 0 where Redis refused it (skipped).
+local function run_one(script, keys, args)
+  local ok, e = pcall(script, keys, args)
+  if ok then return 1 end
+  -- a command's error reply comes as its text (or, on some versions, a table holding it)
+  local text = e
+  if type(e) == 'table' then text = e.err end
+  if type(text) == 'string' and DOWN[string.match(text, '^(%u+) ') or ''] then
+    error({err = text})  -- Redis itself said "not now" (NOREPLICAS, READONLY, ...): the call fails, the door sends it again
+  end
+  return 0
+end
 local function run_ends(from)
   local i, done, last = from, 0, #ARGV
   while i <= last do
-    local nk, na = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+    local kind, nk, na = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
     local keys, args = {}, {}
     for j = 1, nk do keys[j] = ARGV[i + 2 + j] end
     for j = 1, na do args[j] = ARGV[i + 2 + nk + j] end
-    local script = record_attempt
-    if ARGV[i] == 'l' then script = leave_queue end
-    local ok, e = pcall(script, keys, args)
-    if ok then
-      done = done + 1
+    if kind == 'e' then
+      -- keys: record, enqueued, deadline, retried, live, dup, in flight, its ends, ended[, the
+      -- tenant's minute]; args: id, token units, http status, now, retention, retry count,
+      -- attempt id, units charged, ended ('1' or '2')
+      done = done + run_one(record_attempt, {keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[10]},
+                            {args[1], args[2], args[3], args[4], args[5], args[6], args[7], args[8], '1'})
+      done = done + run_one(leave_queue, {keys[1], keys[2], keys[3], keys[4], keys[7], keys[8], keys[9]},
+                            {args[1], 'done', args[3], args[4], '0', args[9], '1'})
+    elseif kind == 'l' then
+      done = done + run_one(leave_queue, keys, args)
     else
-      -- a command's error reply comes as its text (or, on some versions, a table holding it)
-      local text = e
-      if type(e) == 'table' then text = e.err end
-      if type(text) == 'string' and DOWN[string.match(text, '^(%u+) ') or ''] then
-        error({err = text})  -- Redis itself said "not now" (NOREPLICAS, READONLY, ...): the call fails, the door sends it again
-      end
+      done = done + run_one(record_attempt, keys, args)
     end
     i = i + 3 + nk + na
   end
@@ -82,6 +96,19 @@ DECIDE_ENDS_LUA = _ENDS + _function("decide", DECIDE_LUA) + f"run_ends({DECIDE_A
 def packed(kind: str, keys: list[str], args: list[str]) -> list[str]:
     """One script call of an end as DECIDE_ENDS_LUA and ENDS_LUA read it (the Lua door
     writes the same; the tests use this)."""
-    if kind not in ("a", "l"):
-        raise ValueError(f"an end's call is 'a' (record the attempt) or 'l' (leave the queue), not {kind!r}")
+    if kind not in ("a", "l", "e"):
+        raise ValueError(f"an end's call is 'a' (record the attempt), 'l' (leave the queue) or 'e' (both), not {kind!r}")
     return [kind, str(len(keys)), str(len(args)), *keys, *args]
+
+
+def attempt_end(attempt: tuple[list[str], list[str]], leave: tuple[list[str], list[str]]) -> list[str]:
+    """An attempt's end as one `e` run: the attempt's call (AdmissionQueue.attempt_call) and
+    its leave (leave_call, with the route's in-flight sets and done), of one record, as
+    RECORD_ATTEMPT_LUA then LEAVE_QUEUE_LUA take them, less what they share (the Lua door
+    writes the same)."""
+    (akeys, a), (lkeys, b) = attempt, leave
+    aargs, largs = [str(v) for v in a], [str(v) for v in b]
+    shared = [largs[0], largs[2], largs[3]] == [aargs[0], aargs[2], aargs[3]] and largs[1] == "done" and largs[4] == "0"
+    if lkeys[:4] != akeys[:4] or len(lkeys) != 7 or len(akeys) not in (6, 7) or not shared:
+        raise ValueError("attempt_end: the attempt's call and its leave (done, with the route's in-flight sets) must be of one record at one time")
+    return packed("e", [*akeys[:6], *lkeys[4:], *akeys[6:]], [*aargs[:8], largs[5]])

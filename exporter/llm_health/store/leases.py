@@ -35,7 +35,7 @@ from .feed import FEED_LINGER_S, RESUBSCRIBED, KeyeventFeed, required_keyspace_c
 from .heartbeat import Heartbeat
 from .keys import LeaseKeys
 from .records import KeyspaceEventsOff, Lease, LeaseLost, LeaseState, Pool, ReconcileReport, parse_lease
-from .scripts import ADD_WAITER_LUA, CHECK_FENCE_LUA, CLAIM_LUA, DELETE_IF_HOLDER_LUA, RELEASE_LUA, RENEW_LUA
+from .lease_scripts import ADD_WAITER_LUA, CHECK_FENCE_LUA, CLAIM_LUA, DELETE_IF_HOLDER_LUA, RELEASE_LUA, RENEW_LUA
 
 log = logging.getLogger(__name__)
 

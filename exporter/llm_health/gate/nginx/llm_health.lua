@@ -61,7 +61,7 @@ local function encs(list)
   return table.concat(out)
 end
 local E0, E1, E2, EMPTY, DONE = enc("0"), enc("1"), enc("2"), enc(""), enc("done")
-local A6, A7, L7 = encs({"a", "6", "9"}), encs({"a", "7", "9"}), encs({"l", "7", "7"})  -- an end's kind and counts (store.ends)
+local E9, E10, L7 = encs({"e", "9", "9"}), encs({"e", "10", "9"}), encs({"l", "7", "7"})  -- an end's kind and counts (store.ends)
 
 function M.init(p)
   plan = p
@@ -84,7 +84,7 @@ function M.init(p)
     route.engine_keys_enc = encs(engine_keys)
     route.name_enc = enc(route.name)
     route.n_backends_enc = enc(string.format("%d", #route.engine_age))
-    route.attempt_keys_enc = encs({rk[1], rk[2], rk[3], rk[4], rk[5]})
+    route.end_keys_enc = encs({rk[1], rk[2], rk[3], rk[4], rk[5], route.inflight[1], route.inflight[2], route.inflight[3]})
     route.leave_keys_enc = encs({rk[1], rk[2], rk[3], route.inflight[1], route.inflight[2], route.inflight[3]})
     local tail = {}
     for _, a in ipairs(route.policy) do tail[#tail + 1] = a end
@@ -522,39 +522,35 @@ local function take_due(most, everything, ahead)
   return due
 end
 
--- Each end's script calls appended to `parts` (at n) as store.ends reads them: 'a'
--- (RECORD_ATTEMPT_LUA) or 'l' (LEAVE_QUEUE_LUA), the number of keys, the number of
--- arguments, the keys, the arguments (store.queue.attempt_call and leave_call, their
--- replies 1: not read); `t` the time they are written. The new n and the number of
--- arguments added.
+-- Each end's script call appended to `parts` (at n) as store.ends reads it: an attempt's
+-- end whole, 'e' (RECORD_ATTEMPT_LUA then LEAVE_QUEUE_LUA: store.ends.attempt_end), or a
+-- refusal's, 'l' (LEAVE_QUEUE_LUA); the number of keys, the number of arguments, the keys,
+-- the arguments (store.queue.attempt_call and leave_call; the replies are not read); `t`
+-- the time they are written. The new n and the number of arguments added.
 local function pack_ends(due, t, parts, n)
   local q = plan.queue
   local te, count = enc(t), 0
   for _, it in ipairs(due) do
     local route = it.route
     local rec, id = enc(q.record_prefix .. it.queue_id), enc(it.queue_id)
-    local st, ended = nil, E0
     if it.refusal then
-      st = enc(string.format("%d", it.refusal))
+      parts[n + 1], parts[n + 2], parts[n + 3], parts[n + 4], parts[n + 5] = L7, rec, route.leave_keys_enc, id, DONE
+      parts[n + 6], parts[n + 7], parts[n + 8], parts[n + 9], parts[n + 10] = enc(string.format("%d", it.refusal)), te, E0, E0, E1
+      n = n + 10
+      count = count + 17
     else
       local units = it.units or 0
       local u = enc(string.format("%d", units))
-      st = it.status and enc(string.format("%d", it.status)) or EMPTY
-      ended = it.status == 499 and E2 or E1
       local charged = plan.tenants[it.tenant] and units > 0
-      parts[n + 1], parts[n + 2], parts[n + 3] = charged and A7 or A6, rec, route.attempt_keys_enc
+      parts[n + 1], parts[n + 2], parts[n + 3] = charged and E10 or E9, rec, route.end_keys_enc
       n = n + 3
       if charged then n = n + 1; parts[n] = enc(tenant_key(it.tenant)) end
-      parts[n + 1], parts[n + 2], parts[n + 3], parts[n + 4], parts[n + 5] = id, u, st, te, q.retention_enc
+      parts[n + 1], parts[n + 2], parts[n + 3], parts[n + 4], parts[n + 5] = id, u, it.status and enc(string.format("%d", it.status)) or EMPTY, te, q.retention_enc
       parts[n + 6] = it.retry_count and enc(string.format("%d", it.retry_count)) or EMPTY
-      parts[n + 7], parts[n + 8], parts[n + 9] = enc(it.attempt_id), charged and u or E0, E1
+      parts[n + 7], parts[n + 8], parts[n + 9] = enc(it.attempt_id), charged and u or E0, it.status == 499 and E2 or E1
       n = n + 9
-      count = count + (charged and 19 or 18)
+      count = count + (charged and 22 or 21)
     end
-    parts[n + 1], parts[n + 2], parts[n + 3], parts[n + 4], parts[n + 5] = L7, rec, route.leave_keys_enc, id, DONE
-    parts[n + 6], parts[n + 7], parts[n + 8], parts[n + 9], parts[n + 10] = st, te, E0, ended, E1
-    n = n + 10
-    count = count + 17
   end
   return n, count
 end
