@@ -380,9 +380,12 @@ if raised and redis.call('ZSCORE', KEYS[2], ARGV[1]) then
   redis.call('ZADD', KEYS[4], string.format('%d', dl), ARGV[1])
 end
 if most > 0 then redis.call('ZADD', KEYS[6], tostring(total / most), ARGV[1]) end
-local keep = math.max(dl, tonumber(ARGV[4]))
-redis.call('ZADD', KEYS[5], string.format('%d', keep), ARGV[1])
-redis.call('PEXPIREAT', rec, string.format('%d', keep + tonumber(ARGV[5])))
+-- The record is kept to its deadline, or to now where the attempt ends after it: before the
+-- deadline the decision that sent the attempt (or its enqueue) already set both to the deadline.
+if tonumber(ARGV[4]) > dl then
+  redis.call('ZADD', KEYS[5], ARGV[4], ARGV[1])
+  redis.call('PEXPIREAT', rec, string.format('%d', tonumber(ARGV[4]) + tonumber(ARGV[5])))
+end
 return reply()
 """
 
