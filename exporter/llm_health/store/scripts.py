@@ -28,7 +28,7 @@ end
 
 # KEYS: record, enqueued, deadline, retried, live, dup, routes
 # ARGV: id, route, tenant, deadline_ms, enqueued_ms, now_ms, retention_ms, gc_limit
-# enqueue(rec, id, running): the record key and id, KEYS[1] and ARGV[1] unless DECIDE_LUA
+# enqueue(rec, id, running) -> whether it wrote a new record: the record key and id, KEYS[1] and ARGV[1] unless DECIDE_LUA
 # matched a retry without an id to a first copy (its record key derived from the queue's
 # prefix: the same hash slot on Cluster). `running`: the request leaves the queue as it
 # joins (DECIDE_LUA: its stats were read before): the record says running, and the id is
@@ -40,7 +40,8 @@ local function enqueue(rec, id, running)
   local enq, dl
   local state = 'queued'
   if running then state = 'running' end
-  if redis.call('EXISTS', rec) == 1 then
+  local fresh = redis.call('EXISTS', rec) == 0
+  if not fresh then
     retry = redis.call('HINCRBY', rec, 'retry_count', 1)
     local f = redis.call('HMGET', rec, 'enqueued_ms', 'deadline_ms')
     enq, dl = f[1], f[2]
@@ -65,6 +66,7 @@ local function enqueue(rec, id, running)
   redis.call('PEXPIREAT', rec, string.format('%d', keep + tonumber(ARGV[7])))
   redis.call('SADD', KEYS[7], ARGV[2])
   gc(string.format('(%d', tonumber(ARGV[6]) - tonumber(ARGV[7])), tonumber(ARGV[8]))
+  return fresh  -- the record was written whole here
 end
 """
 ENQUEUE_LUA = _GC_FN + _ENQUEUE_FN + "enqueue(KEYS[1], ARGV[1], false)\nreturn redis.call('HGETALL', KEYS[1])\n"
@@ -227,7 +229,7 @@ else
     score(redis.call('ZRANGE', KEYS[6], -1, -1, 'WITHSCORES')),
   }
 end
-enqueue(rec, id, true)
+local fresh = enqueue(rec, id, true)
 if matched then
   redis.call('HSET', rec, 'matched_retry', ARGV[10])
 elseif fp then
@@ -243,8 +245,13 @@ elseif fp then
   local ttl = math.max(1, tonumber(ARGV[11]) - now)
   if redis.call('PTTL', fp) < ttl then redis.call('PEXPIRE', fp, ttl) end
 end
-local record = redis.call('HMGET', rec, 'route', 'tenant', 'enqueued_ms', 'deadline_ms', 'retry_count',
-                          'attempts', 'token_units', 'attempt_units_max', 'http_status', 'state')
+local record
+if fresh then  -- what enqueue just wrote
+  record = {ARGV[2], ARGV[3], ARGV[5], ARGV[4], '0', '0', '0', '0', '', 'running'}
+else
+  record = redis.call('HMGET', rec, 'route', 'tenant', 'enqueued_ms', 'deadline_ms', 'retry_count',
+                      'attempts', 'token_units', 'attempt_units_max', 'http_status', 'state')
+end
 local spent = false
 if spent_key then spent = redis.call('GET', spent_key) end
 local n = tonumber(ARGV[13] or '0') or 0
