@@ -126,6 +126,38 @@ async def test_nginx_s_own_502_for_a_dead_engine_still_carries_the_door_s_header
     assert rec is not None and rec.http_status == 502, rec
 
 
+async def test_a_tenant_s_budget_is_charged_by_the_ends_and_refuses_once_spent(own_redis_server, tmp_path):
+    """A tenant with a budget: each attempt's end charges its `usage` to the tenant's minute
+    (the end sent with the tenant's key), and the decision refuses once it is spent, as the
+    gate does (tests/integration/test_gate.py, test_tenant_budget)."""
+    engine = Engine()
+    eapp = web.Application()
+    eapp.router.add_route("*", "/{tail:.*}", engine.any)
+    erunner, eurl = await serve(eapp)
+    path = tmp_path / "gate.yml"
+    gate = {"redis": own_redis_server.url, "tenants": {"small": {"token_units_per_minute": 8}}, "routes": {"chat": {"upstream": eurl}}}
+    path.write_text(yaml.safe_dump({"gate": gate}))
+    while time.time() % 60 > 50:  # the budget is per wall-clock minute: not across one
+        await asyncio.sleep(1)
+    h = {"X-Tenant": "small", "X-Request-Timeout-Ms": "90000"}
+    try:
+        with NginxLua(tmp_path, gate_file=path, engine_port=int(eurl.rsplit(":", 1)[1])) as nginx:
+            for rid in ("t1", "t2"):  # 5 units each: the second admitted with 3 left
+                assert (await send(nginx.url, headers={**h, "X-Request-Id": rid}))[0] == 200
+                rec = await recorded(own_redis_server.url, PREFIX, rid, tenant="small")
+                assert rec is not None and rec.token_units == USAGE["total_tokens"], rec
+            status, body, headers = await send(nginx.url, headers={**h, "X-Request-Id": "t3"})
+    finally:
+        await erunner.cleanup()
+    assert status == 429 and json.loads(body)["error"]["code"] == "reject_tenant_budget" and headers["Retry-After"] == "60", body
+    r = AdmissionQueue.from_url(own_redis_server.url, prefix=PREFIX)
+    try:
+        spent = await r.redis.get(r.keys.tenant("small", int(time.time() // 60)))
+    finally:
+        await r.aclose()
+    assert int(spent) == 2 * USAGE["total_tokens"]
+
+
 CASES = [
     ("late retry", {"X-Request-Id": "late-1", "X-Retry-Count": "1", "X-Request-Timeout-Ms": "0"}, "/v1/completions", "POST"),
     ("deadline malformed", {"X-Request-Timeout-Ms": "1e20"}, "/v1/completions", "POST"),

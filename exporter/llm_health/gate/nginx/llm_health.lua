@@ -62,6 +62,14 @@ local DOWN = {}  -- store.errors.RETRYABLE_CODES, from the plan: one classificat
 -- policy). Those are encoded once, here at init; a request encodes only its own values.
 -- lua-resty-redis still connects, authenticates, selects the database and loads scripts.
 local function enc(s) return "$" .. #s .. "\r\n" .. s .. "\r\n" end
+-- A request's own value as three parts (its length's line, itself, CRLF) that nginx joins as
+-- it sends them: no string is made for it here. The new n.
+local LEN = setmetatable({}, {__index = function(t, k) local v = "$" .. k .. "\r\n"; t[k] = v; return v end})
+local function put(parts, n, s)
+  parts[n + 1], parts[n + 2], parts[n + 3] = LEN[#s], s, "\r\n"
+  return n + 3
+end
+local function putd(parts, n, x) return put(parts, n, string.format("%d", x)) end
 local function encs(list)
   local out = {}
   for i, v in ipairs(list) do out[i] = enc(v) end
@@ -536,26 +544,39 @@ end
 -- the time they are written. The new n and the number of arguments added.
 local function pack_ends(due, t, parts, n)
   local q = plan.queue
-  local te, count = enc(t), 0
+  local count = 0
   for _, it in ipairs(due) do
     local route = it.route
-    local rec, id = enc(q.record_prefix .. it.queue_id), enc(it.queue_id)
     if it.refusal then
-      parts[n + 1], parts[n + 2], parts[n + 3], parts[n + 4], parts[n + 5] = L7, rec, route.leave_keys_enc, id, DONE
-      parts[n + 6], parts[n + 7], parts[n + 8], parts[n + 9], parts[n + 10] = enc(string.format("%d", it.refusal)), te, E0, E0, E1
-      n = n + 10
+      parts[n + 1] = L7
+      n = put(parts, n + 1, q.record_prefix .. it.queue_id)
+      parts[n + 1] = route.leave_keys_enc
+      n = put(parts, n + 1, it.queue_id)
+      parts[n + 1] = DONE
+      n = putd(parts, n + 1, it.refusal)
+      n = put(parts, n, t)
+      parts[n + 1], parts[n + 2], parts[n + 3] = E0, E0, E1
+      n = n + 3
       count = count + 17
     else
       local units = it.units or 0
-      local u = enc(string.format("%d", units))
       local charged = plan.tenants[it.tenant] and units > 0
-      parts[n + 1], parts[n + 2], parts[n + 3] = charged and E10 or E9, rec, route.end_keys_enc
-      n = n + 3
-      if charged then n = n + 1; parts[n] = enc(tenant_key(it.tenant)) end
-      parts[n + 1], parts[n + 2], parts[n + 3], parts[n + 4], parts[n + 5] = id, u, it.status and enc(string.format("%d", it.status)) or EMPTY, te, q.retention_enc
-      parts[n + 6] = it.retry_count and enc(string.format("%d", it.retry_count)) or EMPTY
-      parts[n + 7], parts[n + 8], parts[n + 9] = enc(it.attempt_id), charged and u or E0, it.status == 499 and E2 or E1
-      n = n + 9
+      parts[n + 1] = charged and E10 or E9
+      n = put(parts, n + 1, q.record_prefix .. it.queue_id)
+      parts[n + 1] = route.end_keys_enc
+      n = n + 1
+      if charged then n = put(parts, n, tenant_key(it.tenant)) end
+      n = put(parts, n, it.queue_id)
+      n = putd(parts, n, units)
+      if it.status then n = putd(parts, n, it.status) else n = n + 1; parts[n] = EMPTY end
+      n = put(parts, n, t)
+      parts[n + 1] = q.retention_enc
+      n = n + 1
+      if it.retry_count then n = putd(parts, n, it.retry_count) else n = n + 1; parts[n] = EMPTY end
+      n = put(parts, n, it.attempt_id)
+      if charged then n = putd(parts, n, units) else n = n + 1; parts[n] = E0 end
+      parts[n + 1] = it.status == 499 and E2 or E1
+      n = n + 1
       count = count + (charged and 22 or 21)
     end
   end
@@ -633,23 +654,39 @@ end
 local function decide_parts(queue_id, route, tenant, deadline_ms, now, fp, retries)
   local q = plan.queue
   local limit = plan.tenants[tenant]
-  local nkeys = route.decide_keys
-  local parts = {false, false, false, enc(q.record_prefix .. queue_id), route.decide_keys_enc}
-  local n = 5
-  if limit then n = n + 1; parts[n] = enc(tenant_key(tenant)); nkeys = nkeys + 1 end
-  if fp then n = n + 1; parts[n] = enc(q.fp_prefix .. fp); nkeys = nkeys + 1 end
+  local nkeys = route.decide_keys + (limit and 1 or 0) + (fp and 1 or 0)
+  local parts = {false, false}
+  local n = putd(parts, 2, nkeys)
+  n = put(parts, n, q.record_prefix .. queue_id)
+  parts[n + 1] = route.decide_keys_enc
+  n = n + 1
+  if limit then n = put(parts, n, tenant_key(tenant)) end
+  if fp then n = put(parts, n, q.fp_prefix .. fp) end
   parts[n + 1] = route.engine_keys_enc
-  parts[3] = enc(string.format("%d", nkeys))
-  local t = enc(string.format("%d", now))
+  n = n + 1
   -- id, route, tenant, deadline, enqueued, now, retention, gc limit, tenant flag, retry count
   -- with a fingerprint, match_until, the records' prefix, n backends, retry count, budget
-  parts[n + 2], parts[n + 3], parts[n + 4], parts[n + 5] = enc(queue_id), route.name_enc, enc(tenant), enc(string.format("%d", deadline_ms))
-  parts[n + 6], parts[n + 7], parts[n + 8], parts[n + 9] = t, t, q.retention_gc_enc, limit and E1 or E0
-  parts[n + 10] = fp and enc(string.format("%d", retries)) or EMPTY
-  parts[n + 11] = fp and enc(string.format("%d", deadline_ms + route.retry_match_window_ms)) or E0
-  parts[n + 12], parts[n + 13], parts[n + 14] = q.record_prefix_enc, route.n_backends_enc, enc(string.format("%d", retries))
-  parts[n + 15], parts[n + 16] = limit and enc(string.format("%.17g", limit)) or EMPTY, route.decide_tail_enc
-  return parts, n + 16, 1 + nkeys + plan.decide_args
+  local t = string.format("%d", now)
+  n = put(parts, n, queue_id)
+  parts[n + 1] = route.name_enc
+  n = put(parts, n + 1, tenant)
+  n = putd(parts, n, deadline_ms)
+  n = put(parts, n, t)
+  n = put(parts, n, t)
+  parts[n + 1], parts[n + 2] = q.retention_gc_enc, limit and E1 or E0
+  n = n + 2
+  if fp then
+    n = putd(parts, n, retries)
+    n = putd(parts, n, deadline_ms + route.retry_match_window_ms)
+  else
+    parts[n + 1], parts[n + 2] = EMPTY, E0
+    n = n + 2
+  end
+  parts[n + 1], parts[n + 2] = q.record_prefix_enc, route.n_backends_enc
+  n = putd(parts, n + 2, retries)
+  if limit then n = put(parts, n, string.format("%.17g", limit)) else n = n + 1; parts[n] = EMPTY end
+  parts[n + 1] = route.decide_tail_enc
+  return parts, n + 1, 1 + nkeys + plan.decide_args
 end
 
 
