@@ -6,12 +6,14 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit, urlunsplit
 
+from .core.errors import LLMHealthError
+
 # What a path prefix may hold: RFC 3986 path characters, nothing that starts a query or
 # a fragment, no backslash, no whitespace or control character.
 _PATH = re.compile(r"^[A-Za-z0-9._~!$&'()*+,;=:@%/-]*$")
 
 
-class BadTarget(ValueError):
+class BadTarget(LLMHealthError, ValueError):
     """A URL the exporter will not read: the message says what is wrong with it."""
 
 

@@ -32,9 +32,9 @@ from typing import Any
 import aiohttp
 
 from llm_health.store.deployment import NotReplicated
+from llm_health.store.lease_scripts import CLAIM_LUA
 from llm_health.store.leases import LeaseClient
 from llm_health.store.records import Lease, LeaseLost, Pool
-from llm_health.store.lease_scripts import CLAIM_LUA
 
 
 class Log:

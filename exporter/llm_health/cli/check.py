@@ -20,12 +20,12 @@ from ..core.health import Settings
 from ..core.states import ExitCode
 from ..probe.check import run_check
 from ..urls import BadTarget, parse_target
-from .common import Parser, add_log_level, positive_int, positive_seconds
+from .common import CliError, Parser, add_log_level, positive_int, positive_seconds
 
 API_KEY_ENV = "LLM_HEALTH_API_KEY"
 
 
-class CannotRun(Exception):
+class CannotRun(CliError):
     """The check could not run: its exit code is 4, never a verdict."""
 
 

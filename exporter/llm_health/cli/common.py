@@ -8,7 +8,13 @@ import math
 import sys
 from typing import NoReturn
 
+from ..core.errors import LLMHealthError
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class CliError(LLMHealthError):
+    """The command-line room's branch of the error tree (core.errors)."""
 
 
 class Parser(argparse.ArgumentParser):

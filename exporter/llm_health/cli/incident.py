@@ -22,9 +22,10 @@ from ..config.capture import Incidents
 from ..config.errors import ConfigError
 from ..config.restarter import TOKEN_ENV, read_token
 from ..core.incident import INCIDENT_ID, summary
+from .common import CliError
 
 
-class NotFound(Exception):
+class NotFound(CliError):
     pass
 
 

@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 
 from .engines import EngineReading
+from .errors import CoreError
 
 DIGEST_BITS = 48
 MAX_DIGESTS = 256  # engine units of one backend (the engines' own Limits.max_engines)
@@ -55,7 +56,7 @@ class Evidence:
     digests: frozenset[int]
 
 
-class BadEvidence(ValueError):
+class BadEvidence(CoreError, ValueError):
     """An `evidence` annotation that is not a list of digests."""
 
 

@@ -51,13 +51,15 @@ import re
 from collections.abc import Iterable
 from functools import lru_cache
 
+from .errors import CoreError
+
 __all__ = ["Budget", "Names", "ParseError", "TooManySamples", "compile_names", "parse"]
 
 Labels = dict[str, str]
 Samples = dict[str, list[tuple[Labels, float]]]
 
 
-class ParseError(ValueError):
+class ParseError(CoreError, ValueError):
     """A line of a wanted sample is malformed; the message names the line number."""
 
 

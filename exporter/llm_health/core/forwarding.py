@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 
 from . import engines
+from .errors import CoreError
 
 METHODS = ("GET", "POST")
 
@@ -53,7 +54,7 @@ _PATH = re.compile(rf"^(/(?:{_SEGMENT}|\*))+$")
 _RAW = re.compile(rf"^(/{_SEGMENT})+$")
 
 
-class AllowError(ValueError):
+class AllowError(CoreError, ValueError):
     """An `allow:` entry that cannot be used; the message names it."""
 
 

@@ -7,6 +7,8 @@ import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from .errors import CoreError
+
 WEBHOOK_VERSION = "4"
 # What one notification may hold. Past MAX_ALERTS alerts a notification is not refused (a
 # 4xx, which Alertmanager does not retry, would drop a hung alert inside it): only the
@@ -17,7 +19,7 @@ MAX_LABELS_CHARS = 64 * 1024  # characters (not bytes) of one alert's label name
 MAX_FIELD = 1024  # characters of startsAt and fingerprint
 
 
-class Malformed(ValueError):
+class Malformed(CoreError, ValueError):
     """The body is not an Alertmanager webhook (version 4) we can act on."""
 
 

@@ -34,13 +34,13 @@ from ..config.load import load_yaml
 from ..config.web import WebConfig
 from .controls import Controls
 from .decision import Admission, Outcome
-from .headers import token_units
+from .headers import GateError, token_units
 from .outcome import spent_units
 
 log = logging.getLogger("llm_health.gate")
 
 
-class UpstreamBroke(Exception):
+class UpstreamBroke(GateError):
     """The upstream failed after the answer to the client had begun."""
 
 

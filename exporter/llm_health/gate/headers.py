@@ -27,6 +27,8 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 
+from ..core.errors import LLMHealthError
+
 ID_HEADERS = ("X-Request-Id", "Idempotency-Key")
 RETRY_HEADERS = ("X-Retry-Count", "X-Stainless-Retry-Count", "X-Retry-Attempt")
 _USAGE = re.compile(rb'"usage"\s*:\s*(\{[^{}]*\})')
@@ -42,7 +44,11 @@ _TENANT = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _ID = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII, no spaces
 
 
-class BadRequest(ValueError):
+class GateError(LLMHealthError):
+    """The gate room's branch of the error tree (core.errors)."""
+
+
+class BadRequest(GateError, ValueError):
     pass
 
 

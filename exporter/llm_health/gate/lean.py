@@ -35,6 +35,7 @@ from multidict import CIMultiDict
 
 from ..web import freeze_after_startup
 from .doors import Answer, Doors
+from .headers import GateError
 
 log = logging.getLogger("llm_health.gate.lean")
 
@@ -277,7 +278,7 @@ class DoorProtocol(asyncio.Protocol):
             self.relay.data_received(data)
 
 
-class _TooLarge(Exception):
+class _TooLarge(GateError):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status

@@ -32,12 +32,13 @@ from ..store.keys import DEFAULT_RETENTION_MS, QueueKeys
 from ..store.policy import POLICY_LUA, policy_args
 from ..store.scripts import DECIDE_LUA, GAVE_UP_MS, GC_LIMIT
 from ..store.target import parse_target
+from .headers import GateError
 
 MODULE = "llm_health.lua"  # the door itself, shipped in this package (gate/nginx/)
 PLAN = "llm_health_plan.lua"
 
 
-class PlanError(ValueError):
+class PlanError(GateError, ValueError):
     """A configuration the nginx Lua door cannot run; the message says what and why."""
 
 

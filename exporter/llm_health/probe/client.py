@@ -57,16 +57,12 @@ def _start_header(header: str | None) -> float | None:
     return int(header.strip()) / 1e6
 
 
-class TooLarge(Exception):
-    """A body past its cap."""
-
-
 async def _body(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     body = bytearray()
     async for chunk in resp.content.iter_chunked(65536):
         body += chunk
         if len(body) > limit:
-            raise TooLarge(f"body larger than {limit} bytes")
+            raise http.BodyTooLarge(f"body larger than {limit} bytes")  # as the lean reader says it
     return bytes(body)
 
 
@@ -117,7 +113,7 @@ def _describe(exc: BaseException, timeout: float) -> tuple[str, bool, bool]:
         return "server closed the connection", False, False
     if isinstance(exc, aiohttp.ClientPayloadError):
         return f"broken response body ({exc})", False, False
-    if isinstance(exc, TooLarge):
+    if isinstance(exc, http.BodyTooLarge):
         return str(exc), False, False
     if isinstance(exc, aiohttp.ClientError):
         return f"{type(exc).__name__}: {exc}", False, False

@@ -55,6 +55,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .. import __version__
+from ..core.errors import LLMHealthError
 
 MAX_HEAD = 64 * 1024  # status line and headers, in bytes
 MAX_HEADERS = 128  # header lines
@@ -77,13 +78,40 @@ def _tls() -> ssl.SSLContext:
     return _default_tls
 
 
-class HttpError(Exception):
-    """A failed read: `str()` says what happened. `closed`: the connection ended before
-    any byte of the answer (a server stopping or restarting, or one that answers nothing)."""
+class ProbeError(LLMHealthError):
+    """The probe room's branch of the error tree (core.errors)."""
 
-    def __init__(self, message: str, *, timed_out: bool = False, refused: bool = False, too_large: bool = False, closed: bool = False):
-        super().__init__(message)
-        self.timed_out, self.refused, self.too_large, self.closed = timed_out, refused, too_large, closed
+
+class HttpError(ProbeError):
+    """A failed read: `str()` says what happened. Its cases are subclasses (httpx's shape),
+    each also a flag the readers test (`timed_out`, `refused`, `too_large`, `closed`)."""
+
+    timed_out = refused = too_large = closed = False
+
+
+class HttpTimeout(HttpError):
+    """No answer in time: the connect or the whole read."""
+
+    timed_out = True
+
+
+class HttpRefused(HttpError):
+    """Nothing listens there, or the name does not resolve."""
+
+    refused = True
+
+
+class BodyTooLarge(HttpError):
+    """The answer's body is past the reader's cap."""
+
+    too_large = True
+
+
+class HttpClosed(HttpError):
+    """The connection ended before any byte of the answer (a server stopping or restarting,
+    or one that answers nothing)."""
+
+    closed = True
 
 
 @dataclass(frozen=True)
@@ -318,7 +346,7 @@ class _Reader:
         if self.done.done():
             return
         if not self.mode:
-            self._fail(HttpError("server closed the connection", closed=not self.received))
+            self._fail((HttpError if self.received else HttpClosed)("server closed the connection"))
         elif self.mode == "close":
             self._finish()
         else:
@@ -375,7 +403,7 @@ class _Reader:
                 raise HttpError(f"bad Content-Length {length[:40]!r}")
             self.mode, self.left = "length", int(length)
             if self.left > self.max_bytes and self.gunzip is None:
-                raise HttpError(f"body larger than {self.max_bytes} bytes", too_large=True)
+                raise BodyTooLarge(f"body larger than {self.max_bytes} bytes")
             self._body(rest)  # finishes the read when the length is already there
             return
         self.mode = "close"
@@ -442,7 +470,7 @@ class _Reader:
                 raise HttpError(f"broken gzip body ({exc})") from None
         self.size += len(data)
         if len(data) > room:
-            raise HttpError(f"body larger than {self.max_bytes} bytes", too_large=True)
+            raise BodyTooLarge(f"body larger than {self.max_bytes} bytes")
         if data:
             self.parts.append(self.text.decode(data))
 
@@ -470,10 +498,10 @@ class _Reader:
 
 def _expire(done: asyncio.Future[Response], timeout: float) -> None:
     if not done.done():
-        done.set_exception(HttpError(f"timeout after {timeout:g}s", timed_out=True))
+        done.set_exception(HttpTimeout(f"timeout after {timeout:g}s"))
 
 
-class _Stale(Exception):
+class _Stale(ProbeError):
     """A kept connection closed by the server before any byte of the answer."""
 
 
@@ -508,9 +536,9 @@ async def _connect(loop: asyncio.AbstractEventLoop, target: Target, deadline: fl
             async with asyncio.timeout_at(deadline):
                 addresses = await target.addresses(loop)
     except TimeoutError:
-        raise HttpError(f"timeout after {timeout:g}s", timed_out=True) from None
+        raise HttpTimeout(f"timeout after {timeout:g}s") from None
     except OSError as exc:
-        raise HttpError(f"connection refused or unreachable (cannot resolve {target.host[:100]}: {exc.strerror or exc})", refused=True) from None
+        raise HttpRefused(f"connection refused or unreachable (cannot resolve {target.host[:100]}: {exc.strerror or exc})") from None
     error: OSError | None = None
     for family, sockaddr in addresses:
         ends = min(deadline, loop.time() + connect_timeout)
@@ -527,15 +555,15 @@ async def _connect(loop: asyncio.AbstractEventLoop, target: Target, deadline: fl
             return conn
         except TimeoutError:
             if ends >= deadline:  # the total ran out: it is the one named
-                raise HttpError(f"timeout after {timeout:g}s", timed_out=True) from None
+                raise HttpTimeout(f"timeout after {timeout:g}s") from None
         except ssl.SSLError as exc:
             raise HttpError(f"TLS: {str(exc)[:200]}") from None
         except OSError as exc:
             error = exc
     if error is None and addresses:  # every address timed out
-        raise HttpError(f"connect timeout after {connect_timeout:g}s", timed_out=True)
+        raise HttpTimeout(f"connect timeout after {connect_timeout:g}s")
     why = (error.strerror or type(error).__name__) if error else "no address"
-    raise HttpError(f"connection refused or unreachable ({why})", refused=True)
+    raise HttpRefused(f"connection refused or unreachable ({why})")
 
 
 async def _exchange(

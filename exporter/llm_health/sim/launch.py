@@ -34,6 +34,8 @@ from typing import Any
 
 import yaml
 
+from ..core.errors import LLMHealthError
+
 
 def demo_bin() -> Path:
     """Where scripts/install-demo-deps.sh puts what it installs without root (redis-server):
@@ -56,7 +58,11 @@ PROMETHEUS = find_server("prometheus")
 ALERTMANAGER = find_server("prometheus-alertmanager", "alertmanager")
 
 
-class NotInstalled(RuntimeError):
+class SimError(LLMHealthError):
+    """The simulator's and the demo's branch of the error tree (core.errors)."""
+
+
+class NotInstalled(SimError, RuntimeError):
     """A server binary is not on PATH; the message says which package installs it."""
 
 

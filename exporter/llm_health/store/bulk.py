@@ -12,8 +12,8 @@ from typing import Any
 
 from .connection import text
 from .keys import LeaseKeys
-from .records import LeaseState
 from .lease_scripts import READ_LEASES_LUA
+from .records import LeaseState
 
 READ_CHUNK = 500
 

@@ -1,6 +1,13 @@
 """The error-reply codes that mean "not now" (a failover, a resync, a Cluster settling; the
 list and its reasons: store/errors.py), in a module of their own with no Redis import: the
 nginx Lua door's plan (gate/nginx_lua.py) carries them, so every door classifies Redis'
-answers alike."""
+answers alike. And the store room's branch of the error tree (core.errors), here for the
+same reason: what needs no Redis can import it."""
+
+from ..core.errors import LLMHealthError
 
 RETRYABLE_CODES = frozenset({"NOREPLICAS", "READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK", "UNBLOCKED"})
+
+
+class StoreError(LLMHealthError):
+    """The store room's branch of the error tree (core.errors)."""

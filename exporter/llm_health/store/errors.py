@@ -46,7 +46,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .codes import RETRYABLE_CODES  # the error codes (an error reply's first word) of a failover or a resync
+from .codes import RETRYABLE_CODES, StoreError  # the error codes (an error reply's first word) of a failover or a resync
 from .connection import TRANSIENT
 from .records import LeaseError
 
@@ -114,7 +114,7 @@ def retryable(exc: BaseException) -> bool:
     return bool(_INNER_CODE.search(reply)) if found in ("ERR", None) and "script" in reply.lower() else False
 
 
-class RedisDown(RedisError):
+class RedisDown(StoreError, RedisError):
     """An error reply of a failover or a resync (`retryable`), as a class: what the gate's
     doors catch as "Redis down" beside the connection errors."""
 

@@ -34,8 +34,8 @@ from .errors import ERRORS, NotReplicated, retryable, suppress_retryable
 from .feed import FEED_LINGER_S, RESUBSCRIBED, KeyeventFeed, required_keyspace_command
 from .heartbeat import Heartbeat
 from .keys import LeaseKeys
-from .records import KeyspaceEventsOff, Lease, LeaseLost, LeaseState, Pool, ReconcileReport, parse_lease
 from .lease_scripts import ADD_WAITER_LUA, CHECK_FENCE_LUA, CLAIM_LUA, DELETE_IF_HOLDER_LUA, RELEASE_LUA, RENEW_LUA
+from .records import KeyspaceEventsOff, Lease, LeaseLost, LeaseState, Pool, ReconcileReport, parse_lease
 
 log = logging.getLogger(__name__)
 

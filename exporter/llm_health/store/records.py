@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .codes import StoreError
 from .connection import text
 
 
@@ -52,7 +53,7 @@ class LeaseState:
     job_id: str | None = None
 
 
-class LeaseError(Exception):
+class LeaseError(StoreError):
     """The base of every error the lease library raises on its own (`llm_health.leases`):
     `LeaseLost`, `KeyspaceEventsOff`, `NotReplicated`. Redis' own errors pass through as
     redis-py raises them."""

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from .codes import StoreError
+
 SINGLE_SCHEMES = ("redis", "rediss", "unix")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -36,7 +38,7 @@ DEFAULT_WAIT_TIMEOUT_MS = 500
 _OWN_PARAMS = ("wait_replicas", "wait_timeout_ms", "sentinel_password")
 
 
-class TargetError(ValueError):
+class TargetError(StoreError, ValueError):
     """A Redis URL that cannot be used; the message names the part that is wrong."""
 
 

@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ..errors import CoreError
 from ..exposition import Budget, Names, Samples, TooManySamples, compile_names, parse
 from . import registry
 from .profile import START_TIME, Profile
@@ -37,7 +38,7 @@ class Limits:
     max_label_length: int = 512  # characters of a unit label value (model_name, engine)
 
 
-class OverLimits(ValueError):
+class OverLimits(CoreError, ValueError):
     """The payload holds more than the reader's Limits allow."""
 
 
@@ -88,7 +89,7 @@ class Reading:
     refusals: dict[str, float] | None = None
 
 
-class UnknownEngine(ValueError):
+class UnknownEngine(CoreError, ValueError):
     """The payload is text exposition but no profile's series are in it."""
 
 
