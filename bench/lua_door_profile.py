@@ -11,7 +11,7 @@ Variants (each drops what the ones above it keep, where named so):
 - no script: the connection is taken from the pool and given back, the decision script
   is not sent (its reply stood in), no finishes;
 - no Redis: no connection either;
-- phases only: access_by_lua returns at once (the four Lua phases still run, empty);
+- phases only: access_by_lua returns at once (the three Lua phases still run, empty);
 - nginx alone: the shipped nginx.conf without any admission (bench_admission's baseline).
 
 Rounds interleave the variants, so machine noise hits them alike; the table shows each

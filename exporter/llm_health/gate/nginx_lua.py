@@ -6,7 +6,7 @@ in `gate/nginx/llm_health.lua`: it reads the headers, hashes the body into the r
 fingerprint, sends the one decision script every door sends (`store.scripts.DECIDE_LUA`,
 the policy inside it: `store.policy`) in one `EVALSHA` over a keepalive pool, answers a
 refusal as every door does, and records each attempt's end from `log_by_lua`, carried
-by the worker's next decision or its 10 ms timer (`store.ends`). No Python runs on the request path. What varies by configuration (the Redis server, the
+by the worker's next decision or its ends timer (`store.ends`). No Python runs on the request path. What varies by configuration (the Redis server, the
 routes with their policies, keys, backends and allowlists, the tenants' budgets) and the
 scripts themselves come from here, as a Lua table: the configuration is validated once,
 by the same parser as the gate's, and nginx never parses YAML.

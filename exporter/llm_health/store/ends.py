@@ -8,8 +8,7 @@ the number of arguments, the keys, the arguments, exactly as the script takes th
 string is built or split on either side); or `e`, an attempt's end whole: both calls from
 one run of what they do not share (`attempt_end`: 21 arguments where `a` and `l` take 35).
 The scripts run unchanged, as local functions of KEYS and ARGV; an end Redis refuses (a
-wrong type where a record was) is skipped, never
-failing the rest of the call, while an error that is Redis itself saying "not now"
+wrong type where a record was) is skipped, never failing the rest of the call, while an error that is Redis itself saying "not now"
 (store.codes: NOREPLICAS under min-replicas-to-write, READONLY after a failover) fails the
 whole call, so that the door sends its ends again rather than lose them.
 
@@ -18,7 +17,7 @@ whole call, so that the door sends its ends again rather than lose them.
   pending ends with the decision: they cost nginx no write, no reply and no timer wake of
   their own (1,948 of 2,000 ends at 500 requests/s went this way in a diagnostic run;
   bench/notes/bench_admission.md has the profile).
-- ENDS_LUA: the ends alone, from ARGV[1] (what the door's 10 ms timer sends when no
+- ENDS_LUA: the ends alone, from ARGV[1] (what the door's ends timer sends when no
   decision carried them).
 
 The keys of an end are not declared to Redis (they travel as arguments): the Lua door

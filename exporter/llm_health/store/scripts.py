@@ -28,9 +28,9 @@ end
 
 # KEYS: record, enqueued, deadline, retried, live, dup, routes
 # ARGV: id, route, tenant, deadline_ms, enqueued_ms, now_ms, retention_ms, gc_limit
-# enqueue(rec, id, running) -> whether it wrote a new record: the record key and id, KEYS[1] and ARGV[1] unless DECIDE_LUA
-# matched a retry without an id to a first copy (its record key derived from the queue's
-# prefix: the same hash slot on Cluster). `running`: the request leaves the queue as it
+# enqueue(rec, id, running) -> whether it wrote a new record: the record key and id,
+# KEYS[1] and ARGV[1] unless DECIDE_LUA matched a retry without an id to a first copy (its
+# record key derived from the queue's prefix: the same hash slot on Cluster). `running`: the request leaves the queue as it
 # joins (DECIDE_LUA: its stats were read before): the record says running, and the id is
 # taken off the waiting sets rather than added and taken off again (what _LEAVE_FN's
 # leave(rec, id, 'running', '', now, '0') after a plain enqueue leaves, in fewer calls).
