@@ -12,24 +12,28 @@ lease = await leases.wait_for_gpu(Pool("a100", ["gpu0", "gpu1"]), "worker-7", ti
 ```
 
 Everything a caller needs is here; the modules behind it (`llm_health.store`) may move.
-Every error the library raises on its own derives from `LeaseError`.
+Every error the library raises on its own derives from `LeaseError`: a bad argument
+(`LeaseArgumentError`, a ValueError too) or Redis URL (`LeaseTargetError`) included.
 """
 
 from __future__ import annotations
 
+from .store.codes import LeaseArgumentError
 from .store.errors import NotReplicated
 from .store.heartbeat import Heartbeat
-from .store.leases import LeaseClient
+from .store.leases import LeaseClient, LeaseTargetError
 from .store.records import KeyspaceEventsOff, Lease, LeaseError, LeaseLost, LeaseState, Pool, ReconcileReport
 
 __all__ = [
     "Heartbeat",
     "KeyspaceEventsOff",
     "Lease",
+    "LeaseArgumentError",
     "LeaseClient",
     "LeaseError",
     "LeaseLost",
     "LeaseState",
+    "LeaseTargetError",
     "NotReplicated",
     "Pool",
     "ReconcileReport",

@@ -80,3 +80,41 @@ def test_an_http_error_s_case_is_its_class():
         assert isinstance(e, HttpError) and str(e) == "what happened"
         assert [f for f in flags if getattr(e, f)] == [flag]
     assert not any(getattr(HttpError("x"), f) for f in flags)
+
+
+def test_the_lease_library_keeps_its_promise_every_error_of_its_own_is_a_lease_error():
+    """llm_health.leases says every error it raises on its own derives from LeaseError: a
+    Redis URL it cannot use and a TTL that is not positive included, each still the
+    ValueError (and the URL's the TargetError) a caller of the store may catch."""
+    from llm_health.leases import LeaseArgumentError, LeaseClient, LeaseError, LeaseTargetError
+    from llm_health.store.target import TargetError
+
+    for url in ("redis+cluster://user:sekrit@", "http://127.0.0.1:6379", "redis://127.0.0.1:6379/notadb"):
+        try:
+            LeaseClient.from_url(url)
+        except LeaseError as e:
+            assert isinstance(e, LeaseTargetError) and isinstance(e, TargetError) and isinstance(e, ValueError)
+            assert "sekrit" not in str(e), str(e)
+        else:
+            raise AssertionError(f"{url}: no error")
+    try:
+        LeaseClient.from_url("redis://127.0.0.1:1/0", ttl_ms=0)
+    except LeaseArgumentError as e:
+        assert isinstance(e, LeaseError) and isinstance(e, ValueError) and "ttl_ms" in str(e)
+    else:
+        raise AssertionError("ttl_ms=0: no error")
+    from llm_health.store.keys import LeaseKeys
+
+    for bad in ({"lease_prefix": ""}, {"lease_prefix": "lease"}, {"lease_prefix": "gpu:lease:", "fence_prefix": ""}):
+        try:
+            LeaseKeys(**bad)
+        except LeaseArgumentError as e:
+            assert isinstance(e, ValueError) and "prefix" in str(e)
+        else:
+            raise AssertionError(f"LeaseKeys({bad}): no error")
+    try:
+        LeaseClient.from_url("redis://127.0.0.1:1/0", feed_linger_s=-1)
+    except LeaseArgumentError as e:
+        assert "linger_s" in str(e)
+    else:
+        raise AssertionError("feed_linger_s=-1: no error")

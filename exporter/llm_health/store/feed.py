@@ -20,6 +20,7 @@ from typing import Any
 from redis import asyncio as aioredis
 
 from ..tasks import cancel_and_wait
+from .codes import LeaseArgumentError
 from .connection import text, without_retries
 from .keys import LeaseKeys
 
@@ -235,7 +236,7 @@ class KeyeventFeed:
 
     def __init__(self, deployment: Any, keys: LeaseKeys, reconnect_max_s: float = 1.0, linger_s: float = FEED_LINGER_S):
         if linger_s < 0:
-            raise ValueError("linger_s must be 0 or more")
+            raise LeaseArgumentError(f"linger_s must be 0 or more, not {linger_s}")
         self.keys = keys
         self.linger_s = linger_s
         self.waiters: dict[asyncio.Queue[Any], set[str]] = {}

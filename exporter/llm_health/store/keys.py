@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .codes import LeaseArgumentError
+
 DEFAULT_LEASE_PREFIX = "gpu:lease:"
 DEFAULT_QUEUE_PREFIX = "llm:admission:"
 DEFAULT_RETENTION_MS = 15 * 60 * 1000
@@ -32,7 +34,7 @@ class LeaseKeys:
 
     def __post_init__(self) -> None:
         if not self.lease_prefix:
-            raise ValueError("lease_prefix must not be empty")
+            raise LeaseArgumentError("lease_prefix must not be empty")
         if self.lease_prefix.endswith("lease:"):
             ns = self.lease_prefix[: -len("lease:")]
             derived = (ns + "leaseinfo:", ns + "fence:", ns + "waiters:")
@@ -47,9 +49,9 @@ class LeaseKeys:
         for name in ("info_prefix", "fence_prefix", "waiters_prefix"):
             value = getattr(self, name)
             if not value:
-                raise ValueError(f"{name} must not be empty")
+                raise LeaseArgumentError(f"{name} must not be empty")
             if value.startswith(self.lease_prefix):
-                raise ValueError(
+                raise LeaseArgumentError(
                     f"{name} {value!r} starts with lease_prefix {self.lease_prefix!r}, so its "
                     f"keys would look like leases; set {name} explicitly "
                     f"(a lease_prefix ending in 'lease:' derives safe ones)"

@@ -28,14 +28,17 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+from .codes import LeaseArgumentError
 from .connection import text
 from .deployment import Deployment, connect, wrap
 from .errors import ERRORS, NotReplicated, retryable, suppress_retryable
 from .feed import FEED_LINGER_S, RESUBSCRIBED, KeyeventFeed, required_keyspace_command
 from .heartbeat import Heartbeat
 from .keys import LeaseKeys
-from .lease_scripts import ADD_WAITER_LUA, CHECK_FENCE_LUA, CLAIM_LUA, DELETE_IF_HOLDER_LUA, RELEASE_LUA, RENEW_LUA
+from .lease_reconcile import reconcile
+from .lease_scripts import ADD_WAITER_LUA, CHECK_FENCE_LUA, CLAIM_LUA, RELEASE_LUA, RENEW_LUA
 from .records import KeyspaceEventsOff, Lease, LeaseLost, LeaseState, Pool, ReconcileReport, parse_lease
+from .target import TargetError
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,11 @@ T = TypeVar("T")
 DEFAULT_TTL_MS = 30_000
 DEFAULT_FALLBACK_INTERVAL_S = 1.0
 NOT_REPLICATED_RETRY_S = 0.1  # a waiter whose claim failed retryably (store.errors.retryable: NOREPLICAS, ...) tries again this soon
+
+
+class LeaseTargetError(LeaseArgumentError, TargetError):
+    """A Redis URL `LeaseClient.from_url` cannot use: the message names the part that is
+    wrong (never the password), as `store.target.TargetError`'s does."""
 
 
 class LeaseClient:
@@ -65,7 +73,7 @@ class LeaseClient:
         feed_linger_s: float = FEED_LINGER_S,
     ):
         if ttl_ms <= 0:
-            raise ValueError("ttl_ms must be positive")
+            raise LeaseArgumentError(f"ttl_ms must be positive, not {ttl_ms}")
         self.deployment = redis if isinstance(redis, Deployment) else wrap(redis)
         self.redis = self.deployment.client
         self.keys = self.deployment.lease_keys(keys)
@@ -80,8 +88,13 @@ class LeaseClient:
     def from_url(cls, url: str, *, socket_timeout: float = 5.0, **kwargs: Any) -> LeaseClient:
         """A client with read and connect timeouts on its connections: a black-holed
         connection fails a call instead of blocking it (the heartbeat also bounds each
-        renewal by the lease's validity). ``url``: any form of `store.target`."""
-        return cls(connect(url, socket_timeout=socket_timeout), **kwargs)
+        renewal by the lease's validity). ``url``: any form of `store.target`; one it
+        cannot use raises `LeaseTargetError`, a `LeaseError` and a `TargetError` both."""
+        try:
+            deployment = connect(url, socket_timeout=socket_timeout)
+        except TargetError as e:
+            raise LeaseTargetError(str(e)) from None
+        return cls(deployment, **kwargs)
 
     async def aclose(self) -> None:
         await self._feed.aclose()
@@ -458,43 +471,6 @@ class LeaseClient:
         - lease held by someone other than what the worker runs: reported in ``mismatched``;
         - worker did not answer: reported in ``unreachable``, nothing changed.
         """
-        report = ReconcileReport()
-        sem = asyncio.Semaphore(concurrency)
-
-        async def ask(gpu: str) -> tuple[str, str | None, str | None]:
-            async with sem:
-                try:
-                    doing = await asyncio.wait_for(ask_worker(gpu), worker_timeout_s)
-                    return gpu, doing, None
-                except Exception as e:  # a worker's failure is data here, not a crash
-                    return gpu, None, repr(e)
-
-        answers = await asyncio.gather(*(ask(g) for g in pool.gpus))
-        # Read the leases after the answers: a lease claimed while we asked is then seen.
-        states = await self.read_many(pool.gpus)
-        server_now = await self.deployment.server_ms()
-        for gpu, doing, error in answers:
-            state = states[gpu]
-            if error is not None:
-                report.unreachable.append((gpu, error))
-                continue
-            if state is None:
-                if doing:
-                    report.busy_without_lease.append((gpu, doing))
-                else:
-                    report.consistent += 1
-                continue
-            if doing is None:
-                if state.claimed_ms is not None and server_now - state.claimed_ms < grace_ms:
-                    report.kept_young.append((gpu, state.holder))
-                    continue
-                deleted = await self.deployment.script(DELETE_IF_HOLDER_LUA, [self.keys.lease(gpu), self.keys.info(gpu)], [state.holder], confirm=False)
-                if deleted:
-                    report.deleted.append((gpu, state.holder))
-                    log.warning("reconcile: deleted lease on %s held by %s; the worker is idle", gpu, state.holder)
-                continue
-            if doing in (state.holder, state.job_id):
-                report.consistent += 1
-            else:
-                report.mismatched.append((gpu, state.holder, doing))
-        return report
+        return await reconcile(
+            self.read_many, self.deployment, self.keys, pool, ask_worker, grace_ms=grace_ms, worker_timeout_s=worker_timeout_s, concurrency=concurrency
+        )

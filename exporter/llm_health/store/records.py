@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .codes import StoreError
+from .codes import LeaseError
 from .connection import text
 
 
@@ -51,12 +51,6 @@ class LeaseState:
     token: int | None = None
     claimed_ms: int | None = None
     job_id: str | None = None
-
-
-class LeaseError(StoreError):
-    """The base of every error the lease library raises on its own (`llm_health.leases`):
-    `LeaseLost`, `KeyspaceEventsOff`, `NotReplicated`. Redis' own errors pass through as
-    redis-py raises them."""
 
 
 class LeaseLost(LeaseError):
