@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the Node.js validators that tests/integration/test_kubernetes.py runs on the
+# Install the Node.js validators that tests/integration/test_kubernetes_schemas.py runs on the
 # prometheus-operator objects of deploy/kubernetes/ (ServiceMonitor, PodMonitor,
 # PrometheusRule): @kubernetes-models/prometheus-operator and the TypeScript compiler,
 # exactly as .ci/k8s-validators/package-lock.json pins them, into a cache directory

@@ -16,9 +16,9 @@ import yaml
 
 from llm_health.config.gate import parse_gate_config
 from llm_health.gate.nginx_lua import plan
+from tests.fixtures.k8s_manifests import K8S_VERSIONS, KUSTOMIZATION_FIELDS, k8s_validate
 from tests.fixtures.lua_conf import admit_through_lua_conf
 from tests.fixtures.paths import ROOT
-from tests.integration.test_kubernetes import K8S_VERSIONS, KUSTOMIZATION_FIELDS, k8s_validate
 
 HERE = ROOT / "deploy" / "kubernetes" / "nginx-lua"
 DOCKERFILE = ROOT / "compose" / "nginx-lua.Dockerfile"
