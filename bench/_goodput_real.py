@@ -52,6 +52,7 @@ from tests.harness.processes import free_port
 
 from bench._goodput_model import AGE_CAP_SERVICES, TOKENS, Arrival, Outcome, Result, schedule
 from bench._goodput_model import DOORS as DOOR_NAMES
+from bench._processes import decide_args, llm_health
 from llm_health.store.keys import QueueKeys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,19 +210,8 @@ def count_copies(outcomes: list[Outcome], up: Upstream, t0: float) -> None:
         o.copies_late = sum(1 for t in seen if t - t0 > o.arrival.at + o.arrival.deadline_s)
 
 
-@contextlib.contextmanager
-def llm_health(*args: str) -> Iterator[subprocess.Popen[bytes]]:
-    env = {"PYTHONPATH": f"{ROOT / 'exporter'}", "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"}
-    proc = subprocess.Popen([sys.executable, "-m", "llm_health", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+# the doors' environment: a plain PATH, nothing else of this process's (bench._processes.llm_health adds PYTHONPATH)
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"}
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 60) -> None:
@@ -459,17 +449,9 @@ class Bench:
         )
         ex_port, gate_port, decide_port, syslog_port = free_port(), free_port(), free_port(), free_port()
         with (
-            llm_health("serve", "--config.file", str(cfg), "--web.listen-address", f"127.0.0.1:{ex_port}") as exporter,
-            llm_health("gate", "--config.file", str(gate_yml), "--web.listen-address", f"127.0.0.1:{gate_port}") as gate,
-            llm_health(
-                "decide",
-                "--config.file",
-                str(gate_yml),
-                "--web.listen-address",
-                f"127.0.0.1:{decide_port}",
-                "--syslog.listen-address",
-                f"127.0.0.1:{syslog_port}",
-            ) as decide,
+            llm_health("serve", "--config.file", str(cfg), "--web.listen-address", f"127.0.0.1:{ex_port}", env=ENV) as exporter,
+            llm_health("gate", "--config.file", str(gate_yml), "--web.listen-address", f"127.0.0.1:{gate_port}", env=ENV) as gate,
+            llm_health(*decide_args(gate_yml, decide_port, syslog_port), env=ENV) as decide,
         ):
             for port, proc in ((ex_port, exporter), (gate_port, gate), (decide_port, decide)):
                 wait_http(f"http://127.0.0.1:{port}/-/healthy", proc)

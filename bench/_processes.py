@@ -1,5 +1,7 @@
-"""The benchmarks' server processes: a process tree, its CPU time (precise where the kernel
-shows it), pinning to CPUs, and waiting for a port (bench_admission and lua_door_profile)."""
+"""The benchmarks' server processes: `llm-health` as a subprocess (with `decide`'s arguments),
+the CPUs split between the load generator and the servers, an engine process stopped with
+the run, a process tree, its CPU time (precise where the kernel shows it), pinning to
+CPUs, and waiting for a port (bench_admission, lua_door_profile and bench_goodput)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,59 @@ import multiprocessing as mp
 import os
 import socket
 import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tests.harness.processes import descendants
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def llm_health(*args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """`llm-health ARGS` (this checkout's) for the run, in ``env`` (default: this process's);
+    one that exited before the end says so on stderr, with its exit status and the last
+    lines of its own stderr (its requests failed: the tables count them)."""
+    env = {**(os.environ if env is None else env)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "exporter"), env.get("PYTHONPATH", "")) if p)
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen([sys.executable, "-m", "llm_health", *args], env=env, stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            yield proc
+        finally:
+            if proc.poll() is not None:
+                log.seek(0)
+                tail = b"\n".join(log.read().splitlines()[-15:]).decode(errors="replace")
+                print(f"llm-health {args[0]} exited {proc.returncode} during the run; its stderr ends:\n{tail}", file=sys.stderr)
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def decide_args(config: Path, port: int, syslog_port: int) -> list[str]:
+    """`llm-health decide`'s arguments: its configuration, its port and its syslog port."""
+    return ["decide", "--config.file", str(config), "--web.listen-address", f"127.0.0.1:{port}", "--syslog.listen-address", f"127.0.0.1:{syslog_port}"]
+
+
+def split_cpus() -> tuple[set[int], set[int]]:
+    """(the load generator's CPUs, the servers'): the first CPU and the rest, or all of them
+    for both on one CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 else (set(cpus), set(cpus))
+
+
+def engine_process(stack: contextlib.ExitStack, target: Callable[[int], None], port: int) -> mp.Process:
+    """``target(port)`` in a process of its own, stopped when ``stack`` closes."""
+    engine = mp.Process(target=target, args=(port,), daemon=True)
+    engine.start()
+    stack.callback(lambda: (engine.terminate(), engine.join(5)))
+    return engine
 
 
 def tree(pid: int) -> list[int]:

@@ -43,14 +43,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import multiprocessing as mp
 import os
 import subprocess
-import sys
 import tempfile
 import time
 import timeit
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,7 +61,7 @@ from tests.harness.processes import free_port
 
 from bench._goal import added_latency, goal_line, not_run, printed
 from bench._machine import machine_line
-from bench._processes import cpu_seconds, pin, wait_port
+from bench._processes import cpu_seconds, decide_args, engine_process, llm_health, pin, split_cpus, wait_port
 from bench._stats import percentile
 from bench._unjudged import failed_line
 
@@ -108,29 +105,6 @@ def engine_proc(port: int) -> None:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
-
-
-@contextlib.contextmanager
-def llm_health(*args: str) -> Iterator[subprocess.Popen[bytes]]:
-    """`llm-health ARGS` for the run; one that exited before the end says so on stderr, with
-    its exit status and the last lines of its own stderr (its requests failed: the tables
-    count them)."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'exporter'}:{os.environ.get('PYTHONPATH', '')}"}
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen([sys.executable, "-m", "llm_health", *args], env=env, stdout=subprocess.DEVNULL, stderr=log)
-        try:
-            yield proc
-        finally:
-            if proc.poll() is not None:
-                log.seek(0)
-                tail = b"\n".join(log.read().splitlines()[-15:]).decode(errors="replace")
-                print(f"bench_admission: llm-health {args[0]} exited {proc.returncode} during the run; its stderr ends:\n{tail}", file=sys.stderr)
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 # --- load --------------------------------------------------------------------------------
@@ -370,8 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     litellm_rates = [float(r) for r in args.litellm_rates.split(",")]
-    cpus = sorted(os.sched_getaffinity(0))
-    mine, servers = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 else (set(cpus), set(cpus))
+    mine, servers = split_cpus()
     with_litellm = not args.no_litellm and litellm_fixture.installed()
     machine = machine_line("nginx " + nginx_version(), "LiteLLM " + (litellm_fixture.LITELLM_VERSION if with_litellm else "not run"))  # before any load
     calibration = parse_calibration_ms()
@@ -380,9 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_name)
         redis = stack.enter_context(RedisServer())
         engine_port = free_port()
-        engine = mp.Process(target=engine_proc, args=(engine_port,), daemon=True)
-        engine.start()
-        stack.callback(lambda: (engine.terminate(), engine.join(5)))
+        engine = engine_process(stack, engine_proc, engine_port)
         gate_yml = tmp / "gate.yml"
         gate_yml.write_text(
             f"gate:\n  redis: {redis.url}\n  queue_prefix: 'bench:'\n"
@@ -390,17 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         gate_port, decide_port, syslog_port = free_port(), free_port(), free_port()
         gate = stack.enter_context(llm_health("gate", "--config.file", str(gate_yml), "--web.listen-address", f"127.0.0.1:{gate_port}"))
-        decide = stack.enter_context(
-            llm_health(
-                "decide",
-                "--config.file",
-                str(gate_yml),
-                "--web.listen-address",
-                f"127.0.0.1:{decide_port}",
-                "--syslog.listen-address",
-                f"127.0.0.1:{syslog_port}",
-            )
-        )
+        decide = stack.enter_context(llm_health(*decide_args(gate_yml, decide_port, syslog_port)))
         for port, proc in ((engine_port, None), (gate_port, gate), (decide_port, decide)):
             wait_port(port, proc)
         (tmp / "alone").mkdir()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import multiprocessing as mp
 import os
 import tempfile
 import time
@@ -35,7 +34,7 @@ from tests.fixtures.redis_server import RedisServer
 from tests.harness.processes import free_port
 
 from bench._machine import machine_line
-from bench._processes import pin, wait_port
+from bench._processes import engine_process, pin, split_cpus, wait_port
 from bench.bench_admission import Run, Target, engine_proc, open_loop
 
 FAKE_REPLY = 'queue_id .. "\\t" .. deadline .. "\\tadmit_once\\t200\\t\\t0\\t0\\t" .. (deadline - now) .. "\\t0\\t\\t\\tprofile"'  # a lean reply
@@ -77,16 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
-    cpus = sorted(os.sched_getaffinity(0))
-    mine, servers = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 else (set(cpus), set(cpus))
+    mine, servers = split_cpus()
     machine = machine_line()
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="lua-profile-") as tmp_name:
         tmp = Path(tmp_name)
         redis = stack.enter_context(RedisServer())
         port = free_port()
-        engine = mp.Process(target=engine_proc, args=(port,), daemon=True)
-        engine.start()
-        stack.callback(lambda: (engine.terminate(), engine.join(5)))
+        engine = engine_process(stack, engine_proc, port)
         wait_port(port)
         gate_yml = tmp / "gate.yml"
         gate_yml.write_text(
