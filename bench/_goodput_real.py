@@ -45,6 +45,7 @@ import openai
 import redis as redis_lib
 import yaml
 from aiohttp import web
+from tests.fixtures.exporter_status import one_backend_config
 from tests.fixtures.nginx import Nginx
 from tests.fixtures.redis_server import RedisServer
 from tests.harness import vllm as harness
@@ -421,16 +422,7 @@ class Bench:
     @contextlib.contextmanager
     def doors(self, tmp: Path, srv: harness.VLLMServer, redis: RedisServer, up_url: str, service: float, full: float) -> Iterator[dict[str, str]]:
         longest_ms = int(30 * service * 1000)
-        cfg = tmp / "llm-health.yml"
-        cfg.write_text(
-            yaml.safe_dump(
-                {
-                    "global": {"interval": "1s", "hung_after_seconds": 600},
-                    "backends": [{"name": "gpu0", "url": srv.url}],
-                    "redis": {"url": redis.url, "routes": ["chat"]},
-                }
-            )
-        )
+        cfg = one_backend_config(tmp / "llm-health.yml", srv.url, interval="1s", hung_after_seconds=600, redis_url=redis.url)
         gate_yml = tmp / "gate.yml"
         gate_yml.write_text(
             yaml.safe_dump(

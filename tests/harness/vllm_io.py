@@ -1,6 +1,7 @@
 """What the vLLM harness (tests/harness/vllm.py) reads and sends, stdlib only: vLLM's own
 counters read from /metrics with a regex (nothing here imports llm_health), plain HTTP
-GET and JSON POST, and the completions a load runs in background threads."""
+GET and JSON POST, a streamed answer followed to its end, and the completions a load runs
+in background threads."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Any
 
 _SAMPLE = re.compile(
     r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)",
@@ -105,3 +107,17 @@ class Load:
 
     def done(self) -> bool:
         return not any(t.is_alive() for t in self.threads)
+
+
+def follow_stream(resp: Any, req: Any) -> None:
+    """Read a streamed (SSE) answer to its end, setting on ``req`` when its first event came
+    (``first``, epoch seconds) and the longest gap between two of its events
+    (``longest_gap``, seconds)."""
+    last = 0.0
+    while line := resp.readline():
+        if line.startswith(b"data: {"):
+            now = time.time()
+            if req.first is not None:
+                req.longest_gap = max(req.longest_gap, now - last)
+            req.first = req.first or now
+            last = now

@@ -12,9 +12,11 @@ them apart): the drill's 4 s wait is paid once per door."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -190,14 +192,23 @@ async def identical_fresh(base_url: str, upstream: SlowUpstream) -> None:
     assert [e for e, _ in ends] == ["ok"] * 6 and upstream.seen["quick-same"] == 6, (ends, upstream.seen)
 
 
-@pytest.fixture
-async def upstream_url():
-    up = SlowUpstream()
+@contextlib.asynccontextmanager
+async def serving_chat(up: Any) -> AsyncIterator[str]:
+    """``up.chat`` served as an engine's /v1/chat/completions on loopback: its URL."""
     app = web.Application()
     app.router.add_post("/v1/chat/completions", up.chat)
     runner, url = await serve(app, handler_cancellation=True)
-    yield up, url
-    await runner.cleanup()
+    try:
+        yield url
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def upstream_url():
+    up = SlowUpstream()
+    async with serving_chat(up) as url:
+        yield up, url
 
 
 async def test_the_sdk_through_the_gate(upstream_url, redis_url):

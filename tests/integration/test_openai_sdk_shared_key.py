@@ -44,7 +44,7 @@ from tests.fixtures.litellm import LiteLLM, installed
 from tests.fixtures.nginx import Nginx, NginxLua
 from tests.integration.test_door_envoy import EnvoyExtAuthz
 from tests.integration.test_door_nginx import free_udp_port
-from tests.integration.test_openai_sdk import Attempts
+from tests.integration.test_openai_sdk import Attempts, serving_chat
 
 DEADLINE_MS = 3000  # the route's default: the scenario
 SLOW_S = 4.0
@@ -192,11 +192,8 @@ def config(upstream: str, redis_url: str) -> Any:
 @pytest.fixture
 async def upstream():
     up = Upstream()
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", up.chat)
-    runner, url = await serve(app, handler_cancellation=True)
-    yield up, url
-    await runner.cleanup()
+    async with serving_chat(up) as url:
+        yield up, url
 
 
 async def test_through_the_gate(upstream, redis_url):

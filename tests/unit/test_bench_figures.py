@@ -13,7 +13,7 @@ from bench._unjudged import failed_line, projected_line
 from bench.sections import SECTIONS
 
 from tests.fixtures import bench_tables
-from tests.unit.test_benchmarks_doc import _git
+from tests.unit.test_benchmarks_doc import _git, committed
 
 RAN = [b for b in summary.blocks(summary.DOC.read_text(encoding="utf-8")) if b.commit != summary.NOT_RUN and b.name in bench_tables.CHECKS]
 
@@ -52,12 +52,7 @@ def test_the_sections_measure_what_their_code_imports():
 
 @pytest.fixture
 def repo(tmp_path):
-    _git(tmp_path, "init", "-q")
-    (tmp_path / "measured.py").write_text("x = 1\n")
-    (tmp_path / "imported.py").write_text("y = 1\n")
-    _git(tmp_path, "add", "-A")
-    _git(tmp_path, "commit", "-q", "-m", "first")
-    return tmp_path
+    return committed(tmp_path, "measured.py", "imported.py")
 
 
 BODY = "\n```\ngoal: g; measured: 1: met\n```\n"

@@ -48,14 +48,19 @@ def _git(repo, *args: str) -> str:
     return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
 
 
+def committed(repo, *names: str):
+    """A git repository at ``repo`` whose first commit holds the files ``names``, each one line."""
+    _git(repo, "init", "-q")
+    for i, name in enumerate(names):
+        (repo / name).write_text(f"x{i} = 1\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "first")
+    return repo
+
+
 @pytest.fixture
 def repo(tmp_path):
-    _git(tmp_path, "init", "-q")
-    (tmp_path / "measured.py").write_text("x = 1\n")
-    (tmp_path / "other.py").write_text("y = 1\n")
-    _git(tmp_path, "add", "-A")
-    _git(tmp_path, "commit", "-q", "-m", "first")
-    return tmp_path
+    return committed(tmp_path, "measured.py", "other.py")
 
 
 def _block(commit: str) -> summary.Block:

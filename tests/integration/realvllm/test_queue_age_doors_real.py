@@ -22,13 +22,13 @@ from typing import Any
 import aiohttp
 import pytest
 import redis
-import yaml
 from aiohttp import web
 
 from llm_health.config.gate import parse_gate_config
 from llm_health.gate.app import Gate
 from llm_health.gate.doors import Doors
 from llm_health.store.keys import QueueKeys
+from tests.fixtures.exporter_status import one_backend_config
 from tests.fixtures.nginx import Nginx
 from tests.fixtures.stack import http_json, render_rules, wait_until
 from tests.harness import vllm as harness
@@ -75,16 +75,7 @@ async def test_the_doors_refuse_on_the_engines_real_queue_and_the_alert_fires(
     srv = idle_vllm_server
     # The exporter first, up before anything else takes a port: the backend named as the
     # shipped rules' route `chat` names it.
-    cfg = tmp_path / "llm-health.yml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "global": {"interval": "0.5s", "hung_after_seconds": 60},
-                "backends": [{"name": "gpu0", "url": srv.url}],
-                "redis": {"url": own_redis_server.url, "routes": ["chat"]},
-            }
-        )
-    )
+    cfg = one_backend_config(tmp_path / "llm-health.yml", srv.url, interval="0.5s", redis_url=own_redis_server.url)
     exporter = exporter_factory(cfg)
     port = exporter.port
     key = QueueKeys().engine_age("gpu0")

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import redis
-import yaml
 from aiohttp import web
 
 from llm_health.config.gate import parse_gate_config
@@ -42,9 +41,11 @@ from llm_health.gate.app import Gate
 from llm_health.gate.doors import Doors
 from llm_health.store.keys import QueueKeys
 from tests.fixtures.doors import serve
+from tests.fixtures.exporter_status import one_backend_config
 from tests.fixtures.nginx import Nginx
 from tests.fixtures.stack import http_json, wait_until
 from tests.harness import vllm as harness
+from tests.harness.vllm_io import follow_stream
 from tests.integration.realvllm.test_queue_age_real import PERIOD_MS, RUN_MS
 from tests.integration.test_door_nginx import free_udp_port
 
@@ -78,14 +79,7 @@ def stream(url: str, c: Client, max_tokens: int) -> None:
         c.sock = conn.sock
         c.ready.set()
         resp = conn.getresponse()
-        last = 0.0
-        while line := resp.readline():
-            if line.startswith(b"data: {"):
-                now = time.time()
-                if c.first is not None:
-                    c.longest_gap = max(c.longest_gap, now - last)
-                c.first = c.first or now
-                last = now
+        follow_stream(resp, c)
     except OSError:
         pass  # given up: the socket shut under it
     finally:
@@ -133,16 +127,7 @@ def probe(url: str, door: str, slack_ms: int) -> Probe:
 
 async def test_the_doors_act_on_the_true_age_when_clients_give_up(exporter_factory, idle_vllm_server, own_redis_server, tmp_path):
     srv = idle_vllm_server
-    cfg = tmp_path / "llm-health.yml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "global": {"interval": "1s", "hung_after_seconds": 60},
-                "backends": [{"name": "gpu0", "url": srv.url}],
-                "redis": {"url": own_redis_server.url, "routes": ["chat"]},
-            }
-        )
-    )
+    cfg = one_backend_config(tmp_path / "llm-health.yml", srv.url, interval="1s", redis_url=own_redis_server.url)
     exporter = exporter_factory(cfg)
     keys = QueueKeys()
     runners: list[web.AppRunner] = []

@@ -28,10 +28,11 @@ import urllib.request
 from dataclasses import dataclass
 
 import pytest
-import yaml
 
+from tests.fixtures.exporter_status import one_backend_config
 from tests.fixtures.stack import wait_until
 from tests.harness import vllm as harness
+from tests.harness.vllm_io import follow_stream
 
 pytestmark = pytest.mark.realvllm
 
@@ -57,14 +58,7 @@ def stream(url: str, req: Req, max_tokens: int, prompt: str | list[int] = "Hello
         req.sent = time.time()
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
-        last = 0.0
-        while line := resp.readline():
-            if line.startswith(b"data: {"):
-                now = time.time()
-                if req.first is not None:
-                    req.longest_gap = max(req.longest_gap, now - last)
-                req.first = req.first or now
-                last = now
+        follow_stream(resp, req)
         req.end = time.time()
     finally:
         conn.close()
@@ -206,20 +200,31 @@ def check(
     return worst, raw, gap, lag, intake, checked
 
 
+def cpu0_status(base: str) -> dict:
+    """The exporter's /status of backend cpu0."""
+    with urllib.request.urlopen(base + "/status?backend=cpu0", timeout=5) as resp:
+        return json.loads(resp.read())["backends"][0]
+
+
+def drained(base: str, what: str, timeout: float = 60) -> None:
+    """Until the exporter reads cpu0's queue age as 0 (known, nothing waiting)."""
+    wait_until(lambda: cpu0_status(base)["queue_age_ms"] == 0, timeout=timeout, what=what)
+
+
+def watched(exporter_factory, srv, tmp_path) -> str:
+    """An exporter watching ``srv`` as backend cpu0 every INTERVAL s, once it reads the idle
+    engine's queue age as 0: its URL."""
+    base = exporter_factory(one_backend_config(tmp_path / "llm-health.yml", srv.url, name="cpu0", interval=f"{INTERVAL}s")).url
+    drained(base, "the idle engine's queue age, 0 and known")
+    return base
+
+
 def test_engine_queue_age_on_a_real_vllm_across_a_restart(exporter_factory, idle_vllm_server, tmp_path):
     srv = idle_vllm_server
-    cfg = tmp_path / "llm-health.yml"
-    cfg.write_text(yaml.safe_dump({"global": {"interval": f"{INTERVAL}s", "hung_after_seconds": 60}, "backends": [{"name": "cpu0", "url": srv.url}]}))
-    base = exporter_factory(cfg).url
+    base = watched(exporter_factory, srv, tmp_path)
     sampler = Sampler(base, srv.url)
     threads: list[threading.Thread] = []
     try:
-
-        def status() -> dict:
-            with urllib.request.urlopen(base + "/status?backend=cpu0", timeout=5) as resp:
-                return json.loads(resp.read())["backends"][0]
-
-        wait_until(lambda: status()["queue_age_ms"] == 0, timeout=60, what="the idle engine's queue age, 0 and known")
         sampler.start()
         results = []
         for phase in ("first", "after the restart"):
@@ -234,7 +239,7 @@ def test_engine_queue_age_on_a_real_vllm_across_a_restart(exporter_factory, idle
                     for t in threads:
                         t.join(240)
                 reqs += more
-                wait_until(lambda: status()["queue_age_ms"] == 0, timeout=60, what="the drained queue back at 0")
+                drained(base, "the drained queue back at 0")
                 if max((r.first or 0) - r.sent for r in more) > 4 * INTERVAL:
                     break
                 max_tokens *= 2
@@ -244,7 +249,7 @@ def test_engine_queue_age_on_a_real_vllm_across_a_restart(exporter_factory, idle
             if phase == "first":
                 before = len(sampler.samples)
                 srv.restart()
-                wait_until(lambda: status()["queue_age_ms"] == 0, timeout=120, what="the restarted engine's queue age, 0 and known")
+                drained(base, "the restarted engine's queue age, 0 and known", timeout=120)
                 during = sampler.samples[before:]
                 assert any(s[1] is None for s in during), "the figure was never unknown while vLLM was away"
                 assert all(s[1] in (None, 0) for s in during), "a stale age while vLLM restarted"
@@ -272,18 +277,10 @@ def test_engine_queue_age_on_a_real_vllm_across_preemptions(exporter_factory, vl
     age of the oldest unfinished request (a preempted one waits again, counted from its
     arrival) and within a round of the oldest surely queued."""
     srv = vllm_server_factory(extra_args=["--num-gpu-blocks-override", "9"])
-    cfg = tmp_path / "llm-health.yml"
-    cfg.write_text(yaml.safe_dump({"global": {"interval": f"{INTERVAL}s", "hung_after_seconds": 60}, "backends": [{"name": "cpu0", "url": srv.url}]}))
-    base = exporter_factory(cfg).url
+    base = watched(exporter_factory, srv, tmp_path)
     sampler = Sampler(base)
     threads: list[threading.Thread] = []
     try:
-
-        def status() -> dict:
-            with urllib.request.urlopen(base + "/status?backend=cpu0", timeout=5) as resp:
-                return json.loads(resp.read())["backends"][0]
-
-        wait_until(lambda: status()["queue_age_ms"] == 0, timeout=60, what="the idle engine's queue age, 0 and known")
         sampler.start()
         reqs, preemptions = [], None
         # Whether eight requests overlap enough to preempt is the engine's timing: on a loaded
@@ -294,7 +291,7 @@ def test_engine_queue_age_on_a_real_vllm_across_preemptions(exporter_factory, vl
             reqs += more
             for t in threads:
                 t.join(240)
-            wait_until(lambda: status()["queue_age_ms"] == 0, timeout=60, what="the drained queue back at 0")
+            drained(base, "the drained queue back at 0")
             time.sleep(3 * INTERVAL)
             preemptions = harness.metric_sum(srv.metrics_text(), "vllm:num_preemptions_total")
             if preemptions:
