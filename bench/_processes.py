@@ -50,6 +50,15 @@ def decide_args(config: Path, port: int, syslog_port: int) -> list[str]:
     return ["decide", "--config.file", str(config), "--web.listen-address", f"127.0.0.1:{port}", "--syslog.listen-address", f"127.0.0.1:{syslog_port}"]
 
 
+def gate_config(tmp: Path, redis_url: str, engine_port: int, *, models: bool = False) -> Path:
+    """The benchmarks' gate configuration in ``tmp``: route `chat` to the engine on
+    ``engine_port`` (for model `llama` where ``models``), queue prefix `bench:`."""
+    route = f"upstream: 'http://127.0.0.1:{engine_port}', " + ("models: [llama], " if models else "") + "default_deadline_ms: 30000"
+    path = tmp / "gate.yml"
+    path.write_text(f"gate:\n  redis: {redis_url}\n  queue_prefix: 'bench:'\n  routes:\n    chat: {{{route}}}\n")
+    return path
+
+
 def split_cpus() -> tuple[set[int], set[int]]:
     """(the load generator's CPUs, the servers'): the first CPU and the rest, or all of them
     for both on one CPU."""

@@ -61,7 +61,7 @@ from tests.harness.processes import free_port
 
 from bench._goal import added_latency, goal_line, not_run, printed
 from bench._machine import machine_line
-from bench._processes import cpu_seconds, decide_args, engine_process, llm_health, pin, split_cpus, wait_port
+from bench._processes import cpu_seconds, decide_args, engine_process, gate_config, llm_health, pin, split_cpus, wait_port
 from bench._stats import percentile
 from bench._unjudged import failed_line
 
@@ -354,11 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         redis = stack.enter_context(RedisServer())
         engine_port = free_port()
         engine = engine_process(stack, engine_proc, engine_port)
-        gate_yml = tmp / "gate.yml"
-        gate_yml.write_text(
-            f"gate:\n  redis: {redis.url}\n  queue_prefix: 'bench:'\n"
-            f"  routes:\n    chat: {{upstream: 'http://127.0.0.1:{engine_port}', models: [llama], default_deadline_ms: 30000}}\n"
-        )
+        gate_yml = gate_config(tmp, redis.url, engine_port, models=True)
         gate_port, decide_port, syslog_port = free_port(), free_port(), free_port()
         gate = stack.enter_context(llm_health("gate", "--config.file", str(gate_yml), "--web.listen-address", f"127.0.0.1:{gate_port}"))
         decide = stack.enter_context(llm_health(*decide_args(gate_yml, decide_port, syslog_port)))

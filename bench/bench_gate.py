@@ -117,6 +117,16 @@ async def wait_port(port: int) -> None:
     raise RuntimeError(f"port {port} never opened")
 
 
+async def answered_200(session, url: str, request_id: str) -> bool:
+    """One request (its own id): whether it was answered 200 (an error or no answer: no)."""
+    try:
+        async with session.post(url, json=BODY, headers={"X-Request-Id": request_id}) as r:
+            await r.read()
+            return r.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
 async def open_loop(session, url: str, rate: float, seconds: float) -> tuple[list[float], int]:
     """(the latency of each answer, how many requests failed: an answer other than 200 or
     none). A failed request's time is in no latency figure."""
@@ -126,13 +136,7 @@ async def open_loop(session, url: str, rate: float, seconds: float) -> tuple[lis
     async def one(i):
         nonlocal errors
         t = time.perf_counter()
-        try:
-            async with session.post(url, json=BODY, headers={"X-Request-Id": f"b{time.time_ns()}-{i}"}) as r:
-                await r.read()
-                ok = r.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            ok = False
-        if ok:
+        if await answered_200(session, url, f"b{time.time_ns()}-{i}"):
             lat.append(time.perf_counter() - t)
         else:
             errors += 1
@@ -158,12 +162,7 @@ async def closed_loop(session, url: str, concurrency: int, seconds: float) -> tu
         nonlocal done, failed
         i = 0
         while time.perf_counter() < stop:
-            try:
-                async with session.post(url, json=BODY, headers={"X-Request-Id": f"c{w}-{i}-{time.time_ns()}"}) as r:
-                    await r.read()
-                    ok = r.status == 200
-            except (aiohttp.ClientError, TimeoutError):
-                ok = False
+            ok = await answered_200(session, url, f"c{w}-{i}-{time.time_ns()}")
             done, failed = (done + 1, failed) if ok else (done, failed + 1)
             i += 1
 

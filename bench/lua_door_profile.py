@@ -34,7 +34,7 @@ from tests.fixtures.redis_server import RedisServer
 from tests.harness.processes import free_port
 
 from bench._machine import machine_line
-from bench._processes import engine_process, pin, split_cpus, wait_port
+from bench._processes import engine_process, gate_config, pin, split_cpus, wait_port
 from bench.bench_admission import Run, Target, engine_proc, open_loop
 
 FAKE_REPLY = 'queue_id .. "\\t" .. deadline .. "\\tadmit_once\\t200\\t\\t0\\t0\\t" .. (deadline - now) .. "\\t0\\t\\t\\tprofile"'  # a lean reply
@@ -84,10 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         engine = engine_process(stack, engine_proc, port)
         wait_port(port)
-        gate_yml = tmp / "gate.yml"
-        gate_yml.write_text(
-            f"gate:\n  redis: {redis.url}\n  queue_prefix: 'bench:'\n  routes:\n    chat: {{upstream: 'http://127.0.0.1:{port}', default_deadline_ms: 30000}}\n"
-        )
+        gate_yml = gate_config(tmp, redis.url, port)
         assert redis.proc and engine.pid
         targets: dict[str, Target] = {}
         for i, (name, edits) in enumerate(VARIANTS.items()):

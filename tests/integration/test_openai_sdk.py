@@ -204,6 +204,17 @@ async def serving_chat(up: Any) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
+@contextlib.asynccontextmanager
+async def serving_gate(cfg: Any) -> AsyncIterator[tuple[Gate, str]]:
+    """`llm-health gate` on ``cfg``, served on loopback: the gate and its URL."""
+    gate = Gate(cfg)
+    runner, url = await serve(gate.app(), handler_cancellation=True)
+    try:
+        yield gate, url
+    finally:
+        await runner.cleanup()
+
+
 @pytest.fixture
 async def upstream_url():
     up = SlowUpstream()
@@ -213,14 +224,10 @@ async def upstream_url():
 
 async def test_the_sdk_through_the_gate(upstream_url, redis_url):
     up, uurl = upstream_url
-    gate = Gate(gate_config(uurl, redis_url))
-    runner, url = await serve(gate.app(), handler_cancellation=True)
-    try:
+    async with serving_gate(gate_config(uurl, redis_url)) as (gate, url):
         await drill(url, up, "gate")
         await identical_fresh(url, up)
         await closed_and_spent(url, up, gate.admission, redis_url)
-    finally:
-        await runner.cleanup()
 
 
 async def test_the_sdk_through_nginx_and_decide(upstream_url, own_redis_server, tmp_path):
@@ -247,13 +254,9 @@ async def test_the_docs_sdk_example_runs_as_written(upstream_url, redis_url):
     doc = (ROOT / "docs" / "admission.md").read_text()
     [block] = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "OpenAI(" in b]
     up, uurl = upstream_url
-    gate = Gate(gate_config(uurl, redis_url))
-    runner, url = await serve(gate.app(), handler_cancellation=True)
-    try:
+    async with serving_gate(gate_config(uurl, redis_url)) as (_, url):
         code = block.replace("http://gate.internal:9119", url).replace('"hello"', '"quick-docs"')
         assert code != block, "the example no longer names http://gate.internal:9119"
         scope: dict[str, Any] = {}
         await asyncio.to_thread(exec, code, scope)
         assert scope["reply"].choices[0].message.content == "ok" and up.seen["quick-docs"] == 1
-    finally:
-        await runner.cleanup()

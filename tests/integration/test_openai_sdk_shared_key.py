@@ -35,7 +35,6 @@ import yaml
 from aiohttp import web
 
 from llm_health.config.gate import parse_gate_config
-from llm_health.gate.app import Gate
 from llm_health.gate.doors import Doors
 from llm_health.store.connection import text
 from llm_health.store.queue import AdmissionQueue, QueueRecord
@@ -44,7 +43,7 @@ from tests.fixtures.litellm import LiteLLM, installed
 from tests.fixtures.nginx import Nginx, NginxLua
 from tests.integration.test_door_envoy import EnvoyExtAuthz
 from tests.integration.test_door_nginx import free_udp_port
-from tests.integration.test_openai_sdk import Attempts, serving_chat
+from tests.integration.test_openai_sdk import Attempts, serving_chat, serving_gate
 
 DEADLINE_MS = 3000  # the route's default: the scenario
 SLOW_S = 4.0
@@ -198,12 +197,8 @@ async def upstream():
 
 async def test_through_the_gate(upstream, redis_url):
     up, uurl = upstream
-    gate = Gate(config(uurl, redis_url))
-    runner, url = await serve(gate.app(), handler_cancellation=True)
-    try:
+    async with serving_gate(config(uurl, redis_url)) as (gate, url):
         await scenario(url, up, redis_url, gate.cfg.queue_prefix, ends_reported=True, tokens=True)
-    finally:
-        await runner.cleanup()
 
 
 async def test_through_nginx_and_decide(upstream, own_redis_server, tmp_path):
