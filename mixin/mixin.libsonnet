@@ -1,6 +1,6 @@
 // llm-health's monitoring mixin: the rule pack (busy versus hung per engine, the exporter
 // layer, the admission edge, GPU faults) and the three dashboards, for kube-prometheus and
-// any stack that keeps its alerts as code. See README.md, "The monitoring mixin".
+// any stack that keeps its alerts as code. See docs/deploy.md, "The monitoring mixin".
 local render = import 'lib/render.libsonnet';
 
 (import 'config.libsonnet') + {

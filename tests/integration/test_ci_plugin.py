@@ -99,9 +99,10 @@ def test_outside_ci_a_lone_xfail_or_skip_exits_zero(tmp_path, cases):
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 @pytest.mark.parametrize("cases", [XFAIL_ONLY, SKIP_ONLY], ids=["xfail", "skip"])
 def test_ci_run_sets_ci_and_fails_on_a_throwaway_xfail_or_skip(tmp_path, cases):
-    """`.ci/run` itself, with CI unset in its environment and its install and lint steps
-    marked done (`make -o`), on one throwaway test: it exits non-zero and prints the slowest
-    tests."""
+    """`.ci/run` itself, which is the README's `make test` with CI=true, with CI unset in its
+    environment and its install and lint steps marked done (`make -o`), on one throwaway
+    test: it exits non-zero and prints the slowest tests."""
+    assert (ROOT / ".ci" / "run").read_text().rstrip().endswith('exec make test "$@"'), "`.ci/run` is no longer `make test`"
     (tmp_path / "test_throwaway.py").write_text(cases)
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)

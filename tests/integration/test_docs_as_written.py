@@ -1,7 +1,14 @@
-"""Every door starts from its docs: the commands, files and bodies of docs/admission.md and
-docs/restarts.md marked `<!-- docs-as-written: NAME -->` are read from the docs' own code
-blocks and run as written on real processes, with only their addresses, ports and file
-paths moved to this test's (a doc that drifts fails here):
+"""Every door starts from its docs: the commands, files and bodies of README.md,
+docs/admission.md and docs/restarts.md marked `<!-- docs-as-written: NAME -->` are read from
+the docs' own code blocks and run as written on real processes, with only their addresses,
+ports and file paths moved to this test's (a doc that drifts fails here;
+tests/unit/test_docs.py fails on a README command no test runs):
+
+- the README's `llm-health.yml` and `serve`: its five-line configuration passes `config
+  check` and `serve` on it gives each simulated backend its verdict; `check`: an idle
+  server's verdict, exit 0, in JSON; `gate`: the gate's command with docs/admission.md's
+  configuration; `restarter`: the restarter's command, accepting docs/restarts.md's
+  notification with its token;
 
 - `gate.yml` and `gate`: the gate's documented configuration and command, a request
   admitted and forwarded;
@@ -26,6 +33,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -48,6 +56,7 @@ from tests.fixtures.websec import RESTARTER_ENV, TOKEN, restarter_config
 from tests.harness.processes import free_port
 from tests.integration.test_gate import recorded, serve
 
+README = ROOT / "README.md"
 ADMISSION = ROOT / "docs" / "admission.md"
 RESTARTS = ROOT / "docs" / "restarts.md"
 
@@ -74,7 +83,8 @@ def default_address(command: str) -> tuple[str, int]:
 def test_each_component_has_its_own_default_port_and_the_shipped_files_point_at_it():
     ports = {c: default_address(c)[1] for c in ("serve", "gate", "restarter", "decide")}
     assert len(set(ports.values())) == len(ports), ports
-    assert ports == {"serve": 9118, "gate": 9119, "restarter": 9120, "decide": 9122}  # as README.md lists them
+    assert ports == {"serve": 9118, "gate": 9119, "restarter": 9120, "decide": 9122}  # as README.md and docs/admission.md list them
+    assert {default_address(c)[0] for c in ports} == {"127.0.0.1"}  # "all on 127.0.0.1"
     decide, restarter = ports["decide"], ports["restarter"]
     assert f"server 127.0.0.1:{decide};" in (ROOT / "deploy" / "nginx" / "nginx.conf").read_text()
     envoy = (ROOT / "deploy" / "envoy" / "envoy.yaml").read_text()
@@ -86,6 +96,16 @@ def test_each_component_has_its_own_default_port_and_the_shipped_files_point_at_
 
 
 async def test_the_gate_as_documented_with_the_documented_configuration(own_redis_server, tmp_path):
+    await gate_as_documented(block(ADMISSION, "gate"), own_redis_server.url, tmp_path)
+
+
+async def test_the_readmes_gate_command_with_the_documented_configuration(own_redis_server, tmp_path):
+    await gate_as_documented(block(README, "gate"), own_redis_server.url, tmp_path)
+
+
+async def gate_as_documented(command: str, redis_url: str, tmp_path: Path) -> None:
+    """`command` (the gate's, as a doc gives it) on docs/admission.md's gate.yml: a request
+    admitted and forwarded."""
     hits: list[str] = []
 
     async def engine(request: web.Request) -> web.Response:
@@ -97,10 +117,10 @@ async def test_the_gate_as_documented_with_the_documented_configuration(own_redi
     runner, eurl = await serve(app)
     token = tmp_path / "gate-admin.token"
     token.write_text("admin-secret\n")
-    moves = {"redis://127.0.0.1:6379/0": own_redis_server.url, "http://10.0.0.5:8000": eurl, "http://10.0.0.6:8000": eurl}
+    moves = {"redis://127.0.0.1:6379/0": redis_url, "http://10.0.0.5:8000": eurl, "http://10.0.0.6:8000": eurl}
     (tmp_path / "gate.yml").write_text(moved(block(ADMISSION, "gate.yml"), {**moves, "/etc/llm-health/gate-admin.token": str(token)}))
     port = free_port()
-    argv = moved(block(ADMISSION, "gate").strip(), {"127.0.0.1:9119": f"127.0.0.1:{port}"}).split()
+    argv = moved(command.strip(), {"127.0.0.1:9119": f"127.0.0.1:{port}"}).split()
     assert argv[0] == "llm-health"
     proc = subprocess.Popen([sys.executable, "-m", "llm_health", *argv[1:]], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -253,3 +273,82 @@ async def test_the_documented_notification_is_accepted_by_a_real_restarter(tmp_p
     assert done.returncode == 0, done.stderr
     answer = json.loads(done.stdout)
     assert answer["alerts"][0]["decision"] == "accepted", answer
+
+
+def run_as_written(argv: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`llm-health ...` as a doc gives it, by this Python (the package under test)."""
+    assert argv[0] == "llm-health", argv
+    return subprocess.run([sys.executable, "-m", "llm_health", *argv[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+async def test_the_readmes_configuration_passes_config_check_and_serve_gives_each_verdict(tmp_path, sim_server, ticker):
+    """The README's five-line `llm-health.yml`, its addresses moved to simulated servers:
+    `config check` as written passes it, and `serve` as written gives gpu0 (twelve running)
+    `busy` with no request sent to it, gpu1 `idle`, the proxy lb `up`."""
+    busy = await sim_server("gpu0", scenario="saturated")
+    ticker.append(busy)
+    idle = await sim_server("gpu1", scenario="idle")
+    proxied = await sim_server("lb", scenario="idle")
+    moves = {"http://10.0.0.5:8000": busy.url, "http://10.0.0.6:8000": idle.url, "http://10.0.0.9:8000": proxied.url}
+    (tmp_path / "llm-health.yml").write_text(moved(block(README, "llm-health.yml"), moves))
+    check, serve_ = block(README, "serve").strip().splitlines()
+    env = {**os.environ, "VLLM_API_KEY": "the-readmes-api-key-env"}  # gpu1's api_key_env names it
+    done = run_as_written(shlex.split(check, comments=True), tmp_path, env)
+    assert done.returncode == 0 and "SUCCESS: llm-health.yml: 3 backends" in done.stdout, done.stdout + done.stderr
+    port = free_port()
+    argv = shlex.split(moved(serve_, {"0.0.0.0:9118": f"127.0.0.1:{port}"}), comments=True)
+    assert argv[0] == "llm-health"
+    proc = subprocess.Popen([sys.executable, "-m", "llm_health", *argv[1:]], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await until_answers(f"http://127.0.0.1:{port}/-/healthy")
+        want, states = {"gpu0": "busy", "gpu1": "idle", "lb": "up"}, {}
+        deadline = time.monotonic() + 60  # the first rounds spread over one 10 s interval; busy takes two reads
+        while states != want and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/status") as r:
+                states = {b["backend"]: b["state"] for b in (await r.json())["backends"]}
+        assert states == want
+        assert busy.received == []  # nothing sent to the busy server
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_the_readmes_check_as_written(tmp_path, sim_server):
+    """The README's `llm-health check`, its address moved to an idle simulated server: one
+    1-token probe, `idle`, exit 0, one JSON object."""
+    server = await sim_server("gpu0", scenario="idle")
+    (command,) = block(README, "check").strip().splitlines()
+    done = await asyncio.to_thread(run_as_written, shlex.split(moved(command, {"http://10.0.0.5:8000": server.url}), comments=True), tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    verdict = json.loads(done.stdout)
+    assert (verdict["state"], verdict["probes_sent"]) == ("idle", 1), verdict
+
+
+async def test_the_readmes_restarter_as_written_accepts_the_documented_notification(tmp_path):
+    """The README's `llm-health restarter`, with a restarter.yml naming docs/restarts.md's
+    backend, its token file and its port moved: docs/restarts.md's notification, sent with
+    that token, is accepted; without it, refused."""
+    body = block(RESTARTS, "notification.json")
+    (alert,) = parse_webhook(body).alerts
+    restarter_config(tmp_path / "restarter.yml", [alert.labels["backend"]])
+    (tmp_path / "restarter-token").write_text(TOKEN + "\n")
+    port = free_port()
+    (command,) = block(README, "restarter").strip().splitlines()
+    argv = shlex.split(moved(command, {"127.0.0.1:9120": f"127.0.0.1:{port}"}), comments=True)
+    assert argv[0] == "llm-health"
+    env = {k: v for k, v in os.environ.items() if k not in RESTARTER_ENV}  # the token comes from the file alone
+    proc = subprocess.Popen([sys.executable, "-m", "llm_health", *argv[1:]], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await until_answers(f"http://127.0.0.1:{port}/-/healthy")
+        url, data = f"http://127.0.0.1:{port}/alerts", body.encode()
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 401, await r.text()
+            async with s.post(url, data=data, headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}) as r:
+                assert r.status == 202, await r.text()
+                answer = await r.json()
+        assert answer["alerts"][0]["decision"] == "accepted", answer
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -140,7 +140,7 @@ def test_exporter_container():
     assert isinstance(security["runAsUser"], int) and security["runAsUser"] > 0  # the kubelet checks runAsNonRoot on a number only
     assert security["allowPrivilegeEscalation"] is False
 
-    # the image compose builds from compose/Dockerfile, which README.md tells how to build
+    # the image compose builds from compose/Dockerfile, which docs/install.md tells how to build
     compose = yaml.safe_load((ROOT / "compose" / "docker-compose.yml").read_text())
     assert exporter["image"] == compose["services"]["llm-health"]["image"]
 
@@ -166,7 +166,7 @@ def test_no_secret_in_the_manifests():
 
 
 def test_the_commented_secrets_are_valid_once_uncommented(tmp_path):
-    """README.md says to uncomment HF_TOKEN / VLLM_API_KEY and api_key_env: what that gives
+    """deploy/kubernetes/README.md says to uncomment HF_TOKEN / VLLM_API_KEY and api_key_env: what that gives
     must still pass the schema and `config check`."""
     text = (DEPLOY / "deployment.yaml").read_text()
     uncommented, n = re.subn(r"(?m)^(\s*)# (- name: [A-Z_]+|  valueFrom: \{secretKeyRef: .*\})$", r"\1\2", text)

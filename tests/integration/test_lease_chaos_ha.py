@@ -1,5 +1,5 @@
 """Chaos on real Redis Sentinel and Redis Cluster topologies (tests/fixtures/redis_topology.py),
-``min-replicas-to-write 1`` on every data node (as the README advises: a primary without a
+``min-replicas-to-write 1`` on every data node (as docs/redis-schema.md advises: a primary without a
 linked replica refuses writes with NOREPLICAS, from the claim script and the waiters'
 list alike): five worker processes (tests/harness/lease_worker.py --detail; two with jobs of 1-3.5 s,
 that renew across the faults, three with jobs under 0.7 s) claim, renew and release a

@@ -491,7 +491,7 @@ def test_derived_key_names_never_look_like_leases():
 
 
 async def test_the_safety_recheck_is_once_a_second_by_default():
-    """README and docs/redis-schema.md: events wake the waiter; every GPU is re-checked
+    """docs/redis-schema.md: events wake the waiter; every GPU is re-checked
     once a second by default, as the safety net for a lost notification."""
     client = LeaseClient.from_url("redis://127.0.0.1:1/0")  # never connects: no command is sent
     try:

@@ -4,7 +4,7 @@ package (pyproject's test extra, the C++ 0.20+ library rules/generate.py derives
 windows with). With its defaults it is the committed rule files and dashboards; through
 its `_config` it is what `rules/generate.py --set` renders; its alerts pass mixtool's lint
 rules, its rules promtool's unit tests, and its PrometheusRule is deploy/kubernetes's.
-The README's mixin section is run as written (less `jb`, which no Debian or PyPI package
+docs/deploy.md's mixin section is run as written (less `jb`, which no Debian or PyPI package
 ships: the test puts the mixin where `jb install` puts it)."""
 
 from __future__ import annotations
@@ -162,12 +162,12 @@ def test_a_prometheusrule_from_the_mixin_is_deploy_kubernetes_own():
     assert len(groups) == len(shipped["spec"]["groups"])
 
 
-def test_the_readme_mixin_section_as_written(tmp_path):
-    """The README's mixin section: its `_config` override in a file of its own, the mixin
+def test_the_documented_mixin_section_as_written(tmp_path):
+    """docs/deploy.md's mixin section: its `_config` override in a file of its own, the mixin
     where `jb install` puts it (vendor/<the import path>), then its jsonnet commands, run as
     written: rules for the user's own job names and scrape interval, no generated file edited."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## The monitoring mixin") :]
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    section = doc[doc.index("## The monitoring mixin") :]
     section = section[: section.index("\n## ", 1)]
     blocks = re.findall(r"```(\w*)\n(.*?)```", section, re.S)
     (install,) = [b for lang, b in blocks if lang == "sh" and "jb install" in b]
@@ -176,7 +176,7 @@ def test_the_readme_mixin_section_as_written(tmp_path):
     path = re.search(r"jb install (\S+)@\S+", install)
     assert path, install
     # What `jb install` writes (legacyImports, `jb init`'s default): the package under its
-    # path, and a link named after its last element, the name the README imports.
+    # path, and a link named after its last element, the name the doc imports.
     vendor = tmp_path / "vendor"
     shutil.copytree(MIXIN, vendor / path[1], ignore=shutil.ignore_patterns("out"))
     (vendor / Path(path[1]).name).symlink_to(vendor / path[1])

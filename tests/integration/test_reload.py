@@ -1,7 +1,7 @@
 """Reload on real processes: `llm-health serve`, `gate` and `restarter` re-read their file
 on `POST /-/reload` and on SIGHUP; a good file is picked up (seen on /status or /metrics),
 a bad one is refused with its error (a 400, or "reload refused" in the log) and the
-running configuration is kept and still served (README.md, "Install")."""
+running configuration is kept and still served (README.md, "Commands"; docs/exporter.md, "Flags")."""
 
 from __future__ import annotations
 

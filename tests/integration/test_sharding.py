@@ -9,7 +9,7 @@ tests do). Proven here:
   shard 1), none by a replica that does not;
 * the split is the one Prometheus' own `hashmod` relabelling makes of the same names
   (read back from Prometheus' target labels, for 300 names and 7 shards), and the
-  README's sharded `/probe` job keeps exactly shard 0's targets;
+  sharded `/probe` job of docs/scaling.md keeps exactly shard 0's targets;
 * `LLMBackendHung` fires once per hung backend, with each digest once in its evidence,
   and never for a busy one; the fleet dashboard's totals count each backend once;
 * `config check` refuses a shard that cannot cover the fleet, naming the key.
@@ -57,16 +57,16 @@ def hashmod_job(names: list[str], modulus: int, dead: str) -> dict:
     }
 
 
-def readme_probe_shard_job(urls: list[str], dead: str) -> dict:
-    """The README's /probe job for shard 0 of 2, as written there, on these targets, its
+def documented_probe_shard_job(urls: list[str], dead: str) -> dict:
+    """docs/scaling.md's /probe job for shard 0 of 2, as written there, on these targets, its
     exporter address a closed port, scraped hourly (only its relabelling is under test)."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "scaling.md").read_text()
     block = re.search(r"```yaml\n(# /probe targets split the same way.*?)```", text, re.S)
-    assert block, "the README's sharded /probe job is gone"
+    assert block, "docs/scaling.md's sharded /probe job is gone"
     (job,) = yaml.safe_load(block.group(1))
     assert job["relabel_configs"][0]["action"] == "hashmod" and job["relabel_configs"][1]["regex"] == "0"
     job["relabel_configs"][-1]["replacement"] = dead
-    return {**job, "job_name": "readme-probe-shard-0", "scrape_interval": "1h", "scrape_timeout": "1s", "static_configs": [{"targets": urls}]}
+    return {**job, "job_name": "doc-probe-shard-0", "scrape_interval": "1h", "scrape_timeout": "1s", "static_configs": [{"targets": urls}]}
 
 
 async def test_two_shards_and_an_ha_pair_give_one_answer_per_backend(tmp_path, prometheus_factory, sim_server, ticker, llm_health):
@@ -98,7 +98,7 @@ async def test_two_shards_and_an_ha_pair_give_one_answer_per_backend(tmp_path, p
         "scrape_configs": [
             {"job_name": "llm-health", "static_configs": [{"targets": list(addrs.values())}]},
             hashmod_job(names300, 7, f"127.0.0.1:{free_port()}"),
-            readme_probe_shard_job(probe_urls, f"127.0.0.1:{free_port()}"),
+            documented_probe_shard_job(probe_urls, f"127.0.0.1:{free_port()}"),
         ],
     }
     prom = prometheus_factory({}, config=config)
@@ -114,13 +114,13 @@ async def test_two_shards_and_an_ha_pair_give_one_answer_per_backend(tmp_path, p
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # discovery may hand the two jobs over apart
         every = await asyncio.to_thread(prom.targets)
-        if len(discovered("hashmod", every)) == len(names300) and discovered("readme-probe-shard-0", every):
+        if len(discovered("hashmod", every)) == len(names300) and discovered("doc-probe-shard-0", every):
             break
         await asyncio.sleep(0.5)
     theirs = {t["labels"]["backend"]: int(t["labels"]["shard"]) for t in discovered("hashmod", every)}
     assert theirs == {n: hashmod(n, 7) for n in names300}
     assert all(Shard(theirs[n], 7).owns(n) for n in names300)
-    kept = {t["labels"]["instance"] for t in discovered("readme-probe-shard-0", every)}
+    kept = {t["labels"]["instance"] for t in discovered("doc-probe-shard-0", every)}
     assert kept == {u for u in probe_urls if Shard(0, 2).owns(u)} and 0 < len(kept) < len(probe_urls)
 
     # --- each backend once per replica that owns it --------------------------------------------

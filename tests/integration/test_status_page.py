@@ -12,7 +12,7 @@ Proven here, from the DOM Chromium rendered:
 * with JavaScript off, the page's <noscript> meta refresh reloads it.
 
 With LLM_HEALTH_SCREENSHOT=PATH the screenshot of that page is also written to PATH: the
-README's docs/status-page.png is made so (README, "Status page").
+docs/status-page.png is made so (docs/exporter.md, "The status page").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 TLS with a certificate made in the test and check bcrypt basic auth users; `/-/healthy`,
 `/-/live` and `/-/ready` stay open; the restarter's bearer token still opens `/alerts` and
 `/status`; a bad web config stops the server at start, naming the file and the field
-(README.md, "Install"; docs/limits.md, "TLS and basic auth")."""
+(docs/exporter.md, "Flags"; docs/limits.md, "TLS and basic auth")."""
 
 from __future__ import annotations
 

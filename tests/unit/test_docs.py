@@ -1,10 +1,13 @@
 """The README and the docs against what they describe: job names the shipped rules
-select, links that resolve, nothing that points outside the repository."""
+select, links that resolve, nothing that points outside the repository, and a README that
+is short and whose every command a test runs."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
+import shlex
 from pathlib import Path
 
 import yaml
@@ -12,6 +15,18 @@ import yaml
 from tests.fixtures.paths import ROOT
 
 README = ROOT / "README.md"
+EXPORTER_DOC = ROOT / "docs" / "exporter.md"
+README_MAX_LINES = 250
+# The README's shell blocks marked `<!-- docs-as-written: NAME -->` are run as written by
+# this file's tests, each reading its block with `block(README, "NAME")`.
+AS_WRITTEN = ROOT / "tests" / "integration" / "test_docs_as_written.py"
+# The README's other commands, each with the test that runs it: the test (or a function of
+# its module it calls) holds the command, as a string or as an argv list.
+RUN_BY = {
+    "make demo": "tests/integration/test_demo_setup.py::test_make_demo_in_a_fresh_venv_shows_every_part",
+    "make test": "tests/integration/test_ci_plugin.py::test_ci_run_sets_ci_and_fails_on_a_throwaway_xfail_or_skip",
+}
+SHELL_BLOCK = re.compile(r"(?:<!-- docs-as-written: (?P<name>[\w.-]+) -->\n)?```(?P<lang>sh|bash|console|shell)\n(?P<body>.*?)```", re.S)
 
 
 def _selector_regex(selector: str) -> re.Pattern[str]:
@@ -26,13 +41,73 @@ def _exporter_selector() -> re.Pattern[str]:
     return _selector_regex(config["selectors"]["exporter"])
 
 
-def test_readme_probe_job_is_selected_by_the_rules():
-    text = README.read_text()
+def test_the_documented_probe_job_is_selected_by_the_rules():
+    text = EXPORTER_DOC.read_text()
     block = next(b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "metrics_path: /probe" in b)
     (job,) = [j["job_name"] for j in yaml.safe_load(block)["scrape_configs"]]
     assert job == "llm-health-probe"
-    assert _exporter_selector().fullmatch(job), f"the README's /probe job {job!r} is not selected by rules/config.yaml"
-    assert f"`{job}`" in text  # and the README names it
+    assert _exporter_selector().fullmatch(job), f"docs/exporter.md's /probe job {job!r} is not selected by rules/config.yaml"
+    assert f"`{job}`" in text  # and the doc names it
+
+
+def readme_commands(text: str) -> list[tuple[str | None, str]]:
+    """Every command of the README's shell blocks, with the block's docs-as-written name
+    (None where it has none): a line (joined with its `\\` continuations) less its comment;
+    in a console block only the lines after a `$ ` prompt."""
+    out: list[tuple[str | None, str]] = []
+    for m in SHELL_BLOCK.finditer(text):
+        body = m["body"].replace("\\\n", " ")
+        for line in body.splitlines():
+            if m["lang"] == "console":
+                if not line.startswith("$ "):
+                    continue
+                line = line[2:]
+            command = " ".join(shlex.split(line, comments=True))
+            if command:
+                out.append((m["name"], command))
+    return out
+
+
+def _runs(path: Path, test: str, command: str) -> bool:
+    """Whether `test` in `path` exists and holds `command`, itself or in a function of its
+    module it calls, as a string or as an argv list ("make", "demo")."""
+    source = path.read_text()
+    functions = {n.name: n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    if test not in functions:
+        return False
+    called = {c.func.id for c in ast.walk(functions[test]) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+    text = "\n".join(ast.get_source_segment(source, functions[name]) or "" for name in [test, *sorted(called & set(functions))])
+    argv = ", ".join(f'"{word}"' for word in shlex.split(command))
+    return command in text or argv in text
+
+
+def test_the_readme_is_at_most_250_lines():
+    lines = len(README.read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; at most {README_MAX_LINES}: move the detail into docs/"
+
+
+def test_every_command_in_the_readme_is_run_by_a_test():
+    commands = readme_commands(README.read_text())
+    assert {(None, "make demo"), ("serve", "llm-health config check llm-health.yml")} <= set(commands)  # the extraction itself
+    as_written = AS_WRITTEN.read_text()
+    tests = {
+        n.name: ast.get_source_segment(as_written, n) or ""
+        for n in ast.walk(ast.parse(as_written))
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name.startswith("test_")
+    }
+    unrun = []
+    for name, command in commands:
+        if name is not None:
+            if not any(f'block(README, "{name}")' in body for body in tests.values()):
+                unrun.append(f"{command!r}: its block docs-as-written: {name} is read by no test of {AS_WRITTEN.relative_to(ROOT)}")
+        elif command in RUN_BY:
+            path, test = RUN_BY[command].split("::")
+            if not _runs(ROOT / path, test, command):
+                unrun.append(f"{command!r}: {RUN_BY[command]} does not exist or does not run it")
+        else:
+            unrun.append(f"{command!r}: mark its block docs-as-written and run it in {AS_WRITTEN.relative_to(ROOT)}, or name its test in RUN_BY")
+    assert unrun == []
+    assert set(RUN_BY) <= {c for _, c in commands}, "RUN_BY names a command the README no longer has"
 
 
 def test_compose_jobs_are_selected_by_the_rules():

@@ -11,7 +11,7 @@ each on a real exporter process reading hostile servers on loopback:
 * no redirect followed, for `/metrics`, `/v1/models` and `/is_sleeping` (the probe's POST
   is tested in test_backends.py);
 * the garbage collector's view frozen once the server has started;
-* and the README's "Redis down: `llm_redis_up 0`, the engine part keeps working".
+* and docs/redis-schema.md's "Redis down: `llm_redis_up 0`, the engine part keeps working".
 
 The numbers are written out as the doc states them, so that a default the code moves
 fails here too (test_limits_doc.py holds the doc's table to the code).
