@@ -5,7 +5,7 @@ A task asks to wake every `tick` seconds and notes how much later than asked it 
 `llm_exporter_event_loop_lag_seconds` is the largest lateness over the last `window`
 seconds. Past what the loop can do, every read waits behind the others, reads time out and
 backends read as `down` that are not: a lag of seconds means shard the fleet
-(README, "Scaling out")."""
+(docs/scaling.md)."""
 
 from __future__ import annotations
 
