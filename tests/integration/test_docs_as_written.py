@@ -134,6 +134,22 @@ async def gate_as_documented(command: str, redis_url: str, tmp_path: Path) -> No
         await runner.cleanup()
 
 
+async def engine_and_gate_file(hits: list[str], redis_url: str, tmp_path: Path) -> tuple[web.AppRunner, str, Path]:
+    """An engine on loopback answering every request (its X-Request-Id appended to
+    ``hits``) and a gate file routing `chat` to it: (its runner, its URL, the file)."""
+
+    async def engine(request: web.Request) -> web.Response:
+        hits.append(request.headers.get("X-Request-Id", ""))
+        return web.json_response({"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", engine)
+    runner, eurl = await serve(app)
+    gate = tmp_path / "gate.yml"
+    gate.write_text(f"gate:\n  redis: {redis_url}\n  routes:\n    chat: {{upstream: '{eurl}', default_deadline_ms: 30000}}\n")
+    return runner, eurl, gate
+
+
 async def test_decide_as_documented_behind_the_shipped_nginx(own_redis_server, tmp_path):
     command = block(ADMISSION, "decide").strip()
     syslog = re.search(r"--syslog.listen-address (\S+)", command)
@@ -141,16 +157,7 @@ async def test_decide_as_documented_behind_the_shipped_nginx(own_redis_server, t
     admitted = (ROOT / "deploy" / "nginx" / "llm-health-admitted.conf").read_text()
     assert f"syslog:server={syslog.group(1)}," in admitted, "the doc's syslog address is not the one nginx sends to"
     engine_hits: list[str] = []
-
-    async def engine(request: web.Request) -> web.Response:
-        engine_hits.append(request.headers.get("X-Request-Id", ""))
-        return web.json_response({"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", engine)
-    runner, eurl = await serve(app)
-    gate = tmp_path / "gate.yml"
-    gate.write_text(f"gate:\n  redis: {own_redis_server.url}\n  routes:\n    chat: {{upstream: '{eurl}', default_deadline_ms: 30000}}\n")
+    runner, eurl, gate = await engine_and_gate_file(engine_hits, own_redis_server.url, tmp_path)
     web_port, syslog_port = free_port(), free_port()
     argv = moved(command, {"gate.yml": str(gate), "127.0.0.1:9122": f"127.0.0.1:{web_port}", syslog.group(1): f"127.0.0.1:{syslog_port}"}).split()
     assert argv[0] == "llm-health"
@@ -178,16 +185,7 @@ async def test_the_nginx_lua_door_as_documented(own_redis_server, tmp_path):
     assert out and f'lua_package_path "{out.group(1)}/?.lua;' in conf, "the doc's --out is not the directory the shipped nginx file reads"
     assert run == "nginx -c /etc/nginx/nginx-lua.conf"
     engine_hits: list[str] = []
-
-    async def engine(request: web.Request) -> web.Response:
-        engine_hits.append(request.headers.get("X-Request-Id", ""))
-        return web.json_response({"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", engine)
-    runner, eurl = await serve(app)
-    gate = tmp_path / "gate.yml"
-    gate.write_text(f"gate:\n  redis: {own_redis_server.url}\n  routes:\n    chat: {{upstream: '{eurl}', default_deadline_ms: 30000}}\n")
+    runner, eurl, gate = await engine_and_gate_file(engine_hits, own_redis_server.url, tmp_path)
     lua_dir = tmp_path / "lua"
     argv = moved(generate, {"/etc/llm-health/gate.yml": str(gate), out.group(1): str(lua_dir)}).split()
     assert argv[0] == "llm-health"
