@@ -30,6 +30,16 @@ pytestmark = pytest.mark.realllamacpp
 BUSY_SECONDS = 70.0
 
 
+def slow_and_busy(srv, loop: Loop):
+    """Phase (1): two long completions on a throttled llama-server, watched for
+    BUSY_SECONDS: slow, throttled, busy, and nothing hung. The load, still running."""
+    load = srv.load(2, max_tokens=8000)
+    srv.wait_for(lambda c: c.get("requests_processing", 0) == 2, timeout=60)
+    with srv.throttle(20, 500):
+        loop.watch_busy(BUSY_SECONDS)
+    return load
+
+
 def test_the_whole_loop_on_llamacpp(llamacpp_server_factory, tmp_path):
     srv = llamacpp_server_factory()
     old_header = srv.start_header()
@@ -55,11 +65,7 @@ def test_the_whole_loop_on_llamacpp(llamacpp_server_factory, tmp_path):
     try:
         loop.start(srv.pid)
 
-        # --- (1) slow, throttled, busy: nothing hung ---------------------------------------------
-        load = srv.load(2, max_tokens=8000)
-        srv.wait_for(lambda c: c.get("requests_processing", 0) == 2, timeout=60)
-        with srv.throttle(20, 500):
-            loop.watch_busy(BUSY_SECONDS)
+        load = slow_and_busy(srv, loop)
 
         # --- (2) the inference loop stopped inside a decode: both layers, one restart, back ------------
         with srv.frozen_in_decode() as freeze:

@@ -33,10 +33,9 @@ from tests.fixtures.loop import STACKS, Loop
 from tests.fixtures.stack import wait_until
 from tests.fixtures.summary import show
 from tests.fixtures.victoriametrics import install_problem
+from tests.integration.realllamacpp.test_loop_llamacpp import slow_and_busy
 
 pytestmark = pytest.mark.realllamacpp
-
-BUSY_SECONDS = 70.0
 
 
 def _evidence_samples(loop: Loop) -> tuple[str, int]:
@@ -65,11 +64,7 @@ def test_the_whole_loop_with_vmalert(llamacpp_server_factory, tmp_path):
     try:
         loop.start(srv.pid)
 
-        # --- (1) slow, throttled, busy: nothing hung ---------------------------------------------
-        load = srv.load(2, max_tokens=8000)
-        srv.wait_for(lambda c: c.get("requests_processing", 0) == 2, timeout=60)
-        with srv.throttle(20, 500):
-            loop.watch_busy(BUSY_SECONDS)
+        load = slow_and_busy(srv, loop)
 
         # --- (2) the inference loop stopped inside a decode: vmalert's alert, one restart, back ---------
         with srv.frozen_in_decode() as freeze:
