@@ -223,6 +223,21 @@ def test_llm_backend_hung_fires_in_vmalert_with_its_evidence(variant: str, tmp_p
         vm.stop()
 
 
+def fed(vm, scrape, stop: threading.Event) -> threading.Thread:
+    """``scrape(at)``'s series imported into ``vm`` ten minutes back, then "scraped" every
+    5 s by a thread until ``stop`` is set: the thread, started."""
+
+    def scraping() -> None:
+        while not stop.wait(5 - time.time() % 5):
+            vm.import_prometheus(scrape(time.time()))
+
+    now = time.time()
+    vm.import_prometheus("\n".join(scrape(now - age) for age in range(600, 0, -5)))
+    scraper = threading.Thread(target=scraping, daemon=True)
+    scraper.start()
+    return scraper
+
+
 def _raw_fault_case() -> list[tuple[str, str]]:
     """rules/tests/dcgm-vllm.test.yml's first case (two frozen vLLM pods, one on a GPU with
     XID 79, and a target outside Kubernetes): its series and their constant values."""
@@ -256,14 +271,7 @@ def test_vllm_engine_hung_gpu_fault_fires_in_vmalert_from_its_own_alerts(tmp_pat
     def scrape(at: float) -> str:
         return "\n".join(f"{name} {value} {int(at * 1000)}" for name, value in series)
 
-    def scraping() -> None:
-        while not stop.wait(5 - time.time() % 5):
-            vm.import_prometheus(scrape(time.time()))
-
-    now = time.time()
-    vm.import_prometheus("\n".join(scrape(now - age) for age in range(600, 0, -5)))
-    scraper = threading.Thread(target=scraping, daemon=True)
-    scraper.start()
+    scraper = fed(vm, scrape, stop)
     try:
         rule_files = [ROOT / "rules" / "fast" / "vllm.rules.yml", ROOT / "rules" / "fast" / "dcgm.rules.yml"]
         vmalert = start_vmalert(tmp_path, rule_files, vm.url, notifiers=[sink.url], evaluation_interval="5s")
@@ -336,14 +344,7 @@ def test_queue_age_alerts_fire_in_vmalert(tmp_path: Path):
             ]
         return "\n".join(lines)
 
-    def scraping() -> None:
-        while not stop.wait(5 - time.time() % 5):
-            vm.import_prometheus(scrape(time.time()))
-
-    now = time.time()
-    vm.import_prometheus("\n".join(scrape(now - age) for age in range(600, 0, -5)))
-    scraper = threading.Thread(target=scraping, daemon=True)
-    scraper.start()
+    scraper = fed(vm, scrape, stop)
     try:
         vmalert = start_vmalert(
             tmp_path, [RULES / "llm-health.rules.yml", RULES / "fast" / "vllm.rules.yml"], vm.url, notifiers=[sink.url], evaluation_interval="5s"
