@@ -209,7 +209,7 @@ async def test_release_between_check_and_wait_is_not_lost(client: LeaseClient):
     # The naive order misses the very same interleaving and waits out its timeout
     # although the GPU is free the whole time (shown on one primary: on Cluster the
     # naive subscription would need a connection per node).
-    if client.deployment.cluster:
+    if client.deployment.kind == "cluster":
         return
     hook = await hold_then_release_on_first_miss()
     assert await naive_wait(client, pool, "naive", 0.5, hook) is None
@@ -421,7 +421,7 @@ async def test_keyspace_events_off_names_the_exact_config_set(single_lease_clien
 async def test_keyspace_events_off_on_one_primary_is_named(client: LeaseClient, redis_kind: str):
     primaries = await client.deployment.primaries()
     host, port = primaries[-1]
-    node = client.deployment.node(host, port) if client.deployment.cluster else client.redis
+    node = client.deployment.primary_client(host, port)
     await node.config_set("notify-keyspace-events", "")
     with pytest.raises(KeyspaceEventsOff) as err:
         await client.wait_for_gpu(Pool("p", ["g0"]), "w", timeout=1)

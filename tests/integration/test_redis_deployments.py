@@ -19,7 +19,7 @@ async def test_a_node_that_lost_its_scripts_still_claims(any_redis_url: str):
     try:
         assert await c.claim("g0", "a") is not None
         for host, port in await c.deployment.primaries():  # what a failover or restart leaves
-            node = c.deployment.node(host, port) if c.deployment.cluster else c.redis
+            node = c.deployment.primary_client(host, port)
             await node.script_flush()
         lease = await c.claim_any(["g0", "g1"], "b")
         assert lease is not None and lease.gpu == "g1"

@@ -10,6 +10,7 @@ cycle cannot hide there), resolved to package modules.
 from __future__ import annotations
 
 import ast
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -162,14 +163,14 @@ def test_no_module_over_500_lines_without_a_reason():
 
 def test_only_store_asks_which_redis_kind_it_has():
     """One server, Sentinel and Cluster differ in store/ and nowhere else (docs/architecture.md):
-    no module outside it reads a deployment's `cluster`, compares its `kind` (reporting it,
+    no module outside it reads a deployment's `cluster` or `sentinel`, compares its `kind` (reporting it,
     as the `llm_redis_deployment_info` label does, is not a branch), or names RedisCluster."""
     found = []
     for name, path in modules().items():
         if name.startswith("llm_health.store"):
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Attribute) and node.attr in {"cluster", "RedisCluster"}:
+            if isinstance(node, ast.Attribute) and node.attr in {"cluster", "sentinel", "RedisCluster"}:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
             elif isinstance(node, ast.Compare):
                 for side in (node.left, *node.comparators):
@@ -183,3 +184,71 @@ def test_only_store_asks_which_redis_kind_it_has():
             elif isinstance(node, ast.alias) and node.name.split(".")[-1] == "RedisCluster":
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports RedisCluster")
     assert not found, found
+
+
+# The Redis kinds (store.deployment): one class each, in a module each, behind `Deployment`.
+DEPLOYMENT_KINDS = ("llm_health.store.deployment_single", "llm_health.store.deployment_sentinel", "llm_health.store.deployment_cluster")
+DEPLOYMENT_MODULES = ("llm_health.store.deployment", "llm_health.store.deployment_base", *DEPLOYMENT_KINDS)
+KIND_FACTORIES = {"connect", "wrap", "deployment_class"}  # store.deployment: where the kind is chosen, once
+KIND_WORDS = {"single", "sentinel", "cluster"}
+KIND_CLASSES = {"RedisCluster", "Sentinel", "SentinelConnectionPool", "SingleDeployment", "SentinelDeployment", "ClusterDeployment"}
+
+
+def kind_checks(tree: ast.AST) -> list[str]:
+    """Where a function (a factory of KIND_FACTORIES aside) asks which Redis kind it runs
+    on: it reads a `cluster` attribute, compares a `kind` or a `sentinel` (`is None`) or
+    a kind's name, or tests an object against a kind's class (isinstance, issubclass)."""
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name in KIND_FACTORIES:
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Attribute) and node.attr == "cluster":
+                found.append(f"{fn.name}:{node.lineno} reads .cluster")
+            elif isinstance(node, ast.Compare):
+                sides = [n.attr if isinstance(n, ast.Attribute) else n.id if isinstance(n, ast.Name) else None for n in (node.left, *node.comparators)]
+                words = [n.value for n in (node.left, *node.comparators) if isinstance(n, ast.Constant)]
+                if {"kind", "sentinel"} & set(sides) or KIND_WORDS & set(words):
+                    found.append(f"{fn.name}:{node.lineno} compares {ast.unparse(node)}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {"isinstance", "issubclass"} and len(node.args) == 2:
+                names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} | {
+                    n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)
+                }
+                if names & KIND_CLASSES:
+                    found.append(f"{fn.name}:{node.lineno} tests a kind's class")
+    return found
+
+
+def test_kind_checks_finds_the_three_ways_the_one_class_asked():
+    """The rule below would have caught the one Deployment class this replaced: it asked
+    `self.cluster`, `self.sentinel is not None` and `self.kind == "single"`."""
+    one_class = (
+        "class Deployment:\n"
+        "    def tag(self, part):\n        return '{' + part + '}' if self.cluster else part\n"
+        "    async def primaries(self):\n        if self.sentinel is not None:\n            return []\n"
+        "    async def startup_warnings(self):\n        if self.kind == 'single':\n            return []\n"
+        "    def bulk(self):\n        return isinstance(self.client, RedisCluster)\n"
+        "def connect(url):\n    return Deployment() if parse(url).kind == 'single' else None\n"
+    )
+    assert [f.split(":")[0] for f in kind_checks(ast.parse(one_class))] == ["tag", "primaries", "startup_warnings", "bulk"]
+
+
+def test_no_deployment_method_asks_which_redis_kind_it_is():
+    """One class per Redis kind (docs/architecture.md, the store room): what differs is a
+    method of the kind's class, and the kind is asked only where a Deployment is made
+    (store.deployment's factories), never inside a method."""
+    mods = modules()
+    found = [f"{name}: {where}" for name in DEPLOYMENT_MODULES for where in kind_checks(ast.parse(mods[name].read_text()))]
+    assert not found, found
+
+
+def test_each_redis_kind_is_a_deployment_class_of_its_own_chosen_by_scheme():
+    from llm_health.store import deployment, target
+    from llm_health.store.deployment_base import Deployment
+
+    assert set(deployment.BY_SCHEME) == set(target.ALL_SCHEMES)
+    assert [k.kind for k in deployment.KINDS] == list(target.KINDS)
+    assert sorted(k.__module__ for k in deployment.KINDS) == sorted(DEPLOYMENT_KINDS)  # a module each
+    for kind in deployment.KINDS:
+        assert issubclass(kind, Deployment) and not inspect.isabstract(kind), kind
+        assert {deployment.BY_SCHEME[s] for s in kind.schemes} == {kind}

@@ -101,7 +101,7 @@ def plan(cfg: GateConfig) -> dict[str, Any]:
     """What the door runs on: the Redis server, the queue's keys, each route, the tenants'
     budgets and the scripts. PlanError where the door cannot run the configuration."""
     target = parse_target(cfg.redis_url)
-    if target.kind != "single" or target.tls or urlsplit(target.single_url).scheme == "unix":
+    if not target.plain_tcp:
         raise PlanError(
             f"gate.redis: the nginx Lua door reaches one Redis server over TCP (redis://host:port/db); {target.describe()} "
             "is not supported by it: use `llm-health decide` (nginx auth_request) in front of a Sentinel, Cluster, TLS or unix-socket Redis"

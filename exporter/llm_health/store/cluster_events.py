@@ -1,5 +1,5 @@
 """Keyevents on Redis Cluster: keyspace notifications are node-local, so the feed is one
-subscription per primary, re-made as primaries change (store.deployment makes it)."""
+subscription per primary, re-made as primaries change (store.deployment_cluster makes it)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class ClusterKeyevents(FeedBase):
 
     def __init__(
         self,
-        deployment: Any,  # store.deployment.Deployment (which imports this module)
+        deployment: Any,  # store.deployment_cluster.ClusterDeployment (which imports this module)
         on_event: Callable[[str, str], None],
         *,
         name: str = "keyevents",

@@ -88,10 +88,8 @@ class LeanRedis:
     def for_deployment(cls, deployment: Deployment) -> LeanRedis | None:
         """A lean connection to the deployment's server when it is one server over plain
         TCP (redis-py's own `Connection` class), None otherwise."""
-        if deployment.cluster or deployment.sentinel is not None or not hasattr(hiredis, "pack_command"):  # hiredis 2.1+
-            return None
-        pool = getattr(deployment.client, "connection_pool", None)
-        if pool is None or pool.connection_class is not Connection:
+        pool = deployment.server_pool()  # None on Sentinel and Cluster
+        if pool is None or pool.connection_class is not Connection or not hasattr(hiredis, "pack_command"):  # hiredis 2.1+
             return None
         kw = pool.connection_kwargs
         timeout = kw.get("socket_timeout") or 1.0

@@ -127,7 +127,7 @@ class LeaseClient:
         if start is None:
             start = random.randrange(len(gpus))
         sent = time.monotonic()  # the lease is surely valid until sent + TTL (heartbeat)
-        if self.deployment.cluster:
+        if not self.deployment.one_keyspace:  # Cluster: each GPU's keys in a slot of their own
             got = await self._claim_cluster(gpus, holder, ttl, job_id, start)
         else:
             keys = [self.keys.lease(g) for g in gpus] + [self.keys.info(g) for g in gpus] + [self.keys.fence(g) for g in gpus]
@@ -139,7 +139,7 @@ class LeaseClient:
         if not got:
             return None
         index, token, now = int(got[0]), int(got[1]), int(got[2])
-        if self.deployment.cluster:
+        if not self.deployment.one_keyspace:
             index, _ = got[3]
         return Lease(gpus[index], holder, token, ttl, now, job_id, via, sent_at=sent)
 
@@ -360,7 +360,7 @@ class LeaseClient:
             with suppress_retryable():  # the list is for observers; waiting goes on
                 await self._register_waiter(pool, waiter, int((time.time() + timeout) * 1000))
                 registered = True
-            if registered and not self.deployment.cluster:  # the list shares the claim's slot
+            if registered and self.deployment.one_keyspace:  # the list shares the claim's slot
                 claim_kw["unlist"] = (waiters_key, waiter)
 
             async def claim(gpus: Sequence[str], **kw: Any) -> Lease | None:

@@ -153,11 +153,7 @@ class AdmissionQueue:
         """A pipeline for the queue's commands. On Cluster the whole queue is one hash tag
         (one slot) and redis-py's cluster pipeline refuses EVALSHA: a plain pipeline on the
         primary owning that slot (the slot map is asked again after a failover: `execute`)."""
-        if not self.deployment.cluster:
-            return self.redis.pipeline(transaction=False)
-        await self.redis.initialize()  # the slot map, once
-        node = self.redis.get_node_from_key(self.keys.routes())
-        return self.deployment.node(node.host, node.port).pipeline(transaction=False)
+        return await self.deployment.pipeline_for(self.keys.routes())
 
     async def execute(self, pipe: Any) -> list[Any]:
         """Run a pipeline holding EVALSHAs and reads (every command safe to send again: the
@@ -169,9 +165,8 @@ class AdmissionQueue:
             try:
                 return list(await pipe.execute())
             except MovedError:
-                if not self.deployment.cluster:
+                if not await self.deployment.refresh_topology():  # no slot map: MOVED is an answer
                     raise
-                await self.deployment.refresh_topology()
                 pipe = await self.pipeline()
                 pipe.command_stack = list(commands)
                 return list(await pipe.execute())

@@ -63,6 +63,12 @@ class RedisTarget:
         kept = [kv for kv in query.split("&") if kv and kv.split("=", 1)[0] not in _OWN_PARAMS]
         return base + ("?" + "&".join(kept) if kept else "")
 
+    @property
+    def plain_tcp(self) -> bool:
+        """One server over plain TCP (``redis://host:port/db``): no Sentinel, Cluster, TLS or
+        unix socket (what the nginx Lua door can reach)."""
+        return self.url.partition("://")[0] == "redis"
+
     def describe(self) -> str:
         """Where it points, never a password: for logs and errors."""
         if self.kind == "single":
@@ -70,6 +76,20 @@ class RedisTarget:
             return f"{parts.scheme}://{parts.hostname or ''}{':' + str(parts.port) if parts.port else ''}{parts.path}"
         nodes = ",".join(f"{h}:{p}" for h, p in self.hosts)
         return f"{self.kind} {nodes}" + (f" service {self.service} db {self.db}" if self.service else "")
+
+
+def redacted(url: str) -> str:
+    """``url`` without what may be secret (the ``user:password@`` part, and the query,
+    which may hold ``sentinel_password``): for errors and logs."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    at, query = rest.rfind("@"), rest.find("?")
+    if at != -1 and query != -1 and query < at:
+        # a "?" before the last "@": a password with a raw "?" in it, or an "@" in the query
+        # (a sentinel_password): which part is secret cannot be told, so none is shown
+        return scheme + sep + "..."
+    return scheme + sep + rest.rsplit("@", 1)[-1].partition("?")[0]  # a password may hold a "/"
 
 
 def _int_param(params: dict[str, list[str]], name: str, default: int, minimum: int, allow_all: bool = False) -> int:
