@@ -6,7 +6,7 @@ import argparse
 import logging
 import math
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ..core.errors import LLMHealthError
 
@@ -61,6 +61,21 @@ def add_web_config(p: argparse.ArgumentParser) -> None:
         dest="web_config_file",
         help="TLS and basic auth, in the exporter-toolkit format (tls_server_config, basic_auth_users)",
     )
+
+
+# Each server's own default port, all on 127.0.0.1 (README.md, "Commands").
+DEFAULT_PORTS = {"serve": 9118, "gate": 9119, "restarter": 9120, "decide": 9122}
+
+
+def add_server(sub: Any, name: str, help: str, config_help: str | None = None) -> argparse.ArgumentParser:
+    """A server command's parser: its configuration file, its listen address (127.0.0.1 and
+    its DEFAULT_PORTS port unless told), TLS and basic auth, its log level."""
+    p: argparse.ArgumentParser = sub.add_parser(name, help=help)
+    p.add_argument("--config.file", dest="config_file", required=True, help=config_help)
+    p.add_argument("--web.listen-address", dest="web_listen_address", type=listen_address, default=listen_address(f"127.0.0.1:{DEFAULT_PORTS[name]}"))
+    add_web_config(p)
+    add_log_level(p)
+    return p
 
 
 def add_log_level(p: argparse.ArgumentParser, default: object = argparse.SUPPRESS) -> None:

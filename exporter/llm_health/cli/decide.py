@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .common import add_log_level, add_web_config, listen_address
+from .common import add_server, listen_address
 from .gate import load_configs
 
 
@@ -31,9 +31,9 @@ def cmd(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
-    d = sub.add_parser("decide", help="the admission decision as an endpoint: nginx auth_request, Envoy ext_authz")
-    d.add_argument("--config.file", dest="config_file", required=True, help="the gate's configuration file (routes, admission, redis)")
-    d.add_argument("--web.listen-address", dest="web_listen_address", type=listen_address, default=listen_address("127.0.0.1:9122"))
+    d = add_server(
+        sub, "decide", "the admission decision as an endpoint: nginx auth_request, Envoy ext_authz", "the gate's configuration file (routes, admission, redis)"
+    )
     d.add_argument(
         "--syslog.listen-address",
         dest="syslog_listen_address",
@@ -41,6 +41,4 @@ def add(sub: Any) -> None:
         default=None,
         help="UDP HOST:PORT for nginx's `access_log syslog:` reports of each attempt's end (off by default)",
     )
-    add_web_config(d)
-    add_log_level(d)
     d.set_defaults(func=cmd)

@@ -10,7 +10,7 @@ from ..config.errors import ConfigError
 from ..config.gate import GateConfig, parse_gate_config
 from ..config.load import load_yaml
 from ..config.web import WebConfig, load_web_config
-from .common import add_log_level, add_web_config, listen_address
+from .common import add_server
 
 
 def load_configs(args: argparse.Namespace) -> tuple[GateConfig, WebConfig] | None:
@@ -39,9 +39,5 @@ def cmd(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
-    g = sub.add_parser("gate", help="the age-first admission gate: a reverse proxy in front of OpenAI-compatible backends")
-    g.add_argument("--config.file", dest="config_file", required=True)
-    g.add_argument("--web.listen-address", dest="web_listen_address", type=listen_address, default=listen_address("127.0.0.1:9119"))
-    add_web_config(g)
-    add_log_level(g)
+    g = add_server(sub, "gate", "the age-first admission gate: a reverse proxy in front of OpenAI-compatible backends")
     g.set_defaults(func=cmd)

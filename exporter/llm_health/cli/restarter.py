@@ -11,7 +11,7 @@ from typing import Any
 from ..config.errors import ConfigError
 from ..config.restarter import TOKEN_ENV, load_config, read_token
 from ..config.web import load_web_config
-from .common import add_log_level, add_web_config, listen_address
+from .common import add_server
 
 log = logging.getLogger("llm_health.restarter")
 
@@ -41,12 +41,13 @@ def cmd(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
-    r = sub.add_parser("restarter", help="Alertmanager webhook receiver: re-verifies LLMBackendHung/VLLMEngineHung, restarts within a budget")
-    r.add_argument("--config.file", dest="config_file", required=True, help="restarter YAML (docs/restarts.md)")
-    r.add_argument("--web.listen-address", dest="web_listen_address", type=listen_address, default=listen_address("127.0.0.1:9120"))
+    r = add_server(
+        sub,
+        "restarter",
+        "Alertmanager webhook receiver: re-verifies LLMBackendHung/VLLMEngineHung, restarts within a budget",
+        "restarter YAML (docs/restarts.md)",
+    )
     r.add_argument("--web.token-file", dest="token_file", help="file holding the bearer token Alertmanager sends (credentials_file)")
     r.add_argument("--web.token-env", dest="token_env", default=TOKEN_ENV, help="environment variable holding the token when no file is given")
     r.add_argument("--dry-run", action="store_true", help="verify and report what would be restarted; run no restart command")
-    add_web_config(r)
-    add_log_level(r)
     r.set_defaults(func=cmd)

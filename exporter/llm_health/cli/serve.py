@@ -14,7 +14,7 @@ from ..config.gate import parse_gate_config
 from ..config.load import load_yaml
 from ..config.restarter import parse_config as parse_restarter_config
 from ..config.web import load_web_config
-from .common import add_log_level, add_web_config, listen_address
+from .common import add_log_level, add_server
 
 # Descriptors the exporter needs besides one connection per backend (listener, scrapes,
 # /probe targets, Redis, logs).
@@ -95,11 +95,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def add(sub: Any) -> None:
-    s = sub.add_parser("serve", help="run the Prometheus exporter")
-    s.add_argument("--config.file", dest="config_file", required=True)
-    s.add_argument("--web.listen-address", dest="web_listen_address", type=listen_address, default=listen_address("127.0.0.1:9118"))
-    add_web_config(s)
-    add_log_level(s)
+    s = add_server(sub, "serve", "run the Prometheus exporter")
     s.set_defaults(func=cmd_serve)
 
     cfg = sub.add_parser("config", help="configuration tools")
