@@ -1,4 +1,4 @@
-"""exporter.render writes, byte for byte, what prometheus_client writes from the collector
+"""exporter.fast_exposition writes, byte for byte, what prometheus_client writes from the collector
 over the same slots: both text formats, both escapings it serves, odd label values
 (quotes, backslashes, newlines, UTF-8) and odd numbers (NaN, infinities, large and small
 floats, integers); and it declines the formats it does not write."""
@@ -21,7 +21,7 @@ from llm_health.core.queue_age import QueueAges
 from llm_health.core.readiness import Readiness
 from llm_health.core.states import State
 from llm_health.exporter.collectors import BackendsCollector, BuildInfoCollector
-from llm_health.exporter.render import FAMILIES, Exposition, Renderer, escape
+from llm_health.exporter.fast_exposition import FAMILIES, Exposition, Renderer, escape
 from llm_health.probe.client import Fetched, ProbeResult
 from llm_health.probe.monitor import RoundStats
 

@@ -103,7 +103,7 @@ class Doors:
 
     # --- the doors --------------------------------------------------------------------------
     # Each door's answer as (status, headers, body), read by the aiohttp handlers below and
-    # by the lean server (`gate.lean`) alike: one answer path, two ways of serving it.
+    # by the fast path (`gate.fast_doors`) alike: one answer path, two ways of serving it.
     async def ext_authz(self, method: str, raw_path: str, headers: Mapping[str, str]) -> Answer:
         outcome = await self.admission.decide(method, raw_path[len("/-/ext_authz") :] or "/", headers)  # Envoy sends the original method
         if outcome.admitted:

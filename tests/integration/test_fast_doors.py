@@ -1,6 +1,6 @@
-"""What only `llm-health decide`'s own server (`gate.lean`) does: the connection handed to
+"""What only `llm-health decide`'s fast path (`gate.fast_doors`) does: the connection handed to
 aiohttp for every other path, requests answered in order, the limits of a request it
-reads, its Redis connection (`store.lean`) across a Redis restart. Every nginx and Envoy
+reads, its Redis connection (`store.fast_redis`) across a Redis restart. Every nginx and Envoy
 door test runs on this server too (their fixtures take both servers, tests/fixtures/doors.py)."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ AUTH = b"GET /-/auth_request/v1/completions HTTP/1.1\r\nHost: d\r\nX-Original-Me
 
 @pytest.fixture
 async def direct(own_redis_server):
-    """(host, port) of the lean server alone, and its doors."""
+    """(host, port) of the fast path alone, and its doors."""
     cfg = parse_gate_config({"gate": {"redis": own_redis_server.url, "routes": {"chat": {"upstream": "http://127.0.0.1:1", "default_deadline_ms": 30000}}}})
     doors = Doors(cfg)
-    url, stop = await serve_doors(doors, "lean")
+    url, stop = await serve_doors(doors, "fast")
     yield ("127.0.0.1", int(url.rsplit(":", 1)[1])), doors
     await stop()
 
@@ -45,12 +45,12 @@ async def test_other_paths_are_handed_to_aiohttp_on_the_same_connection(direct):
     """A door's answer, then `/metrics` and `/-/healthy` on the kept connection, pipelined:
     each answered, in the order sent, the metrics counting the decision made just before."""
     addr, _ = direct
-    data = AUTH % b"lean-1" + b"GET /metrics HTTP/1.1\r\nHost: d\r\n\r\n" + b"GET /-/healthy HTTP/1.1\r\nHost: d\r\n\r\n" + AUTH % b"lean-2"
+    data = AUTH % b"fast-1" + b"GET /metrics HTTP/1.1\r\nHost: d\r\n\r\n" + b"GET /-/healthy HTTP/1.1\r\nHost: d\r\n\r\n" + AUTH % b"fast-2"
     first, metrics, healthy, last = await exchange(addr, data, 4)
-    assert first.startswith(b"HTTP/1.1 200 ") and b"X-Request-Id: lean-1" in first and b"X-LLM-Health-Record: " in first, first
+    assert first.startswith(b"HTTP/1.1 200 ") and b"X-Request-Id: fast-1" in first and b"X-LLM-Health-Record: " in first, first
     assert metrics.startswith(b"HTTP/1.1 200 ") and b'llm_gate_decisions_total{decision="admit_once",route="chat"} 1.0' in metrics
     assert healthy.startswith(b"HTTP/1.1 200 ")
-    assert last.startswith(b"HTTP/1.1 200 ") and b"X-Request-Id: lean-2" in last, last  # aiohttp served it: the same answer
+    assert last.startswith(b"HTTP/1.1 200 ") and b"X-Request-Id: fast-2" in last, last  # aiohttp served it: the same answer
 
 
 async def test_pipelined_door_requests_are_answered_in_order(direct):
@@ -88,7 +88,7 @@ async def test_connection_close_is_honoured(direct):
 
 
 async def test_the_redis_connection_survives_a_redis_restart(direct, own_redis_server):
-    """The lean connection breaks when Redis restarts (its scripts gone): one request meets
+    """The fast Redis connection breaks when Redis restarts (its scripts gone): one request meets
     the broken connection (Redis down: the route's policy), the next connects again and
     loads the scripts (NOSCRIPT), and is admitted and recorded."""
     addr, doors = direct

@@ -1,5 +1,10 @@
-"""A lean HTTP/1.1 GET for the reads every round makes: a backend's `/metrics`, and the
-sleep flags (`/is_sleeping`, `/is_paused`) of an engine that stands still.
+"""The fast path of aiohttp's client GET, for the reads every round makes: a backend's
+`/metrics`, and the sleep flags (`/is_sleeping`, `/is_paused`) of an engine that stands still.
+
+The seam is `HttpGet` (`get` here; `BackendClient` takes one). Its library counterpart is
+aiohttp's client with the same caps around it (tests/fixtures/aiohttp_get.py), and
+tests/integration/test_fast_http_parity.py runs the same servers' answers through both
+(docs/architecture.md, "Fast paths and their library counterparts").
 
 A round is mostly this read, and aiohttp's client spends several times what the read needs
 on it (connector, happy eyeballs, URL objects, a request and a response object; the figures
@@ -51,7 +56,7 @@ import time
 import weakref
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from .. import __version__
@@ -138,6 +143,7 @@ class Target:
         host = f"[{self.host}]" if ":" in self.host else self.host
         authority = host if parts.port is None else f"{host}:{parts.port}"
         target = (parts.path.rstrip("/") + path) or "/"
+        self.authority, self.path, self.headers = authority, target, dict(headers)  # for a library client (the seam's other side)
         lines = [f"GET {target} HTTP/1.1", f"Host: {authority}", f"User-Agent: llm-health/{__version__}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
         for line in lines:  # no line break or control character may split a line in two
@@ -229,6 +235,17 @@ class Target:
             raise OSError(f"{self.host} has no address")
         self._addresses, self._resolved_at = found, time.monotonic()
         return found
+
+
+class HttpGet(Protocol):
+    """The seam: one GET of `target` (its host, path and headers; with `keepalive`, a
+    connection the server leaves open may carry the next one). The answer's status and
+    headers; for a 200 its body, gzip undone, at most `max_bytes` of it; no redirect
+    followed. Raises HttpError, and only it: `HttpTimeout` past `timeout` (or every
+    address's `connect_timeout`), `HttpRefused`, `BodyTooLarge`, `HttpClosed` for a
+    connection that ended before any byte of the answer, a plain HttpError otherwise."""
+
+    async def __call__(self, target: Target, *, connect_timeout: float, timeout: float, max_bytes: int) -> Response: ...
 
 
 _kept: weakref.WeakSet[_Conn] = weakref.WeakSet()  # connections parked in a Target

@@ -1,6 +1,13 @@
-"""`llm-health decide`'s server: the door requests (`/-/auth_request...`, `/-/ext_authz...`,
-`/-/refused`) answered on a raw asyncio protocol, everything else served by the doors'
-aiohttp application on the same port and connection.
+"""The fast path of the doors' aiohttp app, `llm-health decide`'s server: the door requests
+(`/-/auth_request...`, `/-/ext_authz...`, `/-/refused`) answered on a raw asyncio
+protocol, everything else served by the doors' aiohttp application on the same port and
+connection.
+
+The seam is `ServeDoors` (`serve` here). Its library counterpart is the doors' aiohttp app
+on aiohttp's own server (`Doors.app`, as `llm-health decide` serves it with a web config
+that sets basic auth users or headers; tests/fixtures/doors.py's `serve_aiohttp`), and
+tests/integration/test_fast_doors_parity.py sends the same requests to both
+(docs/architecture.md, "Fast paths and their library counterparts").
 
 A door request is a small header-only request on a connection the proxy keeps; aiohttp's
 request and response objects, middleware and writer cost more CPU than the decision itself
@@ -26,8 +33,8 @@ import http
 import logging
 import signal
 import ssl
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import httptools
 from aiohttp import web
@@ -37,7 +44,7 @@ from ..web import freeze_after_startup
 from .doors import Answer, Doors
 from .headers import GateError
 
-log = logging.getLogger("llm_health.gate.lean")
+log = logging.getLogger("llm_health.gate.fast_doors")
 
 MAX_LINE = 8190  # aiohttp's limits: the request line, one header's name and value
 MAX_HEADERS = 128
@@ -284,7 +291,19 @@ class _TooLarge(GateError):
         self.status = status
 
 
-async def serve(doors: Doors, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> Callable[[], Any]:
+Stop = Callable[[], Awaitable[None]]
+
+
+class ServeDoors(Protocol):
+    """The seam: `doors` served on `host:port` (TLS with `ssl_context`), `app` (`Doors.app`,
+    started here: its startup and cleanup run) answering what the server does not answer
+    itself; returns the coroutine function that stops it. `serve` here, or `app` alone on
+    aiohttp's server: the same statuses, headers and bodies for every request."""
+
+    async def __call__(self, doors: Doors, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> Stop: ...
+
+
+async def serve(doors: Doors, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> Stop:
     """Start the doors' server; returns the coroutine function that stops it (the open
     answers finished, the app's cleanup run: pending attempt finishes written)."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -303,8 +322,8 @@ async def serve(doors: Doors, app: web.Application, host: str, port: int, ssl_co
     return stop
 
 
-def run(doors: Doors, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
-    """Serve until SIGTERM or SIGINT, on uvloop where it is installed."""
+def run(doors: Doors, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None, server: ServeDoors = serve) -> None:
+    """Serve until SIGTERM or SIGINT, on uvloop where it is installed, with `server`."""
     freeze_after_startup(app)
     try:
         import uvloop
@@ -314,7 +333,7 @@ def run(doors: Doors, app: web.Application, host: str, port: int, ssl_context: s
         factory = uvloop.new_event_loop
 
     async def main() -> None:
-        stop = await serve(doors, app, host, port, ssl_context)
+        stop = await server(doors, app, host, port, ssl_context)
         done = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
