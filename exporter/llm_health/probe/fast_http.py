@@ -15,7 +15,8 @@ guarantee of the aiohttp read it replaces:
 - a connect timeout on each TCP (and TLS) connect and a total timeout on the whole read;
 - the body capped after gzip is undone (`max_bytes`), so a small compressed bomb is
   caught, and the head capped too (`MAX_HEAD` bytes, `MAX_HEADERS` lines);
-- no redirect followed: a 3xx is an answer like any other status;
+- no redirect followed: a 3xx is an answer like any other status; an interim 1xx (100
+  Continue, 103 Early Hints) is skipped for the answer after it, as aiohttp skips it;
 - a body as Content-Length, chunked or read to the close, and gzip or identity; anything
   else is an error that names it;
 - TLS verified as aiohttp verifies it (the default context: system CAs, host name);
@@ -391,6 +392,11 @@ class _Reader:
             raise HttpError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
         if len(lines) - 1 > MAX_HEADERS:
             raise HttpError(f"more than {MAX_HEADERS} response headers")
+        if code[0] == "1" and code != "101":  # an interim answer (100 Continue, 103 Early Hints): the answer follows, as aiohttp reads it
+            self.buf = bytearray(rest)
+            if self.buf:
+                self._head(self.buf)
+            return
         for line in lines[1:]:
             name, colon, value = line.partition(":")
             if not colon or not name or name != name.strip():
