@@ -17,8 +17,9 @@ are matched first in, first out) and the errors, raised as redis-py's classes so
 `ConnectionError` (nothing ran), no answer within the socket timeout a `TimeoutError`
 (it was sent: it may run late), on which the connection is closed and every caller
 waiting on it gets the same error; the next call connects again. An error reply is raised
-as redis-py raises it (`NoScriptError` for NOSCRIPT, else `ResponseError`), without the
-"Command # n (...) of pipeline caused error:" that redis-py puts before its text. The
+as redis-py's parser makes it (its class by the reply's code: `NoScriptError` for
+NOSCRIPT, `ReadOnlyError` for READONLY, ...; else `ResponseError`), without the
+"Command # n (...) of pipeline caused error:" that redis-py's pipeline puts before its text. The
 replies are hiredis' bytes, where the deployment's redis-py client decodes them
 (`decode_responses`): their readers take both (`store.connection.text`).
 
@@ -33,9 +34,10 @@ import collections
 from typing import Any, Protocol
 
 import hiredis
+from redis._parsers import BaseParser  # the error replies' classes, as redis-py's own parsers read them
 from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .deployment import Deployment
@@ -72,8 +74,10 @@ class FastPipe:
 
 
 def _error(reply: hiredis.ReplyError) -> ResponseError:
-    text = str(reply)
-    return NoScriptError(text) if text.startswith("NOSCRIPT") else ResponseError(text)
+    """The error reply as redis-py's parser makes it (its class by the reply's code:
+    NoScriptError, ReadOnlyError, BusyLoadingError, ...; the code taken off the text)."""
+    error: ResponseError = BaseParser.parse_error(str(reply))
+    return error
 
 
 class _Protocol(asyncio.Protocol):

@@ -240,7 +240,7 @@ class AdmissionQueue:
 
     def pipe_attempt(
         self,
-        pipe: Any,
+        pipe: Pipe,
         request_id: str,
         route: str,
         token_units: int,
@@ -255,7 +255,7 @@ class AdmissionQueue:
 
     def pipe_decide(
         self,
-        pipe: Any,
+        pipe: Pipe,
         request_id: str,
         route: str,
         tenant: str,
