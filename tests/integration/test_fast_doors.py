@@ -66,7 +66,7 @@ async def test_pipelined_door_requests_are_answered_in_order(direct):
         (b"GET /-/auth_request/v1/completions HTTP/1.1\r\nX-Original-Method: POST\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n", 431),
         (b"GET /-/auth_request/v1/completions HTTP/1.1\r\n" + b"".join(b"X-H%d: 1\r\n" % i for i in range(200)) + b"\r\n", 431),
         (b"GET /-/auth_request/" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", 414),
-        (b"POST /-/ext_authz/v1/completions HTTP/1.1\r\nContent-Length: 2000\r\n\r\n" + b"x" * 2000, 413),
+        (b"POST /-/ext_authz/v1/completions HTTP/1.1\r\nHost: d\r\nContent-Length: 2000\r\n\r\n" + b"x" * 2000, 413),
         (b"GET /-/auth_request/v1 HTTP/1.1\r\nBad Header\r\n\r\n", 400),
     ],
     ids=["long-header", "many-headers", "long-url", "body", "malformed"],
@@ -81,7 +81,7 @@ async def test_a_request_past_the_limits_is_refused(direct, request_bytes, statu
 async def test_connection_close_is_honoured(direct):
     addr, _ = direct
     reader, writer = await asyncio.open_connection(*addr)
-    writer.write(b"GET /-/auth_request/v1/completions HTTP/1.1\r\nX-Original-Method: POST\r\nConnection: close\r\n\r\n")
+    writer.write(b"GET /-/auth_request/v1/completions HTTP/1.1\r\nHost: d\r\nX-Original-Method: POST\r\nConnection: close\r\n\r\n")
     data = await asyncio.wait_for(reader.read(), 10)  # to EOF: the server closed it
     writer.close()
     assert data.startswith(b"HTTP/1.1 200 ") and b"Connection: close" in data
