@@ -2,7 +2,7 @@
 
 A real vLLM closes a connection idle for 5 s, so at 10 s rounds every read opens a new
 connection; bench_scale shows that the read is most of a round. The exporter reads
-`/metrics` with its own lean client (probe.fast_http), the other calls with aiohttp. This
+`/metrics` with its own fast path (probe.fast_http), the other calls with aiohttp. This
 compares, side by side in one run against the same simulated busy vLLM backends (~36 KB
 payloads, served by another process), the CPU time of this process per read:
 

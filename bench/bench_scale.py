@@ -259,7 +259,7 @@ def loop_factory() -> Any:
 # Where a round's time goes, by the file a function lives in (first match wins).
 PARTS = (
     ("the HTTP client (aiohttp, yarl, multidict)", ("/aiohttp/", "/yarl/", "/multidict/", "/propcache/")),
-    ("the lean read (probe.fast_http, the connect and system calls in it)", ("llm_health/probe/fast_http",)),
+    ("the fast read (probe.fast_http, the connect and system calls in it)", ("llm_health/probe/fast_http",)),
     ("parsing (core.exposition, probe.reading)", ("llm_health/core/exposition", "llm_health/probe/reading")),
     ("reducing and deciding (core.engines, core.health, core.evidence)", ("llm_health/core/",)),
     ("rendering the series (exporter.fast_exposition)", ("llm_health/exporter/fast_exposition",)),

@@ -70,6 +70,9 @@ def gzip_body(body: bytes) -> bytes:
     return c.compress(body) + c.flush()
 
 
+_LIBRARY: type[Render] = RegistryRender  # mypy holds the library counterpart to the seam too
+
+
 def metrics_handler(registry: CollectorRegistry, render: Render | None = None, compress: bool = False) -> Handler:
     """A `/metrics` handler for `registry`, in the format the scraper asks for: from
     `render` where it writes that format, else by the encoder over `registry`. With

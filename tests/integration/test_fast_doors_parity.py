@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from llm_health.config.gate import parse_gate_config
+from llm_health.gate import fast_doors
 from llm_health.gate.doors import Doors
 from tests.fixtures.doors import SERVERS, serve_doors
 
@@ -150,6 +151,7 @@ async def send(url: str, data: bytes) -> bytes:
 @pytest.fixture
 async def served(own_redis_server) -> AsyncIterator[dict[str, tuple[str, Doors]]]:
     """The same configuration served both ways, on one Redis: {server: (url, doors)}."""
+    assert SERVERS["fast"] is fast_doors.serve and SERVERS["aiohttp"] is not fast_doors.serve
     cfg = {"gate": {"redis": own_redis_server.url, "routes": {"chat": {"upstream": "http://127.0.0.1:1", "reject_if_retry_count_gte": 1}}}}
     out, stops = {}, []
     for name in SERVERS:

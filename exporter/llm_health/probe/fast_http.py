@@ -1,10 +1,8 @@
 """The fast path of aiohttp's client GET, for the reads every round makes: a backend's
 `/metrics`, and the sleep flags (`/is_sleeping`, `/is_paused`) of an engine that stands still.
 
-The seam is `HttpGet` (`get` here; `BackendClient` takes one). Its library counterpart is
-aiohttp's client with the same caps around it (tests/fixtures/aiohttp_get.py), and
-tests/integration/test_fast_http_parity.py runs the same servers' answers through both
-(docs/architecture.md, "Fast paths and their library counterparts").
+Longer than 500 lines because the read, its framing, its caps and the connection it may
+keep are one protocol, tested as one (tests/integration/hostile/test_metrics_client.py).
 
 A round is mostly this read, and aiohttp's client spends several times what the read needs
 on it (connector, happy eyeballs, URL objects, a request and a response object; the figures
@@ -40,8 +38,10 @@ a new one, within the same total timeout; a read that timed out or got a byte is
 The other calls (`/v1/models`, the probe, `/health`) are rare and stay on aiohttp
 (probe.client).
 
-Longer than 500 lines because the read, its framing, its caps and the connection it may
-keep are one protocol, tested as one (tests/integration/hostile/test_metrics_client.py).
+The seam is `HttpGet` (`get` here; `BackendClient` takes one). Its library counterpart is
+aiohttp's client with the same caps around it (tests/fixtures/aiohttp_get.py), and
+tests/integration/test_fast_http_parity.py runs the same servers' answers through both
+(docs/architecture.md, "Fast paths and their library counterparts").
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import hiredis
 from redis._parsers import BaseParser  # the error replies' classes, as redis-py's own parsers read them
@@ -56,6 +56,12 @@ class Pipe(Protocol):
     def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Any: ...
 
     async def execute(self) -> list[Any]: ...
+
+
+if TYPE_CHECKING:  # mypy holds the library counterpart to the seam too
+    from redis.asyncio.client import Pipeline
+
+    _LIBRARY: type[Pipe] = Pipeline
 
 
 class FastPipe:

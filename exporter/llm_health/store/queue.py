@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.exceptions import MovedError, NoScriptError
 
@@ -41,9 +41,6 @@ from .deployment import Deployment, connect, wrap
 from .keys import DEFAULT_QUEUE_PREFIX, DEFAULT_RETENTION_MS, QueueKeys
 from .policy import Figures, Verdict
 from .scripts import DECIDE_LUA, ENQUEUE_LUA, GC_LIMIT, GC_LUA, LEAVE_QUEUE_LUA, RECORD_ATTEMPT_LUA
-
-if TYPE_CHECKING:
-    from .fast_redis import Pipe
 
 # How an attempt left the route's in-flight set (AdmissionQueue.leave_call, scripts.LEAVE_QUEUE_LUA).
 ENDED, GAVE_UP = 1, 2
@@ -152,7 +149,7 @@ class AdmissionQueue:
     def from_url(cls, url: str, **kwargs: Any) -> AdmissionQueue:
         return cls(connect(url), **kwargs)
 
-    async def pipeline(self) -> Pipe:
+    async def pipeline(self) -> Any:
         """A pipeline for the queue's commands. On Cluster the whole queue is one hash tag
         (one slot) and redis-py's cluster pipeline refuses EVALSHA: a plain pipeline on the
         primary owning that slot (the slot map is asked again after a failover: `execute`)."""
@@ -162,7 +159,7 @@ class AdmissionQueue:
         node = self.redis.get_node_from_key(self.keys.routes())
         return self.deployment.node(node.host, node.port).pipeline(transaction=False)
 
-    async def execute(self, pipe: Pipe) -> list[Any]:
+    async def execute(self, pipe: Any) -> list[Any]:
         """Run a pipeline holding EVALSHAs and reads (every command safe to send again: the
         attempt script is idempotent by attempt id). On a Redis that lost its scripts
         (NOSCRIPT: a restart, a failover) load them and run it again. On Cluster, a MOVED
@@ -233,14 +230,14 @@ class AdmissionQueue:
     # On a pipeline, by SHA (no SCRIPT EXISTS round trip per pipeline, as redis-py's
     # Script objects make); after a Redis restart the pipeline fails with NOSCRIPT, and
     # the caller runs `load_scripts()` and the pipeline again.
-    def pipe_leave(self, pipe: Pipe, request_id: str, route: str, state: str, http_status: int | None, now: int, ended: int = 0) -> None:
+    def pipe_leave(self, pipe: Any, request_id: str, route: str, state: str, http_status: int | None, now: int, ended: int = 0) -> None:
         """A finish's leave, its reply 1 (not read)."""
         keys, args = self.leave_call(request_id, route, state, http_status, now, ended=ended)
         self._pipelined(pipe, self._leave, (keys, [*args, "1"]))
 
     def pipe_attempt(
         self,
-        pipe: Pipe,
+        pipe: Any,
         request_id: str,
         route: str,
         token_units: int,
@@ -255,7 +252,7 @@ class AdmissionQueue:
 
     def pipe_decide(
         self,
-        pipe: Pipe,
+        pipe: Any,
         request_id: str,
         route: str,
         tenant: str,
@@ -303,7 +300,7 @@ class AdmissionQueue:
             await self.redis.script_load(script.script)
 
     @staticmethod
-    def _pipelined(pipe: Pipe, script: Any, call: tuple[list[Any], list[Any]]) -> None:
+    def _pipelined(pipe: Any, script: Any, call: tuple[list[Any], list[Any]]) -> None:
         keys, args = call
         pipe.evalsha(script.sha, len(keys), *keys, *args)
 
