@@ -2,11 +2,11 @@
 
 A real vLLM closes a connection idle for 5 s, so at 10 s rounds every read opens a new
 connection; bench_scale shows that the read is most of a round. The exporter reads
-`/metrics` with its own lean client (probe.http), the other calls with aiohttp. This
+`/metrics` with its own fast path (probe.fast_http), the other calls with aiohttp. This
 compares, side by side in one run against the same simulated busy vLLM backends (~36 KB
 payloads, served by another process), the CPU time of this process per read:
 
-- the exporter's read, `BackendClient.metrics()` on probe.http, a new connection per read
+- the exporter's read, `BackendClient.metrics()` on probe.fast_http, a new connection per read
   (what a round's read costs against a real vLLM, every check included: timeouts, caps,
   encodings);
 - the exporter's read on the connection it kept (what a round's read costs against a
@@ -44,8 +44,8 @@ from llm_health.probe.client import BackendClient
 from llm_health.sim import servers as sim
 
 GOAL_PARSE_FRACTION = 40.0
-PRODUCT = "llm-health's read (probe.http), new connection"
-PRODUCT_KEPT = "llm-health's read (probe.http), connection kept"
+PRODUCT = "llm-health's read (probe.fast_http), new connection"
+PRODUCT_KEPT = "llm-health's read (probe.fast_http), connection kept"
 
 
 def cpu() -> float:

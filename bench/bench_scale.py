@@ -8,7 +8,7 @@ with a ~36 KB V1 payload. The exporter runs here. Measured, after one warm-up ro
 CPU seconds (user + system, from getrusage) per backend round, and from that its share of
 one core at 10 s rounds; its memory (RSS and peak); and a scrape of it both ways on the
 same fleet in the same run: the new path (each round's rendered text copied together,
-exporter.render) and the old one (prometheus_client rendering every snapshot at scrape
+exporter.fast_exposition) and the old one (prometheus_client rendering every snapshot at scrape
 time), with the size and the cost of gzip (which /metrics applies where Prometheus asks).
 
 Two machine figures: the calibration of bench/_machine.py, and prometheus_client's parse
@@ -259,10 +259,10 @@ def loop_factory() -> Any:
 # Where a round's time goes, by the file a function lives in (first match wins).
 PARTS = (
     ("the HTTP client (aiohttp, yarl, multidict)", ("/aiohttp/", "/yarl/", "/multidict/", "/propcache/")),
-    ("the lean read (probe.http, the connect and system calls in it)", ("llm_health/probe/http",)),
+    ("the fast read (probe.fast_http, the connect and system calls in it)", ("llm_health/probe/fast_http",)),
     ("parsing (core.exposition, probe.reading)", ("llm_health/core/exposition", "llm_health/probe/reading")),
     ("reducing and deciding (core.engines, core.health, core.evidence)", ("llm_health/core/",)),
-    ("rendering the series (exporter.render)", ("llm_health/exporter/render",)),
+    ("rendering the series (exporter.fast_exposition)", ("llm_health/exporter/fast_exposition",)),
     ("the round's own code (probe.client, probe.monitor, exporter)", ("llm_health/",)),
     ("the event loop and the rest", ("",)),
 )

@@ -22,7 +22,7 @@ import ssl
 import zlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder, gzip_accepted
@@ -36,9 +36,27 @@ log = logging.getLogger("llm_health.web")
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 Reload = Callable[[], Awaitable[str]]
 Encoder = Callable[[CollectorRegistry], bytes]
-# Renders the whole exposition in the encoder's format from text kept ready, or None
-# where it cannot (the exporter's: exporter.render.Exposition.render).
-Render = Callable[[Encoder], bytes | None]
+
+
+class Render(Protocol):
+    """The seam of `/metrics`: the whole exposition in the encoder's format, or None where
+    it cannot write that format. The fast path, exporter.fast_exposition's
+    `Exposition.render`, copies text the rounds rendered; its library counterpart,
+    `RegistryRender`, is prometheus_client's encoder over a registry, which also serves
+    every format the fast path declines (tests/unit/test_fast_exposition_parity.py)."""
+
+    def __call__(self, encoder: Encoder) -> bytes | None: ...
+
+
+class RegistryRender:
+    """prometheus_client's own rendering of `registry`, in every format it writes: a Render
+    that never declines."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def __call__(self, encoder: Encoder) -> bytes:
+        return encoder(self.registry)
 
 
 # gzip level 1: on an exporter's large scrape much smaller and fast, where the default
@@ -52,17 +70,22 @@ def gzip_body(body: bytes) -> bytes:
     return c.compress(body) + c.flush()
 
 
+_LIBRARY: type[Render] = RegistryRender  # mypy holds the library counterpart to the seam too
+
+
 def metrics_handler(registry: CollectorRegistry, render: Render | None = None, compress: bool = False) -> Handler:
     """A `/metrics` handler for `registry`, in the format the scraper asks for: from
     `render` where it writes that format, else by the encoder over `registry`. With
     `compress`, gzip where the scraper accepts it (Prometheus does), as prometheus_client's
     own handlers do; a large body in a thread (zlib lets go of the GIL), so the rounds go on."""
 
+    library = RegistryRender(registry)
+
     async def handle(request: web.Request) -> web.Response:
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
         body = render(encoder) if render is not None else None
         if body is None:
-            body = encoder(registry)
+            body = library(encoder)
         headers = {"Content-Type": content_type}
         if compress:
             headers["Vary"] = "Accept-Encoding"

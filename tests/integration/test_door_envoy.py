@@ -87,9 +87,9 @@ class Engine:
         return web.json_response({"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
 
-@pytest.fixture(params=SERVERS)
+@pytest.fixture(params=list(SERVERS))
 async def envoy(request, own_redis_server):
-    """(Envoy's side of ext_authz, engine, doors), decide served by aiohttp or by `gate.lean`."""
+    """(Envoy's side of ext_authz, engine, doors), decide served by aiohttp or by `gate.fast_doors`."""
     engine = Engine()
     eapp = web.Application()
     eapp.router.add_route("*", "/{tail:.*}", engine.any)

@@ -57,9 +57,9 @@ def free_udp_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(params=SERVERS)
+@pytest.fixture(params=list(SERVERS))
 async def door(request, own_redis_server, tmp_path):
-    """(nginx url, engine, doors), decide served by aiohttp or by `gate.lean`; the route
+    """(nginx url, engine, doors), decide served by aiohttp or by `gate.fast_doors`; the route
     `chat` fails closed when Redis is down."""
     engine = Engine()
     eapp = web.Application()

@@ -453,7 +453,7 @@ SCRAPERS = {
 
 
 async def test_metrics_from_the_rounds_text_is_prometheus_clients_over_the_snapshots(sim_server, ticker, serve):
-    """/metrics serves the text each round rendered (exporter.render): in every format a
+    """/metrics serves the text each round rendered (exporter.fast_exposition): in every format a
     scraper negotiates, the bytes prometheus_client writes from the same snapshots; gzip
     where the scraper accepts it."""
     from prometheus_client.exposition import choose_encoder

@@ -16,8 +16,8 @@ from llm_health.store.deployment import BY_SCHEME, connect, wrap
 from llm_health.store.deployment_cluster import ClusterDeployment
 from llm_health.store.deployment_sentinel import SentinelDeployment
 from llm_health.store.deployment_single import SingleDeployment
+from llm_health.store.fast_redis import FastRedis
 from llm_health.store.keys import LeaseKeys
-from llm_health.store.lean import LeanRedis
 from llm_health.store.target import ALL_SCHEMES, RedisTarget, parse_target, redacted
 
 URLS = {
@@ -115,8 +115,8 @@ async def test_only_one_server_has_a_pool_of_its_own_for_the_lean_connection():
     try:
         assert isinstance(single.server_pool(), aioredis.BlockingConnectionPool)
         assert [d.server_pool() for d in others] == [None, None]
-        assert LeanRedis.for_deployment(single) is not None
-        assert [LeanRedis.for_deployment(d) for d in others] == [None, None]
+        assert FastRedis.for_deployment(single) is not None
+        assert [FastRedis.for_deployment(d) for d in others] == [None, None]
     finally:
         for dep in (single, *others):
             await dep.aclose()

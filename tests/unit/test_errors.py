@@ -12,7 +12,7 @@ from llm_health.cli.common import CliError
 from llm_health.config.errors import ConfigError
 from llm_health.core.errors import CoreError, LLMHealthError
 from llm_health.gate.headers import GateError
-from llm_health.probe.http import ProbeError
+from llm_health.probe.fast_http import ProbeError
 from llm_health.sim.launch import SimError
 from llm_health.store.codes import StoreError
 
@@ -71,8 +71,8 @@ def test_a_class_keeps_the_built_in_base_callers_catch():
 
 
 def test_an_http_error_s_case_is_its_class():
-    """probe.http's failures: one subclass per case, its flag set, the others not."""
-    from llm_health.probe.http import BodyTooLarge, HttpClosed, HttpError, HttpRefused, HttpTimeout
+    """probe.fast_http's failures: one subclass per case, its flag set, the others not."""
+    from llm_health.probe.fast_http import BodyTooLarge, HttpClosed, HttpError, HttpRefused, HttpTimeout
 
     flags = ("timed_out", "refused", "too_large", "closed")
     for cls, flag in ((HttpTimeout, "timed_out"), (HttpRefused, "refused"), (BodyTooLarge, "too_large"), (HttpClosed, "closed")):

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from llm_health.core.engines import read
 from llm_health.core.health import Settings, Verdict
 from llm_health.core.states import State
-from llm_health.exporter import page, render
+from llm_health.exporter import fast_exposition, page
 from tests.fixtures.playback import play, set_samples
 
 BUSY = (Path(__file__).parents[1] / "data" / "vllm-real" / "busy.prom").read_text()
@@ -106,7 +106,11 @@ def series(refused_total: dict[str, float], verdict: Verdict | None) -> dict[tup
         errors={},
         readiness=SimpleNamespace(not_ready_total=0),
     )
-    return {(render.FAMILIES[f].name, labels): value for f, labels, value in render.samples(slot) if f in (render.REFUSALS, render.SHEDDING)}
+    return {
+        (fast_exposition.FAMILIES[f].name, labels): value
+        for f, labels, value in fast_exposition.samples(slot)
+        if f in (fast_exposition.REFUSALS, fast_exposition.SHEDDING)
+    }
 
 
 def test_the_series_count_every_refusal_and_mark_a_shedding_round() -> None:

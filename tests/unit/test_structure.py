@@ -252,3 +252,49 @@ def test_each_redis_kind_is_a_deployment_class_of_its_own_chosen_by_scheme():
     for kind in deployment.KINDS:
         assert issubclass(kind, Deployment) and not inspect.isabstract(kind), kind
         assert {deployment.BY_SCHEME[s] for s in kind.schemes} == {kind}
+
+
+FAST_PATHS_HEADING = "## Fast paths and their library counterparts"
+
+
+def fast_path_rows() -> list[dict[str, str]]:
+    """docs/architecture.md's table of fast paths, a dict per row (cells without backticks)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split(FAST_PATHS_HEADING, 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip().strip("`") for c in line.strip("|").split("|")))) for line in lines[2:]]
+
+
+def test_every_fast_path_has_its_seam_its_benchmark_line_and_a_parity_test():
+    """Each row of docs/architecture.md's fast-path table: the module is there and named
+    `fast_*`; its seam is a typing.Protocol; the reason names a benchmark section; the
+    parity test is there and imports the fast path. And every `fast_*` module of the
+    package has its row."""
+    import importlib
+
+    from bench.sections import SECTIONS
+
+    rows = fast_path_rows()
+    assert len(rows) >= 4, rows
+    for row in rows:
+        path = PACKAGE / row["fast path"]
+        assert path.is_file() and path.name.startswith("fast_"), row["fast path"]
+        module_name, _, protocol_name = row["seam (Protocol)"].rpartition(".")
+        protocol = getattr(importlib.import_module("llm_health." + module_name), protocol_name)
+        assert getattr(protocol, "_is_protocol", False), f"{row['seam (Protocol)']} is no typing.Protocol"
+        why = row["why it exists (docs/benchmarks.md)"]
+        assert any(s.name in why for s in SECTIONS), f"{row['fast path']}: no benchmark section named in {why!r}"
+        test = ROOT / row["parity test"]
+        assert test.is_file(), row["parity test"]
+        fast = "llm_health." + row["fast path"].removesuffix(".py").replace("/", ".")
+        imported = set()
+        for node in ast.walk(ast.parse(test.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names}
+        assert any(name == fast or name.startswith(fast + ".") for name in imported), f"{row['parity test']} does not import {fast}"
+    listed = {row["fast path"] for row in rows}
+    found = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("fast_*.py")}
+    assert found == listed, f"fast_* modules without a row, or rows without a module: {sorted(found ^ listed)}"

@@ -14,7 +14,7 @@ def cmd(args: argparse.Namespace) -> int:
     if (loaded := load_configs(args)) is None:
         return 2
     cfg, web_config = loaded
-    from ..gate import lean
+    from ..gate import fast_doors
     from ..gate.app import tune_gc  # the `gate` extra: redis
     from ..gate.doors import Doors
     from ..web import run_app
@@ -25,8 +25,8 @@ def cmd(args: argparse.Namespace) -> int:
     tune_gc()
     if web_config.users or web_config.headers:  # basic auth and the configured headers guard the doors too: aiohttp's middleware
         run_app(app, host, port, ssl_context=web_config.ssl_context)
-    else:  # the door requests on the lean answer path (gate.lean), the rest on aiohttp
-        lean.run(doors, app, host, port, ssl_context=web_config.ssl_context)
+    else:  # the door requests on the fast path (gate.fast_doors), the rest on aiohttp
+        fast_doors.run(doors, app, host, port, ssl_context=web_config.ssl_context)
     return 0
 
 

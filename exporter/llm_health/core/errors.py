@@ -1,7 +1,7 @@
 """The root of every exception llm-health raises on its own, and the core's branch of it.
 
 httpx's shape: one root, a branch per room (`CoreError` here; `config.errors.ConfigError`,
-`probe.http.ProbeError`, `store.codes.StoreError`, `gate.headers.GateError`,
+`probe.fast_http.ProbeError`, `store.codes.StoreError`, `gate.headers.GateError`,
 `cli.common.CliError`, `sim.launch.SimError`, `urls.BadTarget`). `except LLMHealthError`
 catches what the package raises and nothing a library it calls raises unwrapped. A class
 keeps the built-in base it had (ValueError, RuntimeError, redis-py's RedisError) beside

@@ -2,7 +2,7 @@
 
 The two-round rule needs memory, so collection is not done at scrape time: each backend
 has its own task that reads, decides and stores a snapshot every `interval`, and renders
-its series as exposition text when the round ends (exporter.render); `/metrics` copies
+its series as exposition text when the round ends (exporter.fast_exposition); `/metrics` copies
 those pieces together, with no I/O. One slow or broken backend delays only its own task.
 
 Routes: `/metrics`, `/status` (JSON per backend), `/probe?target=URL&kind=engine`
@@ -41,9 +41,9 @@ from ..urls import BadTarget, parse_target
 from ..web import add_reload, healthy, metrics_handler, secure
 from . import page
 from .collectors import BackendsCollector, BuildInfoCollector
+from .fast_exposition import Exposition
 from .lag import LoopLag
 from .probe_targets import ProbeTargets
-from .render import Exposition
 from .slots import Slot, engine_age_ttl_ms, engine_ages, engine_waiting, first_round_delays, make_slot, next_delay, next_planned, on_tick, run_round
 
 log = logging.getLogger("llm_health.exporter")
@@ -58,7 +58,7 @@ class Exporter:
         self.redis_view: Any = None  # exporter.redis_view.RedisView when configured
         self._redis_task: asyncio.Task[None] | None = None
         # `registry` holds every collector (prometheus_client renders it for a format
-        # exporter.render does not write, and bench_scale compares against it); `rest`
+        # exporter.fast_exposition does not write, and bench_scale compares against it); `rest`
         # all but the backends', whose series `exposition` serves from the rounds' text.
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(BackendsCollector(lambda: self.slots.values()))

@@ -1,7 +1,7 @@
 """The exporter's series as prometheus_client families, from the backends' snapshots with
 no I/O: the path `/probe` answers from, and the one `/metrics` takes for a format that
-exporter.render does not write (it serves the configured backends from the text each
-round rendered). Both read the same `render.FAMILIES` and `render.samples`."""
+exporter.fast_exposition does not write (it serves the configured backends from the text each
+round rendered). Both read the same `fast_exposition.FAMILIES` and `fast_exposition.samples`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from prometheus_client.metrics_core import Metric
 
 from .. import __version__
 from ..collector import SnapshotCollector
-from .render import FAMILIES, expand, samples
+from .fast_exposition import FAMILIES, expand, samples
 from .slots import Slot
 
 

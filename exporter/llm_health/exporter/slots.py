@@ -20,7 +20,7 @@ from ..core.states import State
 from ..probe.client import BackendClient
 from ..probe.monitor import BackendMonitor
 from ..urls import redact_url
-from .render import Renderer
+from .fast_exposition import Renderer
 
 log = logging.getLogger("llm_health.exporter")
 
@@ -39,7 +39,7 @@ class Slot:
     # /probe targets: one round at a time, and when the current one started (monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     round_started: float | None = None
-    # The slot's series as exposition text, one piece per render.FAMILIES entry, rendered
+    # The slot's series as exposition text, one piece per fast_exposition.FAMILIES entry, rendered
     # when a round ends (and at creation): a scrape copies them.
     renderer: Renderer = field(default_factory=Renderer)
     rendered: tuple[bytes, ...] = ()
@@ -212,7 +212,7 @@ def next_delay(verdict: Verdict | None, interval: float, hung_after: float, elap
 
 def new_session(tls: bool) -> aiohttp.ClientSession:
     """A backend's own HTTP session for its rare calls (`/v1/models`, the probe, `/health`;
-    `/metrics` and the sleep flags are read by probe.http): its own small connection pool, so
+    `/metrics` and the sleep flags are read by probe.fast_http): its own small connection pool, so
     no backend (or /probe caller) can use up connections another one waits for. No cookie
     jar: nothing the exporter reads sets or needs a cookie, and a jar is work on every
     request and response. aiohttp's closed-transport sweep (a timer every 2 s, for the

@@ -40,7 +40,7 @@ from ..core import admission, forwarding
 from ..store.batch import WriteBatch
 from ..store.deployment import connect, wrap
 from ..store.errors import ERRORS, REDIS_DOWN, as_down, may_run_late, retryable
-from ..store.lean import Commands, LeanRedis
+from ..store.fast_redis import FastRedis, Pipe
 from ..store.policy import policy_args
 from ..store.queue import ENDED, GAVE_UP, AdmissionQueue, Decided, engine_queue_age, now_ms, parse_decide
 from ..tasks import cancel_and_wait
@@ -87,7 +87,7 @@ class Admission:
         self.deployment = wrap(redis) if redis is not None else connect(cfg.redis_url, socket_timeout=1.0, max_connections=64, blocking_timeout=1.0)
         self.redis = self.deployment.client
         self.queue = AdmissionQueue(self.deployment, prefix=cfg.queue_prefix)
-        self.lean = LeanRedis.for_deployment(self.deployment)  # one server: the hot path's own connection
+        self.fast_redis = FastRedis.for_deployment(self.deployment)  # one server: the hot path's own connection (store.fast_redis)
         self.redis_up = True
         self._pending: set[asyncio.Task[None]] = set()  # attempts being recorded after their response
         self._sampler: asyncio.Task[None] | None = None
@@ -155,8 +155,8 @@ class Admission:
             await asyncio.gather(*self._pending, return_exceptions=True)
         if self._sampler:
             await cancel_and_wait(self._sampler)  # its Redis read may swallow one cancellation
-        if self.lean is not None:
-            self.lean.close()
+        if self.fast_redis is not None:
+            self.fast_redis.close()
         await self.deployment.aclose()
 
     async def _sample(self) -> None:
@@ -470,21 +470,22 @@ class Admission:
                 log.error("redis refused a queue write: %s", exc)
 
     # --- Redis ---------------------------------------------------------------------------
-    async def _pipeline(self) -> Any:
-        return Commands() if self.lean is not None else await self.queue.pipeline()
+    async def _pipeline(self) -> Pipe:
+        """The seam of store.fast_redis: its pipe on one server, redis-py's elsewhere."""
+        return self.fast_redis.pipeline() if self.fast_redis is not None else await self.queue.pipeline()
 
-    async def _execute(self, pipe: Any) -> list[Any]:
+    async def _execute(self, pipe: Pipe) -> list[Any]:
         """`AdmissionQueue.execute` (scripts reloaded, a Cluster's MOVED followed), or on one
-        server the lean connection's (`store.lean`); Redis down or failing over refreshes
+        server the fast path's pipe (`store.fast_redis`); Redis down or failing over refreshes
         the topology for the next request and raises."""
         try:
-            if self.lean is None:
+            if self.fast_redis is None:
                 return await self.queue.execute(pipe)
             try:
-                return await self.lean.execute(pipe)
+                return await pipe.execute()
             except NoScriptError:  # a restarted Redis: the scripts loaded, the commands sent again
                 await self.queue.load_scripts()
-                return await self.lean.execute(pipe)
+                return await pipe.execute()
         except REDIS_DOWN:
             await self.deployment.refresh_topology()  # Cluster: the next request finds the new primary
             raise

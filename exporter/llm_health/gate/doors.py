@@ -103,7 +103,7 @@ class Doors:
 
     # --- the doors --------------------------------------------------------------------------
     # Each door's answer as (status, headers, body), read by the aiohttp handlers below and
-    # by the lean server (`gate.lean`) alike: one answer path, two ways of serving it.
+    # by the fast path (`gate.fast_doors`) alike: one answer path, two ways of serving it.
     async def ext_authz(self, method: str, raw_path: str, headers: Mapping[str, str]) -> Answer:
         outcome = await self.admission.decide(method, raw_path[len("/-/ext_authz") :] or "/", headers)  # Envoy sends the original method
         if outcome.admitted:
@@ -153,13 +153,18 @@ class Doors:
             return _json(403, {"error": {"type": "forbidden", "message": f"no valid {REFUSAL_HEADER} header"}})
         return status, {**out, "Content-Type": "application/json"}, body
 
+    # A door reads no body, but one over the app's client_max_size (1 KiB) is refused with
+    # 413 before any decision, as gate.fast_doors refuses it: read, aiohttp holds the limit.
     async def handle_ext_authz(self, request: web.Request) -> web.Response:
+        await request.read()
         return _response(await self.ext_authz(request.method, request.raw_path, request.headers))
 
     async def handle_auth_request(self, request: web.Request) -> web.Response:
+        await request.read()
         return _response(await self.auth_request(request.raw_path, request.headers))
 
     async def handle_refused(self, request: web.Request) -> web.Response:
+        await request.read()
         return _response(self.refused(request.headers))
 
     # --- nginx's access log: the attempt's end -------------------------------------------------

@@ -1,7 +1,7 @@
 """HTTP calls to one backend: `/metrics`, `/v1/models`, the 1-token probe, sleep flags.
 
 `/metrics`, the read of every round, and the sleep flags (asked every round of an engine
-that stands still with work in flight) go through the lean client of probe.http (with
+that stands still with work in flight) go through the fast path of probe.fast_http (with
 `keepalive`, as the exporter's rounds ask, on the connection the server left open after
 the last round's read, where it did; otherwise a new one); the rare calls go through
 aiohttp. Both keep the same guarantees. Every call has a connect timeout
@@ -14,7 +14,7 @@ that say what happened (refused, timeout, HTTP status, not exposition), never as
 exceptions, and never carry the API key.
 
 The connect timeout covers the TCP connect alone (`sock_connect` in aiohttp, each
-address's connect in probe.http), never a wait for a pooled connection: the exporter gives
+address's connect in probe.fast_http), never a wait for a pooled connection: the exporter gives
 each backend a session of its own for the rare calls, and `/metrics` uses no pool at all
 (a backend's kept connection is its own), so one backend's slow or trickling answers never
 hold a connection another backend waits for.
@@ -42,7 +42,7 @@ import aiohttp
 
 from ..core import engines, timing
 from ..urls import base_url
-from . import http
+from . import fast_http
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 SMALL_BODY = 1024 * 1024  # /v1/models, the probe's answer, /is_sleeping: JSON of a few KB
@@ -62,7 +62,7 @@ async def _body(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     async for chunk in resp.content.iter_chunked(65536):
         body += chunk
         if len(body) > limit:
-            raise http.BodyTooLarge(f"body larger than {limit} bytes")  # as the lean reader says it
+            raise fast_http.BodyTooLarge(f"body larger than {limit} bytes")  # as the fast path says it
     return bytes(body)
 
 
@@ -113,7 +113,7 @@ def _describe(exc: BaseException, timeout: float) -> tuple[str, bool, bool]:
         return "server closed the connection", False, False
     if isinstance(exc, aiohttp.ClientPayloadError):
         return f"broken response body ({exc})", False, False
-    if isinstance(exc, http.BodyTooLarge):
+    if isinstance(exc, fast_http.BodyTooLarge):
         return str(exc), False, False
     if isinstance(exc, aiohttp.ClientError):
         return f"{type(exc).__name__}: {exc}", False, False
@@ -132,10 +132,14 @@ class BackendClient:
         probe_timeout: float = timing.PROBE_TIMEOUT_S,
         max_bytes: int = DEFAULT_MAX_BYTES,
         keepalive: bool = False,
+        get: fast_http.HttpGet = fast_http.get,
     ):
         """`keepalive`: keep the connection a server leaves open for the next `/metrics`
-        read (probe.http); for a client that reads every round, not for a one-off."""
+        read (probe.fast_http); for a client that reads every round, not for a one-off.
+        `get`: the GET of `/metrics` and the sleep flags (the seam: probe.fast_http's, or
+        its library counterpart in the parity test)."""
         self.session = session
+        self._get = get
         self.keepalive = keepalive
         self.url = base_url(url)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -145,11 +149,11 @@ class BackendClient:
         self.probe_timeout = probe_timeout
         self.max_bytes = max_bytes
         headers = {**self._headers, "Accept": "text/plain;version=0.0.4", "Accept-Encoding": "gzip"}
-        self._flag_targets: dict[str, http.Target] = {}  # the sleep flags' paths, two at most
-        self._metrics_target: http.Target | None = None
+        self._flag_targets: dict[str, fast_http.Target] = {}  # the sleep flags' paths, two at most
+        self._metrics_target: fast_http.Target | None = None
         self._metrics_target_error = ""
         try:
-            self._metrics_target = http.Target(self.url, "/metrics", headers, keepalive=keepalive)
+            self._metrics_target = fast_http.Target(self.url, "/metrics", headers, keepalive=keepalive)
         except ValueError as exc:  # never the key itself: the message names the fault only
             self._metrics_target_error = f"cannot read /metrics: {exc}"
 
@@ -163,13 +167,13 @@ class BackendClient:
         return aiohttp.ClientTimeout(total=total, sock_connect=min(self.connect_timeout, total))
 
     async def metrics(self) -> Fetched:
-        """One read of `/metrics`, on the lean client (probe.http): most of what a round costs."""
+        """One read of `/metrics`, on the fast path (probe.fast_http): most of what a round costs."""
         start = time.monotonic()
         if self._metrics_target is None:
             return Fetched(error=self._metrics_target_error)
         try:
-            resp = await http.get(self._metrics_target, connect_timeout=self.connect_timeout, timeout=self.metrics_timeout, max_bytes=self.max_bytes)
-        except http.HttpError as exc:
+            resp = await self._get(self._metrics_target, connect_timeout=self.connect_timeout, timeout=self.metrics_timeout, max_bytes=self.max_bytes)
+        except fast_http.HttpError as exc:
             error = f"payload larger than {self.max_bytes} bytes" if exc.too_large else str(exc)
             return Fetched(error=error, timed_out=exc.timed_out, refused=exc.refused, closed=exc.closed, seconds=time.monotonic() - start)
         seconds = time.monotonic() - start
@@ -262,17 +266,17 @@ class BackendClient:
 
     async def flag(self, path: str) -> bool:
         """An engine's sleep or pause flag (vLLM's `/is_sleeping`, `/is_paused`): True only on a clear yes. Asked on the
-        lean client (probe.http) too: a hung engine is asked both every round."""
+        fast path (probe.fast_http) too: a hung engine is asked both every round."""
         target = self._flag_targets.get(path)
         if target is None:
             try:
-                target = http.Target(self.url, path, {**self._headers, "Accept": "application/json", "Accept-Encoding": "gzip"}, keepalive=self.keepalive)
+                target = fast_http.Target(self.url, path, {**self._headers, "Accept": "application/json", "Accept-Encoding": "gzip"}, keepalive=self.keepalive)
             except ValueError:
                 return False
             self._flag_targets[path] = target
         try:
-            resp = await http.get(target, connect_timeout=min(self.connect_timeout, FLAG_TIMEOUT), timeout=FLAG_TIMEOUT, max_bytes=SMALL_BODY)
-        except http.HttpError:
+            resp = await self._get(target, connect_timeout=min(self.connect_timeout, FLAG_TIMEOUT), timeout=FLAG_TIMEOUT, max_bytes=SMALL_BODY)
+        except fast_http.HttpError:
             return False
         if resp.status != 200:
             return False

@@ -1,4 +1,4 @@
-"""The connection the lean client (llm_health.probe.http) keeps for a backend's next read,
+"""The connection the lean client (llm_health.probe.fast_http) keeps for a backend's next read,
 `Target(keepalive=True)` as the exporter's rounds make it, against servers on real
 loopback sockets that serve one request after another on a connection and answer
 exactly what a test chooses: reused after a whole framed answer, dropped after any
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 
-from llm_health.probe import http
+from llm_health.probe import fast_http
 from llm_health.probe.client import BackendClient
 from tests.integration.hostile.test_metrics_client import BODY, SLOW, chunked, head, listening
 
@@ -75,8 +75,8 @@ async def keeper() -> AsyncIterator[Callable[..., Awaitable[Keeper]]]:
 OK = head(f"Content-Length: {len(BODY)}") + BODY
 
 
-async def kept_read(target: http.Target, timeout: float = SLOW) -> http.Response:
-    return await http.get(target, connect_timeout=SLOW, timeout=timeout, max_bytes=1 << 20)
+async def kept_read(target: fast_http.Target, timeout: float = SLOW) -> fast_http.Response:
+    return await fast_http.get(target, connect_timeout=SLOW, timeout=timeout, max_bytes=1 << 20)
 
 
 async def until(check: Callable[[], bool]) -> None:
@@ -87,7 +87,7 @@ async def until(check: Callable[[], bool]) -> None:
 
 async def test_a_kept_connection_carries_the_next_reads(keeper):
     server = await keeper(lambda n: OK if n % 2 else head("Transfer-Encoding: chunked") + chunked(BODY, 50))
-    target = http.Target(server.url, "/metrics", {}, keepalive=True)
+    target = fast_http.Target(server.url, "/metrics", {}, keepalive=True)
     for _ in range(4):
         assert "".join((await kept_read(target)).parts).encode() == BODY
     assert [c for c, _ in server.requests] == [0, 0, 0, 0] and server.connections == 1
@@ -108,7 +108,7 @@ async def test_an_answer_that_cannot_frame_the_next_one_ends_its_connection(keep
     }
     for name, first in answers.items():
         server = await keeper(lambda n, first=first: first if n == 0 else OK)
-        target = http.Target(server.url, "/metrics", {}, keepalive=True)
+        target = fast_http.Target(server.url, "/metrics", {}, keepalive=True)
         await kept_read(target)
         assert "".join((await kept_read(target)).parts).encode() == BODY, name
         assert [c for c, _ in server.requests] == [0, 1], name
@@ -118,14 +118,14 @@ async def test_an_answer_that_cannot_frame_the_next_one_ends_its_connection(keep
 async def test_a_connection_the_server_closed_as_the_request_went_out_is_read_again_once(keeper):
     # The second request meets a server that closes instead of answering: read on a new one.
     server = await keeper(lambda n: None if n == 1 else OK)
-    target = http.Target(server.url, "/metrics", {}, keepalive=True)
+    target = fast_http.Target(server.url, "/metrics", {}, keepalive=True)
     await kept_read(target)
     assert "".join((await kept_read(target)).parts).encode() == BODY
     assert [c for c, _ in server.requests] == [0, 0, 1]
     # A new connection that closes before answering is an error, not read again.
     server = await keeper(lambda n: None)
-    target = http.Target(server.url, "/metrics", {}, keepalive=True)
-    with pytest.raises(http.HttpError, match="server closed the connection"):
+    target = fast_http.Target(server.url, "/metrics", {}, keepalive=True)
+    with pytest.raises(fast_http.HttpError, match="server closed the connection"):
         await kept_read(target)
     assert len(server.requests) == 1
     target.close()
@@ -135,14 +135,14 @@ async def test_a_kept_read_that_got_a_byte_or_timed_out_is_not_read_again(keeper
     # The second answer's head starts, then nothing: a timeout, not a second request.
     answers = {0: OK, 1: OK[:20], 2: OK, 3: b""}
     server = await keeper(answers.__getitem__)
-    target = http.Target(server.url, "/metrics", {}, keepalive=True)
+    target = fast_http.Target(server.url, "/metrics", {}, keepalive=True)
     await kept_read(target)
-    with pytest.raises(http.HttpError, match=r"timeout after 0\.5s") as caught:
+    with pytest.raises(fast_http.HttpError, match=r"timeout after 0\.5s") as caught:
         await kept_read(target, timeout=0.5)
     assert caught.value.timed_out and len(server.requests) == 2
     # A kept connection whose server never answers: a timeout, and no second request.
     await kept_read(target)  # on a new connection, then kept
-    with pytest.raises(http.HttpError, match=r"timeout after 0\.5s"):
+    with pytest.raises(fast_http.HttpError, match=r"timeout after 0\.5s"):
         await kept_read(target, timeout=0.5)
     assert [c for c, _ in server.requests] == [0, 0, 1, 1]
     target.close()
@@ -152,24 +152,24 @@ async def test_a_kept_connection_is_dropped_when_the_server_closes_it_when_idle_
     # The server closes after its first answer: the next read is on a new connection, whether
     # the close arrived before it or as it went out.
     server = await keeper(lambda n: OK, close_after={0})
-    target = http.Target(server.url, "/metrics", {}, keepalive=True)
+    target = fast_http.Target(server.url, "/metrics", {}, keepalive=True)
     await kept_read(target)
     assert "".join((await kept_read(target)).parts).encode() == BODY
     assert [c for c, _ in server.requests] == [0, 1]
     target.close()
     # Idle past KEEP_IDLE: closed by the client.
-    monkeypatch.setattr(http, "KEEP_IDLE", 0.2)
+    monkeypatch.setattr(fast_http, "KEEP_IDLE", 0.2)
     server = await keeper(lambda n: OK)
-    target = http.Target(server.url, "/metrics", {}, keepalive=True)
+    target = fast_http.Target(server.url, "/metrics", {}, keepalive=True)
     await kept_read(target)
     await until(lambda: server.closed == 1)
     await kept_read(target)
     assert [c for c, _ in server.requests] == [0, 1]
     target.close()
     # Bytes nobody asked for, while no request is out: the connection is dropped.
-    monkeypatch.setattr(http, "KEEP_IDLE", SLOW)
+    monkeypatch.setattr(fast_http, "KEEP_IDLE", SLOW)
     server = await keeper(lambda n: OK)
-    target = http.Target(server.url, "/metrics", {}, keepalive=True)
+    target = fast_http.Target(server.url, "/metrics", {}, keepalive=True)
     await kept_read(target)
     conn = target._idle
     assert conn is not None and conn.open
@@ -181,15 +181,15 @@ async def test_a_kept_connection_is_dropped_when_the_server_closes_it_when_idle_
 
 
 async def test_at_most_the_cap_of_connections_is_kept(keeper, monkeypatch):
-    monkeypatch.setattr(http, "_kept_max", 1)
+    monkeypatch.setattr(fast_http, "_kept_max", 1)
     server = await keeper(lambda n: OK)
-    targets = [http.Target(server.url, "/metrics", {}, keepalive=True) for _ in range(3)]
+    targets = [fast_http.Target(server.url, "/metrics", {}, keepalive=True) for _ in range(3)]
     for t in targets:
         await kept_read(t)
-    assert [t._idle is not None for t in targets] == [True, False, False] and len(http._kept) == 1
+    assert [t._idle is not None for t in targets] == [True, False, False] and len(fast_http._kept) == 1
     await until(lambda: server.closed == 2)
     targets[0].close()
-    assert len(http._kept) == 0
+    assert len(fast_http._kept) == 0
 
 
 async def test_a_llama_server_connection_is_let_go_at_once(keeper):
@@ -212,16 +212,16 @@ async def test_a_server_that_closes_kept_connections_before_the_next_read_is_ask
     """As a real vLLM at 10 s rounds (it closes idle connections after 5 s): after MISSES
     reads that found the kept connection gone, PLAIN_READS reads say Connection: close,
     then keep-alive is tried again."""
-    monkeypatch.setattr(http, "PLAIN_READS", 3)
+    monkeypatch.setattr(fast_http, "PLAIN_READS", 3)
     server = await keeper(lambda n: OK, close_after=set(range(100)))
-    target = http.Target(server.url, "/metrics", {}, keepalive=True)
+    target = fast_http.Target(server.url, "/metrics", {}, keepalive=True)
     for _ in range(7):
         assert "".join((await kept_read(target)).parts).encode() == BODY
     modes = ["close" if b"Connection: close\r\n" in r else "keep" for _, r in server.requests]
-    assert http.MISSES == 2 and modes == ["keep", "keep", "close", "close", "close", "keep", "keep"], modes
+    assert fast_http.MISSES == 2 and modes == ["keep", "keep", "close", "close", "close", "keep", "keep"], modes
     # A server that keeps them: never asked to close.
     server = await keeper(lambda n: OK)
-    target = http.Target(server.url, "/metrics", {}, keepalive=True)
+    target = fast_http.Target(server.url, "/metrics", {}, keepalive=True)
     for _ in range(7):
         await kept_read(target)
     assert all(b"Connection:" not in r for _, r in server.requests) and server.connections == 1

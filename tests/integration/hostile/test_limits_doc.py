@@ -12,7 +12,7 @@ from llm_health.core import webhook
 from llm_health.core.engines import Limits
 from llm_health.gate import headers
 from llm_health.gate.headers import BadRequest, read_tenant
-from llm_health.probe import client, http, reading
+from llm_health.probe import client, fast_http, reading
 from llm_health.restarter import app as restarter
 from tests.fixtures.paths import ROOT
 
@@ -74,14 +74,14 @@ def test_the_metrics_head_caps_are_the_code_constants():
     m = sentence(
         r"capped too, at ([\d,]+ (?:KiB|MiB)) and ([\d,]+) header lines \(fixed\): past either the read fails with \"response head larger than ([\d,]+) bytes\" or \"more than ([\d,]+) response headers\""
     )
-    assert [number(g) for g in m.groups()] == [http.MAX_HEAD, http.MAX_HEADERS, http.MAX_HEAD, http.MAX_HEADERS]
+    assert [number(g) for g in m.groups()] == [fast_http.MAX_HEAD, fast_http.MAX_HEADERS, fast_http.MAX_HEAD, fast_http.MAX_HEADERS]
 
 
 def test_the_kept_connection_numbers_are_the_code_constants():
     m = sentence(r"for the next round, (\d+) s at most; at most half the exporter's open-file limit")
-    assert float(m.group(1)) == http.KEEP_IDLE
+    assert float(m.group(1)) == fast_http.KEEP_IDLE
     m = sentence(r"before (two) rounds in a row came .* is read with `Connection: close` for the next (\d+) rounds")
-    assert ({"two": 2}[m.group(1)], int(m.group(2))) == (http.MISSES, http.PLAIN_READS)
+    assert ({"two": 2}[m.group(1)], int(m.group(2))) == (fast_http.MISSES, fast_http.PLAIN_READS)
 
 
 def test_payload_pieces_are_the_code_size():

@@ -1,4 +1,4 @@
-"""The lean `/metrics` client (llm_health.probe.http) against servers that send exactly the
+"""The lean `/metrics` client (llm_health.probe.fast_http) against servers that send exactly the
 bytes a test chooses, on real loopback sockets: every way a body can arrive (length,
 chunked, to the close, gzip), every way it can go wrong (cut short, too large after gzip,
 a head without end, a status line from another protocol, an encoding it cannot read, a
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 
-from llm_health.probe import http
+from llm_health.probe import fast_http
 from llm_health.probe.client import BackendClient
 from tests.fixtures.websec import self_signed
 
@@ -115,13 +115,13 @@ def chunked(body: bytes, size: int) -> bytes:
     return out + b"0\r\nX-Trailer: 1\r\n\r\n"
 
 
-async def read(url: str, *, max_bytes: int = 1 << 20, timeout: float = SLOW, headers: dict[str, str] | None = None) -> http.Response:
-    target = http.Target(url, "/metrics", headers or {})
-    return await http.get(target, connect_timeout=SLOW, timeout=timeout, max_bytes=max_bytes)
+async def read(url: str, *, max_bytes: int = 1 << 20, timeout: float = SLOW, headers: dict[str, str] | None = None) -> fast_http.Response:
+    target = fast_http.Target(url, "/metrics", headers or {})
+    return await fast_http.get(target, connect_timeout=SLOW, timeout=timeout, max_bytes=max_bytes)
 
 
-async def fails(url: str, **kwargs) -> http.HttpError:
-    with pytest.raises(http.HttpError) as caught:
+async def fails(url: str, **kwargs) -> fast_http.HttpError:
+    with pytest.raises(fast_http.HttpError) as caught:
         await read(url, **kwargs)
     return caught.value
 
@@ -212,10 +212,10 @@ async def test_what_is_no_http_answer_is_named(canned):
 async def test_the_head_is_capped_in_bytes_and_lines(canned):
     endless = sends(b"HTTP/1.1 200 OK\r\n", *[b"X-Pad: " + b"a" * 1000 + b"\r\n"] * 80, close=False)
     error = await fails((await canned(endless)).url)
-    assert str(error) == f"response head larger than {http.MAX_HEAD} bytes"
-    many = sends(head(*[f"X-{i}: 1" for i in range(http.MAX_HEADERS + 1)]))
-    assert str(await fails((await canned(many)).url)) == f"more than {http.MAX_HEADERS} response headers"
-    at_bound = sends(head(*[f"X-{i}: 1" for i in range(http.MAX_HEADERS - 1)], f"Content-Length: {len(BODY)}"), BODY)
+    assert str(error) == f"response head larger than {fast_http.MAX_HEAD} bytes"
+    many = sends(head(*[f"X-{i}: 1" for i in range(fast_http.MAX_HEADERS + 1)]))
+    assert str(await fails((await canned(many)).url)) == f"more than {fast_http.MAX_HEADERS} response headers"
+    at_bound = sends(head(*[f"X-{i}: 1" for i in range(fast_http.MAX_HEADERS - 1)], f"Content-Length: {len(BODY)}"), BODY)
     assert (await read((await canned(at_bound)).url)).size == len(BODY)
 
 
@@ -277,12 +277,12 @@ def black_hole(host: str = "127.0.0.1", port: int = 0) -> Iterator[int]:
 
 async def test_a_connect_that_hangs_is_a_connect_timeout_within_the_total():
     with black_hole() as port:
-        target = http.Target(f"http://127.0.0.1:{port}", "/metrics", {})
-        with pytest.raises(http.HttpError) as caught:
-            await http.get(target, connect_timeout=0.3, timeout=SLOW, max_bytes=1000)
+        target = fast_http.Target(f"http://127.0.0.1:{port}", "/metrics", {})
+        with pytest.raises(fast_http.HttpError) as caught:
+            await fast_http.get(target, connect_timeout=0.3, timeout=SLOW, max_bytes=1000)
         assert (str(caught.value), caught.value.timed_out) == ("connect timeout after 0.3s", True)
-        with pytest.raises(http.HttpError) as caught:  # the total ends first: it is the one named
-            await http.get(target, connect_timeout=SLOW, timeout=0.3, max_bytes=1000)
+        with pytest.raises(fast_http.HttpError) as caught:  # the total ends first: it is the one named
+            await fast_http.get(target, connect_timeout=SLOW, timeout=0.3, max_bytes=1000)
         assert (str(caught.value), caught.value.timed_out) == ("timeout after 0.3s", True)
 
 
@@ -300,29 +300,29 @@ async def test_a_name_whose_first_address_drops_the_syn_is_read_on_the_next(cann
 
     monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
     with black_hole("127.0.0.2", server.port):
-        target = http.Target(f"http://dual.invalid:{server.port}", "/metrics", {})
-        resp = await http.get(target, connect_timeout=0.3, timeout=SLOW, max_bytes=1000)
+        target = fast_http.Target(f"http://dual.invalid:{server.port}", "/metrics", {})
+        resp = await fast_http.get(target, connect_timeout=0.3, timeout=SLOW, max_bytes=1000)
         assert (resp.status, "".join(resp.parts)) == (200, BODY.decode())
         assert asked == ["dual.invalid"] and len(server.requests) == 1
         # Both addresses silent: a connect timeout, named as such, within the total.
         with black_hole("127.0.0.1") as silent, black_hole("127.0.0.2", silent):
-            target = http.Target(f"http://dual.invalid:{silent}", "/metrics", {})
-            with pytest.raises(http.HttpError) as caught:
-                await http.get(target, connect_timeout=0.3, timeout=SLOW, max_bytes=1000)
+            target = fast_http.Target(f"http://dual.invalid:{silent}", "/metrics", {})
+            with pytest.raises(fast_http.HttpError) as caught:
+                await fast_http.get(target, connect_timeout=0.3, timeout=SLOW, max_bytes=1000)
             assert (str(caught.value), caught.value.timed_out, caught.value.refused) == ("connect timeout after 0.3s", True, False)
             # The total ends during the second address's connect: the total is named.
-            target = http.Target(f"http://dual.invalid:{silent}", "/metrics", {})
-            with pytest.raises(http.HttpError) as caught:
-                await http.get(target, connect_timeout=0.3, timeout=0.45, max_bytes=1000)
+            target = fast_http.Target(f"http://dual.invalid:{silent}", "/metrics", {})
+            with pytest.raises(fast_http.HttpError) as caught:
+                await fast_http.get(target, connect_timeout=0.3, timeout=0.45, max_bytes=1000)
             assert (str(caught.value), caught.value.timed_out) == ("timeout after 0.45s", True)
 
 
 async def test_a_refusal_after_a_silent_address_is_refused():
     with black_hole("127.0.0.2") as port:
-        target = http.Target(f"http://127.0.0.2:{port}", "/metrics", {})
+        target = fast_http.Target(f"http://127.0.0.2:{port}", "/metrics", {})
         target._addresses = [(socket.AF_INET, ("127.0.0.2", port)), (socket.AF_INET, ("127.0.0.1", port))]  # nothing listens on the second
-        with pytest.raises(http.HttpError) as caught:
-            await http.get(target, connect_timeout=0.3, timeout=SLOW, max_bytes=1000)
+        with pytest.raises(fast_http.HttpError) as caught:
+            await fast_http.get(target, connect_timeout=0.3, timeout=SLOW, max_bytes=1000)
         assert caught.value.refused and not caught.value.timed_out
         assert str(caught.value).startswith("connection refused or unreachable (")
 
@@ -348,8 +348,8 @@ def test_a_url_or_header_that_would_split_the_request_is_refused():
         ("http:///metrics", {}, r"not an http\(s\) URL"),
     ]:
         with pytest.raises(ValueError, match=why):
-            http.Target(url, "/metrics", headers)
-    assert http.Target("http://[::1]:9", "/metrics", {}).request.startswith(b"GET /metrics HTTP/1.1\r\nHost: [::1]:9\r\n")
+            fast_http.Target(url, "/metrics", headers)
+    assert fast_http.Target("http://[::1]:9", "/metrics", {}).request.startswith(b"GET /metrics HTTP/1.1\r\nHost: [::1]:9\r\n")
 
 
 async def test_the_api_key_is_in_no_error(canned):
@@ -368,7 +368,7 @@ async def test_the_api_key_is_in_no_error(canned):
 
 
 async def test_a_sleep_flag_is_true_only_on_a_clear_yes(canned):
-    """`/is_sleeping` and `/is_paused` go through probe.http too: a JSON yes (plain or
+    """`/is_sleeping` and `/is_paused` go through probe.fast_http too: a JSON yes (plain or
     gzip) is yes; a no, a redirect, broken JSON, a cut body, a refused port and a body past
     1 MiB are all no, and the request carries the key and asks for JSON."""
     yes = b'{"is_sleeping": true}'

@@ -10,26 +10,26 @@ from __future__ import annotations
 
 import asyncio
 
-from llm_health.probe import http
+from llm_health.probe import fast_http
 from tests.harness import vllm as harness
 
 TIMEOUT = 30.0
 
 
-async def read(target: http.Target) -> http.Response:
-    resp = await http.get(target, connect_timeout=TIMEOUT, timeout=TIMEOUT, max_bytes=16 << 20)
+async def read(target: fast_http.Target) -> fast_http.Response:
+    resp = await fast_http.get(target, connect_timeout=TIMEOUT, timeout=TIMEOUT, max_bytes=16 << 20)
     assert resp.status == 200 and "vllm:num_requests_running" in "".join(resp.parts)
     return resp
 
 
-async def dropped_by_the_server(target: http.Target) -> None:
+async def dropped_by_the_server(target: fast_http.Target) -> None:
     async with asyncio.timeout(TIMEOUT):  # 5 s by vLLM's default; the margin is for a loaded machine
         while target._idle is not None:
             await asyncio.sleep(0.1)
 
 
 async def test_a_real_vllm_keeps_the_connection_for_5_s_and_the_reads_follow(idle_vllm_server: harness.VLLMServer):
-    target = http.Target(idle_vllm_server.url, "/metrics", {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "gzip"}, keepalive=True)
+    target = fast_http.Target(idle_vllm_server.url, "/metrics", {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "gzip"}, keepalive=True)
     await read(target)
     first = target._idle
     assert first is not None, "vLLM's answer could not be kept (not HTTP/1.1 framed by length or chunks?)"
@@ -42,7 +42,7 @@ async def test_a_real_vllm_keeps_the_connection_for_5_s_and_the_reads_follow(idl
         await read(target)
         if target._idle is not None:
             await dropped_by_the_server(target)
-    assert target._idle is None and target._plain == http.PLAIN_READS - 1  # this read said Connection: close
+    assert target._idle is None and target._plain == fast_http.PLAIN_READS - 1  # this read said Connection: close
     await read(target)  # a plain read: vLLM closes the connection after answering
-    assert target._idle is None and target._plain == http.PLAIN_READS - 2
+    assert target._idle is None and target._plain == fast_http.PLAIN_READS - 2
     target.close()

@@ -1,7 +1,14 @@
-"""One multiplexed connection to one Redis server for the doors' hot path: a door's decision
-script and the batched attempt finishes (`gate.decision`), without redis-py's pool,
-pipeline, retry and per-command timeout layers, which cost more CPU per request than the
-decision itself (docs/benchmarks.md, "Profile of decide").
+"""The fast path of redis-py's pipeline for the doors' hot path: one multiplexed connection
+to one Redis server for a door's decision script and the batched attempt finishes
+(`gate.decision`), without redis-py's pool, pipeline, retry and per-command timeout
+layers, which cost more CPU per request than the decision itself (docs/benchmarks.md,
+"Profile of decide").
+
+The seam is `Pipe`: what `AdmissionQueue._pipelined` writes its scripts on and sends in
+one round trip. redis-py's `Pipeline` (`transaction=False`, `AdmissionQueue.pipeline`) is
+the library counterpart; `FastPipe` (`FastRedis.pipeline`) is this module's.
+tests/integration/test_fast_redis_parity.py runs the same pipelines through both on a real
+redis-server (docs/architecture.md, "Fast paths and their library counterparts").
 
 hiredis packs the commands and parses the replies; what is written here is the queue of
 callers waiting for their replies (Redis answers in the order it was sent, so the replies
@@ -10,7 +17,11 @@ are matched first in, first out) and the errors, raised as redis-py's classes so
 `ConnectionError` (nothing ran), no answer within the socket timeout a `TimeoutError`
 (it was sent: it may run late), on which the connection is closed and every caller
 waiting on it gets the same error; the next call connects again. An error reply is raised
-as redis-py raises it (`NoScriptError` for NOSCRIPT, else `ResponseError`).
+as redis-py's parser makes it (its class by the reply's code: `NoScriptError` for
+NOSCRIPT, `ReadOnlyError` for READONLY, ...; else `ResponseError`), without the
+"Command # n (...) of pipeline caused error:" that redis-py's pipeline puts before its text. The
+replies are hiredis' bytes, where the deployment's redis-py client decodes them
+(`decode_responses`): their readers take both (`store.connection.text`).
 
 Used only where the gate talks to one server over plain TCP (`for_deployment`): Sentinel,
 Cluster and TLS keep redis-py, which follows failovers, slots and certificates.
@@ -20,12 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import hiredis
+from redis._parsers import BaseParser  # the error replies' classes, as redis-py's own parsers read them
 from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .deployment import Deployment
@@ -33,23 +45,49 @@ from .deployment import Deployment
 _Waiter = tuple[asyncio.Future[list[Any]], int, list[Any]]  # the caller, replies wanted, replies read
 
 
-class Commands:
-    """What `AdmissionQueue._pipelined` writes on a pipeline, for `LeanRedis.execute`."""
+class Pipe(Protocol):
+    """The seam: a pipeline of the admission queue's scripts (`AdmissionQueue._pipelined`
+    writes on it), sent in one round trip by `execute`: the replies in order, the first
+    error reply raised as redis-py raises it. redis-py's `Pipeline` and `FastPipe` are
+    both one (`command_stack` holds each one's own form of a command)."""
 
-    def __init__(self) -> None:
+    command_stack: list[Any]
+
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Any: ...
+
+    async def execute(self) -> list[Any]: ...
+
+
+if TYPE_CHECKING:  # mypy holds the library counterpart to the seam too
+    from redis.asyncio.client import Pipeline
+
+    _LIBRARY: type[Pipe] = Pipeline
+
+
+class FastPipe:
+    """The commands of one round trip on `FastRedis`: what `AdmissionQueue._pipelined`
+    writes, sent by `execute` (again, after a NOSCRIPT: the commands are kept)."""
+
+    def __init__(self, redis: FastRedis) -> None:
+        self.redis = redis
         self.command_stack: list[tuple[Any, ...]] = []
 
-    def evalsha(self, *args: Any) -> None:
-        self.command_stack.append(("EVALSHA", *args))
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> None:
+        self.command_stack.append(("EVALSHA", sha, numkeys, *keys_and_args))
+
+    async def execute(self) -> list[Any]:
+        return await self.redis.execute(self)
 
 
 def _error(reply: hiredis.ReplyError) -> ResponseError:
-    text = str(reply)
-    return NoScriptError(text) if text.startswith("NOSCRIPT") else ResponseError(text)
+    """The error reply as redis-py's parser makes it (its class by the reply's code:
+    NoScriptError, ReadOnlyError, BusyLoadingError, ...; the code taken off the text)."""
+    error: ResponseError = BaseParser.parse_error(str(reply))
+    return error
 
 
 class _Protocol(asyncio.Protocol):
-    def __init__(self, owner: LeanRedis):
+    def __init__(self, owner: FastRedis):
         self.owner = owner
         self.reader = hiredis.Reader(replyError=hiredis.ReplyError)
         self.transport: Any = None
@@ -75,7 +113,7 @@ class _Protocol(asyncio.Protocol):
         self.owner.abort(self, RedisConnectionError(f"Redis closed the connection{f': {exc}' if exc else ''}"))
 
 
-class LeanRedis:
+class FastRedis:
     def __init__(self, host: str, port: int, *, db: int = 0, username: str | None = None, password: str | None = None, timeout: float = 1.0):
         self.host, self.port, self.db = host, port, db
         self.username, self.password = username, password
@@ -85,8 +123,8 @@ class LeanRedis:
         self._connecting: asyncio.Future[_Protocol] | None = None
 
     @classmethod
-    def for_deployment(cls, deployment: Deployment) -> LeanRedis | None:
-        """A lean connection to the deployment's server when it is one server over plain
+    def for_deployment(cls, deployment: Deployment) -> FastRedis | None:
+        """The fast path's connection to the deployment's server when it is one server over plain
         TCP (redis-py's own `Connection` class), None otherwise."""
         pool = deployment.server_pool()  # None on Sentinel and Cluster
         if pool is None or pool.connection_class is not Connection or not hasattr(hiredis, "pack_command"):  # hiredis 2.1+
@@ -102,7 +140,10 @@ class LeanRedis:
             timeout=timeout,
         )
 
-    async def execute(self, commands: Commands) -> list[Any]:
+    def pipeline(self) -> FastPipe:
+        return FastPipe(self)
+
+    async def execute(self, commands: FastPipe) -> list[Any]:
         """Send the commands in one write; their replies, or the first error reply raised.
         NOSCRIPT is raised as `NoScriptError`: the caller loads the scripts and sends again."""
         replies = await self.send(commands.command_stack)

@@ -1,6 +1,6 @@
-"""What only `llm-health decide`'s own server (`gate.lean`) does: the connection handed to
+"""What only `llm-health decide`'s fast path (`gate.fast_doors`) does: the connection handed to
 aiohttp for every other path, requests answered in order, the limits of a request it
-reads, its Redis connection (`store.lean`) across a Redis restart. Every nginx and Envoy
+reads, its Redis connection (`store.fast_redis`) across a Redis restart. Every nginx and Envoy
 door test runs on this server too (their fixtures take both servers, tests/fixtures/doors.py)."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ AUTH = b"GET /-/auth_request/v1/completions HTTP/1.1\r\nHost: d\r\nX-Original-Me
 
 @pytest.fixture
 async def direct(own_redis_server):
-    """(host, port) of the lean server alone, and its doors."""
+    """(host, port) of the fast path alone, and its doors."""
     cfg = parse_gate_config({"gate": {"redis": own_redis_server.url, "routes": {"chat": {"upstream": "http://127.0.0.1:1", "default_deadline_ms": 30000}}}})
     doors = Doors(cfg)
-    url, stop = await serve_doors(doors, "lean")
+    url, stop = await serve_doors(doors, "fast")
     yield ("127.0.0.1", int(url.rsplit(":", 1)[1])), doors
     await stop()
 
@@ -45,12 +45,12 @@ async def test_other_paths_are_handed_to_aiohttp_on_the_same_connection(direct):
     """A door's answer, then `/metrics` and `/-/healthy` on the kept connection, pipelined:
     each answered, in the order sent, the metrics counting the decision made just before."""
     addr, _ = direct
-    data = AUTH % b"lean-1" + b"GET /metrics HTTP/1.1\r\nHost: d\r\n\r\n" + b"GET /-/healthy HTTP/1.1\r\nHost: d\r\n\r\n" + AUTH % b"lean-2"
+    data = AUTH % b"fast-1" + b"GET /metrics HTTP/1.1\r\nHost: d\r\n\r\n" + b"GET /-/healthy HTTP/1.1\r\nHost: d\r\n\r\n" + AUTH % b"fast-2"
     first, metrics, healthy, last = await exchange(addr, data, 4)
-    assert first.startswith(b"HTTP/1.1 200 ") and b"X-Request-Id: lean-1" in first and b"X-LLM-Health-Record: " in first, first
+    assert first.startswith(b"HTTP/1.1 200 ") and b"X-Request-Id: fast-1" in first and b"X-LLM-Health-Record: " in first, first
     assert metrics.startswith(b"HTTP/1.1 200 ") and b'llm_gate_decisions_total{decision="admit_once",route="chat"} 1.0' in metrics
     assert healthy.startswith(b"HTTP/1.1 200 ")
-    assert last.startswith(b"HTTP/1.1 200 ") and b"X-Request-Id: lean-2" in last, last  # aiohttp served it: the same answer
+    assert last.startswith(b"HTTP/1.1 200 ") and b"X-Request-Id: fast-2" in last, last  # aiohttp served it: the same answer
 
 
 async def test_pipelined_door_requests_are_answered_in_order(direct):
@@ -66,7 +66,7 @@ async def test_pipelined_door_requests_are_answered_in_order(direct):
         (b"GET /-/auth_request/v1/completions HTTP/1.1\r\nX-Original-Method: POST\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n", 431),
         (b"GET /-/auth_request/v1/completions HTTP/1.1\r\n" + b"".join(b"X-H%d: 1\r\n" % i for i in range(200)) + b"\r\n", 431),
         (b"GET /-/auth_request/" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", 414),
-        (b"POST /-/ext_authz/v1/completions HTTP/1.1\r\nContent-Length: 2000\r\n\r\n" + b"x" * 2000, 413),
+        (b"POST /-/ext_authz/v1/completions HTTP/1.1\r\nHost: d\r\nContent-Length: 2000\r\n\r\n" + b"x" * 2000, 413),
         (b"GET /-/auth_request/v1 HTTP/1.1\r\nBad Header\r\n\r\n", 400),
     ],
     ids=["long-header", "many-headers", "long-url", "body", "malformed"],
@@ -81,14 +81,14 @@ async def test_a_request_past_the_limits_is_refused(direct, request_bytes, statu
 async def test_connection_close_is_honoured(direct):
     addr, _ = direct
     reader, writer = await asyncio.open_connection(*addr)
-    writer.write(b"GET /-/auth_request/v1/completions HTTP/1.1\r\nX-Original-Method: POST\r\nConnection: close\r\n\r\n")
+    writer.write(b"GET /-/auth_request/v1/completions HTTP/1.1\r\nHost: d\r\nX-Original-Method: POST\r\nConnection: close\r\n\r\n")
     data = await asyncio.wait_for(reader.read(), 10)  # to EOF: the server closed it
     writer.close()
     assert data.startswith(b"HTTP/1.1 200 ") and b"Connection: close" in data
 
 
 async def test_the_redis_connection_survives_a_redis_restart(direct, own_redis_server):
-    """The lean connection breaks when Redis restarts (its scripts gone): one request meets
+    """The fast Redis connection breaks when Redis restarts (its scripts gone): one request meets
     the broken connection (Redis down: the route's policy), the next connects again and
     loads the scripts (NOSCRIPT), and is admitted and recorded."""
     addr, doors = direct

@@ -1,6 +1,13 @@
-"""`llm-health decide`'s server: the door requests (`/-/auth_request...`, `/-/ext_authz...`,
-`/-/refused`) answered on a raw asyncio protocol, everything else served by the doors'
-aiohttp application on the same port and connection.
+"""The fast path of the doors' aiohttp app, `llm-health decide`'s server: the door requests
+(`/-/auth_request...`, `/-/ext_authz...`, `/-/refused`) answered on a raw asyncio
+protocol, everything else served by the doors' aiohttp application on the same port and
+connection.
+
+The seam is `ServeDoors` (`serve` here). Its library counterpart is the doors' aiohttp app
+on aiohttp's own server (`Doors.app`, as `llm-health decide` serves it with a web config
+that sets basic auth users or headers; tests/fixtures/doors.py's `serve_aiohttp`), and
+tests/integration/test_fast_doors_parity.py sends the same requests to both
+(docs/architecture.md, "Fast paths and their library counterparts").
 
 A door request is a small header-only request on a connection the proxy keeps; aiohttp's
 request and response objects, middleware and writer cost more CPU than the decision itself
@@ -26,8 +33,8 @@ import http
 import logging
 import signal
 import ssl
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import httptools
 from aiohttp import web
@@ -37,7 +44,7 @@ from ..web import freeze_after_startup
 from .doors import Answer, Doors
 from .headers import GateError
 
-log = logging.getLogger("llm_health.gate.lean")
+log = logging.getLogger("llm_health.gate.fast_doors")
 
 MAX_LINE = 8190  # aiohttp's limits: the request line, one header's name and value
 MAX_HEADERS = 128
@@ -48,17 +55,21 @@ _REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 _SKIP_RELAYED = {"content-length", "transfer-encoding"}
 
 
-def render(status: int, headers: dict[str, str], body: bytes, keep_alive: bool) -> bytes:
-    """One HTTP/1.1 response's bytes. A header value with a line break is refused
-    (aiohttp's rule): the answer becomes a 500."""
-    out = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]
+def render(status: int, headers: dict[str, str], body: bytes, keep_alive: bool, version: str = "1.1") -> bytes:
+    """One response's bytes, in the request's HTTP version, its `Connection` header as
+    aiohttp writes it (`close` on HTTP/1.1, `keep-alive` on HTTP/1.0). A header value with a
+    line break is refused (aiohttp's rule): the answer becomes a 500."""
+    out = [b"HTTP/%s %d %s\r\n" % (version.encode(), status, _REASONS.get(status, b"Unknown"))]
     for name, value in headers.items():
         if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
             raise ValueError(f"a line break in the response header {name!r}")
         out.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
     out.append(b"Content-Length: %d\r\n" % len(body))
-    if not keep_alive:
-        out.append(b"Connection: close\r\n")
+    if version == "1.1":
+        if not keep_alive:
+            out.append(b"Connection: close\r\n")
+    elif keep_alive:
+        out.append(b"Connection: keep-alive\r\n")
     out.append(b"\r\n")
     out.append(body)
     return b"".join(out)
@@ -103,7 +114,7 @@ class DoorProtocol(asyncio.Protocol):
             self._fail(400, "upgrades are not served here")
         except httptools.HttpParserError as exc:  # a callback's own error comes as its context
             cause = exc.__context__
-            self._fail(cause.status, str(cause)) if isinstance(cause, _TooLarge) else self._fail(400, f"bad request: {exc}")
+            self._fail(cause.status, str(cause)) if isinstance(cause, _Unreadable) else self._fail(400, f"bad request: {exc}")
 
     def eof_received(self) -> bool | None:
         if self.relay is not None:
@@ -131,22 +142,25 @@ class DoorProtocol(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self.url += url
         if len(self.url) > MAX_LINE:
-            raise _TooLarge(414, "the request line is too long")
+            raise _Unreadable(414, "the request line is too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) + len(value) > MAX_LINE:
-            raise _TooLarge(431, "a request header is too long")
+            raise _Unreadable(431, "a request header is too long")
         if len(self.headers) >= MAX_HEADERS:
-            raise _TooLarge(431, "too many request headers")
+            raise _Unreadable(431, "too many request headers")
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         """`Expect: 100-continue` on HTTP/1.1, before aiohttp has the connection: the interim
         `100 Continue` now (after the answers before it), so the client sends its body without
         waiting; the header is then not relayed, so aiohttp sends no second one. A body
-        declared over the limit gets no `100` (its read is refused with 413)."""
+        declared over the limit gets no `100` (its read is refused with 413). An HTTP/1.1
+        request without `Host` is refused with 400, as aiohttp refuses it (RFC 9112, 3.2)."""
         if self.relay is not None or self.parser.get_http_version() != "1.1":
             return
+        if not any(n.lower() == b"host" for n, _ in self.headers):
+            raise _Unreadable(400, "Missing 'Host' header in request.")
         expect = [v.strip().lower() for n, v in self.headers if n.lower() == b"expect"]
         if expect != [b"100-continue"]:
             return  # none, or one aiohttp answers 417 to
@@ -167,7 +181,7 @@ class DoorProtocol(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
         if self.size > MAX_RELAYED_BODY:
-            raise _TooLarge(413, "the request body is too large")
+            raise _Unreadable(413, "the request body is too large")
         self.body += body
 
     def on_message_complete(self) -> None:
@@ -179,28 +193,29 @@ class DoorProtocol(asyncio.Protocol):
             if not keep_alive:
                 self.transport.pause_reading()  # nothing after this request is read
             self.busy += 1
-            task = asyncio.ensure_future(self._answer(method.decode(), self.url, self.headers, self.size, keep_alive, self.tail))
+            version = self.parser.get_http_version()
+            task = asyncio.ensure_future(self._answer(method.decode(), self.url, self.headers, self.size, keep_alive, version, self.tail))
             self.tail = task
             return
         self._hand_over(method)
 
     # --- answers -----------------------------------------------------------------------------
-    async def _answer(self, method: str, url: bytes, raw: list[tuple[bytes, bytes]], size: int, keep_alive: bool, before: Any) -> None:
+    async def _answer(self, method: str, url: bytes, raw: list[tuple[bytes, bytes]], size: int, keep_alive: bool, version: str, before: Any) -> None:
         headers: CIMultiDict[str] = CIMultiDict((n.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape")) for n, v in raw)
         raw_path = url.decode("utf-8", "surrogateescape")
         try:
             if size > MAX_BODY:
-                answer: Answer = 413, {}, b""
+                answer: Answer = 413, {"Content-Type": "text/plain; charset=utf-8"}, b"Maximum request body size %d exceeded." % MAX_BODY  # aiohttp's words
             elif raw_path.startswith("/-/auth_request"):
                 answer = await self.doors.auth_request(raw_path, headers)
             elif raw_path.startswith("/-/ext_authz"):
                 answer = await self.doors.ext_authz(method, raw_path, headers)
             else:
                 answer = self.doors.refused(headers)
-            data = render(*answer, keep_alive)
+            data = render(*answer, keep_alive, version)
         except Exception:
             log.exception("the door's answer to %s %s failed", method, raw_path[:200])
-            data = render(500, {"Content-Type": "text/plain; charset=utf-8"}, b"500 Internal Server Error\n", keep_alive)
+            data = render(500, {"Content-Type": "text/plain; charset=utf-8"}, b"500 Internal Server Error\n", keep_alive, version)
         if before is not None and not before.done():
             await asyncio.wait([before])
         self.busy -= 1
@@ -278,13 +293,25 @@ class DoorProtocol(asyncio.Protocol):
             self.relay.data_received(data)
 
 
-class _TooLarge(GateError):
+class _Unreadable(GateError):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
 
 
-async def serve(doors: Doors, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> Callable[[], Any]:
+Stop = Callable[[], Awaitable[None]]
+
+
+class ServeDoors(Protocol):
+    """The seam: `doors` served on `host:port` (TLS with `ssl_context`), `app` (`Doors.app`,
+    started here: its startup and cleanup run) answering what the server does not answer
+    itself; returns the coroutine function that stops it. `serve` here, or `app` alone on
+    aiohttp's server: the same statuses, headers and bodies for every request."""
+
+    async def __call__(self, doors: Doors, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> Stop: ...
+
+
+async def serve(doors: Doors, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> Stop:
     """Start the doors' server; returns the coroutine function that stops it (the open
     answers finished, the app's cleanup run: pending attempt finishes written)."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -303,8 +330,8 @@ async def serve(doors: Doors, app: web.Application, host: str, port: int, ssl_co
     return stop
 
 
-def run(doors: Doors, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
-    """Serve until SIGTERM or SIGINT, on uvloop where it is installed."""
+def run(doors: Doors, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None, server: ServeDoors = serve) -> None:
+    """Serve until SIGTERM or SIGINT, on uvloop where it is installed, with `server`."""
     freeze_after_startup(app)
     try:
         import uvloop
@@ -314,7 +341,7 @@ def run(doors: Doors, app: web.Application, host: str, port: int, ssl_context: s
         factory = uvloop.new_event_loop
 
     async def main() -> None:
-        stop = await serve(doors, app, host, port, ssl_context)
+        stop = await server(doors, app, host, port, ssl_context)
         done = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,4 +1,10 @@
-"""The backends' series as exposition text, rendered when a backend's round ends.
+"""The fast path of prometheus_client's exposition: the backends' series as exposition text,
+rendered when a backend's round ends.
+
+The seam is `web.Render` (`Exposition.render` here). Its library counterpart is
+prometheus_client's encoder over a registry holding the backends' collector
+(`web.RegistryRender`, collectors.BackendsCollector), which also writes every format this
+module declines (docs/architecture.md, "Fast paths and their library counterparts").
 
 One source for both paths: `FAMILIES` (name, type, help, label names) and `samples(slot)`
 (what a slot exports, family by family) feed the prometheus_client collector
@@ -8,9 +14,10 @@ per round and keeps them as bytes, one piece per family. A scrape is then each f
 HELP and TYPE lines (made by prometheus_client's own encoder, once per format) followed by
 every slot's piece for it, in the slots' order: a copy, not a render of 10,000 snapshots.
 
-The lines are byte for byte what prometheus_client writes (tests/unit/test_render.py
-compares them): labels sorted by name, values escaped as it escapes them (backslash,
-newline, double quote) and numbers through its own `floatToGoString`. The sample lines of
+The lines are byte for byte what prometheus_client writes
+(tests/unit/test_fast_exposition_parity.py compares them): labels sorted by name, values
+escaped as it escapes them (backslash, newline, double quote) and numbers through its own
+`floatToGoString`. The sample lines of
 the Prometheus text format and of OpenMetrics are the same for these series (legacy
 names, no timestamps, no exemplars); only the headers differ, and OpenMetrics ends with
 `# EOF` (which the tail, rendered by the encoder itself, brings).

@@ -1,5 +1,8 @@
-"""A lean HTTP/1.1 GET for the reads every round makes: a backend's `/metrics`, and the
-sleep flags (`/is_sleeping`, `/is_paused`) of an engine that stands still.
+"""The fast path of aiohttp's client GET, for the reads every round makes: a backend's
+`/metrics`, and the sleep flags (`/is_sleeping`, `/is_paused`) of an engine that stands still.
+
+Longer than 500 lines because the read, its framing, its caps and the connection it may
+keep are one protocol, tested as one (tests/integration/hostile/test_metrics_client.py).
 
 A round is mostly this read, and aiohttp's client spends several times what the read needs
 on it (connector, happy eyeballs, URL objects, a request and a response object; the figures
@@ -10,7 +13,8 @@ guarantee of the aiohttp read it replaces:
 - a connect timeout on each TCP (and TLS) connect and a total timeout on the whole read;
 - the body capped after gzip is undone (`max_bytes`), so a small compressed bomb is
   caught, and the head capped too (`MAX_HEAD` bytes, `MAX_HEADERS` lines);
-- no redirect followed: a 3xx is an answer like any other status;
+- no redirect followed: a 3xx is an answer like any other status; an interim 1xx (100
+  Continue, 103 Early Hints) is skipped for the answer after it, as aiohttp skips it;
 - a body as Content-Length, chunked or read to the close, and gzip or identity; anything
   else is an error that names it;
 - TLS verified as aiohttp verifies it (the default context: system CAs, host name);
@@ -34,8 +38,10 @@ a new one, within the same total timeout; a read that timed out or got a byte is
 The other calls (`/v1/models`, the probe, `/health`) are rare and stay on aiohttp
 (probe.client).
 
-Longer than 500 lines because the read, its framing, its caps and the connection it may
-keep are one protocol, tested as one (tests/integration/hostile/test_metrics_client.py).
+The seam is `HttpGet` (`get` here; `BackendClient` takes one). Its library counterpart is
+aiohttp's client with the same caps around it (tests/fixtures/aiohttp_get.py), and
+tests/integration/test_fast_http_parity.py runs the same servers' answers through both
+(docs/architecture.md, "Fast paths and their library counterparts").
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ import time
 import weakref
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from .. import __version__
@@ -138,6 +144,7 @@ class Target:
         host = f"[{self.host}]" if ":" in self.host else self.host
         authority = host if parts.port is None else f"{host}:{parts.port}"
         target = (parts.path.rstrip("/") + path) or "/"
+        self.authority, self.path, self.headers = authority, target, dict(headers)  # for a library client (the seam's other side)
         lines = [f"GET {target} HTTP/1.1", f"Host: {authority}", f"User-Agent: llm-health/{__version__}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
         for line in lines:  # no line break or control character may split a line in two
@@ -229,6 +236,17 @@ class Target:
             raise OSError(f"{self.host} has no address")
         self._addresses, self._resolved_at = found, time.monotonic()
         return found
+
+
+class HttpGet(Protocol):
+    """The seam: one GET of `target` (its host, path and headers; with `keepalive`, a
+    connection the server leaves open may carry the next one). The answer's status and
+    headers; for a 200 its body, gzip undone, at most `max_bytes` of it; no redirect
+    followed. Raises HttpError, and only it: `HttpTimeout` past `timeout` (or every
+    address's `connect_timeout`), `HttpRefused`, `BodyTooLarge`, `HttpClosed` for a
+    connection that ended before any byte of the answer, a plain HttpError otherwise."""
+
+    async def __call__(self, target: Target, *, connect_timeout: float, timeout: float, max_bytes: int) -> Response: ...
 
 
 _kept: weakref.WeakSet[_Conn] = weakref.WeakSet()  # connections parked in a Target
@@ -374,6 +392,11 @@ class _Reader:
             raise HttpError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
         if len(lines) - 1 > MAX_HEADERS:
             raise HttpError(f"more than {MAX_HEADERS} response headers")
+        if code[0] == "1" and code != "101":  # an interim answer (100 Continue, 103 Early Hints): the answer follows, as aiohttp reads it
+            self.buf = bytearray(rest)
+            if self.buf:
+                self._head(self.buf)
+            return
         for line in lines[1:]:
             name, colon, value = line.partition(":")
             if not colon or not name or name != name.strip():

@@ -1,7 +1,11 @@
-"""exporter.render writes, byte for byte, what prometheus_client writes from the collector
-over the same slots: both text formats, both escapings it serves, odd label values
-(quotes, backslashes, newlines, UTF-8) and odd numbers (NaN, infinities, large and small
-floats, integers); and it declines the formats it does not write."""
+"""exporter.fast_exposition (the fast path) against its library counterpart,
+prometheus_client's encoder over a registry holding the backends' collector
+(`web.RegistryRender`): the same `/metrics` body, byte for byte, through the seam
+(`web.Render`) for every format the fast path writes (both text formats, both escapings
+it serves, what Prometheus 2 and 3 ask for), with odd label values (quotes, backslashes,
+newlines, UTF-8), odd numbers (NaN, infinities, large and small floats, integers, -0.0)
+and the other collectors after the backends' (a histogram, a counter with its created
+sample); the formats it does not write declined (None), for the library to write."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from functools import partial
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,9 +25,10 @@ from llm_health.core.queue_age import QueueAges
 from llm_health.core.readiness import Readiness
 from llm_health.core.states import State
 from llm_health.exporter.collectors import BackendsCollector, BuildInfoCollector
-from llm_health.exporter.render import FAMILIES, Exposition, Renderer, escape
+from llm_health.exporter.fast_exposition import FAMILIES, Exposition, Renderer, escape
 from llm_health.probe.client import Fetched, ProbeResult
 from llm_health.probe.monitor import RoundStats
+from llm_health.web import RegistryRender, Render
 
 ODD = ['with "quotes"', "back\\slash", "new\nline", 'all \\"\n of them\\n', "ünïcødé ☃", "", "trailing\\"]
 
@@ -109,12 +114,27 @@ def fleet() -> list[FakeSlot]:
 
 
 def registries(slots: list[FakeSlot]) -> tuple[CollectorRegistry, CollectorRegistry]:
+    """(every collector, as the library renders them; all but the backends', as the fast
+    path's tail), as exporter.app holds them; with a histogram and a counter among the rest."""
     full, rest = CollectorRegistry(auto_describe=True), CollectorRegistry(auto_describe=True)
     full.register(BackendsCollector(lambda: slots))  # type: ignore[arg-type,return-value]
     build = BuildInfoCollector()
     full.register(build)
     rest.register(build)
+    other = CollectorRegistry()
+    hist = Histogram("odd_seconds", 'A histogram: "quoted" \\ help\nwith a newline.', ["le_not", "path"], registry=other, buckets=(0.1, 1.0, math.inf))
+    hist.labels('a "b"', "c\nd").observe(0.5)
+    hist.labels("x", "").observe(math.inf)
+    Counter("odd_events", "A counter, its created sample too.", registry=other).inc(2.5)
+    full.register(other)  # type: ignore[arg-type]
+    rest.register(other)  # type: ignore[arg-type]
     return full, rest
+
+
+def pair(slots: list[FakeSlot]) -> tuple[Render, Render]:
+    """(the fast path, its library counterpart) over `slots`: both a `web.Render`."""
+    full, rest = registries(slots)
+    return Exposition(lambda: slots, rest).render, RegistryRender(full)
 
 
 ACCEPTS = [
@@ -135,12 +155,12 @@ ACCEPTS = [
 @pytest.mark.parametrize("accept", ACCEPTS)
 def test_the_rendered_exposition_is_prometheus_clients_byte_for_byte(accept):
     slots = fleet()
-    full, rest = registries(slots)
+    fast, library = pair(slots)
     encoder, _ = choose_encoder(accept)
-    ours = Exposition(lambda: slots, rest).render(encoder)
+    ours = fast(encoder)
     assert ours is not None
-    assert ours == encoder(full)
-    assert ours == Exposition(lambda: slots, rest).render(encoder)  # the headers, once made, are kept
+    assert ours == library(encoder)
+    assert ours == fast(encoder)  # the headers, once made, are kept
 
 
 def test_it_parses_back_with_every_odd_label_value_and_number():
@@ -177,12 +197,11 @@ def test_a_round_rerenders_only_what_changed_and_the_prefixes_stay_bounded():
 
 
 def test_formats_it_does_not_write_are_left_to_prometheus_client():
-    slots = fleet()
-    _, rest = registries(slots)
-    exp = Exposition(lambda: slots, rest)
-    assert exp.render(partial(generate_latest, escaping=openmetrics.DOTS)) is None
-    assert exp.render(partial(openmetrics.generate_latest, escaping=openmetrics.DOTS)) is None
-    assert exp.render(lambda registry: b"") is None
+    fast, library = pair(fleet())
+    for encoder in (partial(generate_latest, escaping=openmetrics.DOTS), partial(openmetrics.generate_latest, escaping=openmetrics.DOTS)):
+        assert fast(encoder) is None
+        assert library(encoder)  # the library writes it
+    assert fast(lambda registry: b"") is None
 
 
 def test_escape_is_prometheus_clients():
