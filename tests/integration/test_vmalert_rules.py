@@ -217,10 +217,14 @@ def test_llm_backend_hung_fires_in_vmalert_with_its_evidence(variant: str, tmp_p
 
         wait_until(notified, timeout=60, what="vmalert's notification of LLMBackendHung")
     finally:
-        if vmalert is not None:
-            vmalert.stop()
-        sink.stop()
-        vm.stop()
+        stop_all(vmalert, sink, vm)
+
+
+def stop_all(*servers) -> None:
+    """Each server stopped, in order (one not started, None, skipped)."""
+    for server in servers:
+        if server is not None:
+            server.stop()
 
 
 def fed(vm, scrape, stop: threading.Event) -> threading.Thread:
@@ -304,10 +308,7 @@ def test_vllm_engine_hung_gpu_fault_fires_in_vmalert_from_its_own_alerts(tmp_pat
     finally:
         stop.set()
         scraper.join(timeout=10)
-        if vmalert is not None:
-            vmalert.stop()
-        sink.stop()
-        vm.stop()
+        stop_all(vmalert, sink, vm)
 
 
 def test_queue_age_alerts_fire_in_vmalert(tmp_path: Path):
@@ -369,7 +370,4 @@ def test_queue_age_alerts_fire_in_vmalert(tmp_path: Path):
     finally:
         stop.set()
         scraper.join(timeout=10)
-        if vmalert is not None:
-            vmalert.stop()
-        sink.stop()
-        vm.stop()
+        stop_all(vmalert, sink, vm)

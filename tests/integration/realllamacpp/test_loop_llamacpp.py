@@ -31,8 +31,10 @@ BUSY_SECONDS = 70.0
 
 
 def slow_and_busy(srv, loop: Loop):
-    """Phase (1): two long completions on a throttled llama-server, watched for
-    BUSY_SECONDS: slow, throttled, busy, and nothing hung. The load, still running."""
+    """The loop started on ``srv``, then phase (1): two long completions on a throttled
+    llama-server, watched for BUSY_SECONDS: slow, throttled, busy, and nothing hung. The
+    load, still running."""
+    loop.start(srv.pid)
     load = srv.load(2, max_tokens=8000)
     srv.wait_for(lambda c: c.get("requests_processing", 0) == 2, timeout=60)
     with srv.throttle(20, 500):
@@ -63,8 +65,6 @@ def test_the_whole_loop_on_llamacpp(llamacpp_server_factory, tmp_path):
     )
     load = None
     try:
-        loop.start(srv.pid)
-
         load = slow_and_busy(srv, loop)
 
         # --- (2) the inference loop stopped inside a decode: both layers, one restart, back ------------

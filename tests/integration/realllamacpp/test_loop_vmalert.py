@@ -62,8 +62,6 @@ def test_the_whole_loop_with_vmalert(llamacpp_server_factory, tmp_path):
     )
     load = None
     try:
-        loop.start(srv.pid)
-
         load = slow_and_busy(srv, loop)
 
         # --- (2) the inference loop stopped inside a decode: vmalert's alert, one restart, back ---------
