@@ -132,7 +132,7 @@ async def decisions(queue: AdmissionQueue, pipe_of: Any) -> list[Any]:
         out.append(parse_decide(request_id, replies[0], now))
         out.append(decoded(replies))
     pipe = await pipe_of()
-    queue.pipe_attempt(pipe, "a", "chat", 12, 200, 1, NOW + 20, attempt_id="x1")
+    queue.pipe_attempt(pipe, queue.attempt_call("a", "chat", 12, 200, 1, NOW + 20, attempt_id="x1"))
     queue.pipe_leave(pipe, "a", "chat", "done", 200, NOW + 20, ended=1)
     out.append(decoded(await pipe.execute()))
     out.append(await queue.read("a"))

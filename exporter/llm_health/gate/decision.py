@@ -415,7 +415,7 @@ class Admission:
         tenant_key = self._tenant_key(attempt.tenant) if attempt.tenant in self.cfg.tenants and units else None
 
         def add(pipe: Any) -> None:
-            q.pipe_attempt(pipe, attempt.queue_id, attempt.route, units, status, attempt.retry_count, now, attempt.attempt_id, tenant_key)
+            q.pipe_attempt(pipe, q.attempt_call(attempt.queue_id, attempt.route, units, status, attempt.retry_count, now, attempt.attempt_id, tenant_key))
             q.pipe_leave(pipe, attempt.queue_id, attempt.route, "done", status, now, ended=GAVE_UP if status == 499 else ENDED)
 
         await self._finishes.run(add)

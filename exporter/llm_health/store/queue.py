@@ -230,20 +230,11 @@ class AdmissionQueue:
         keys, args = self.leave_call(request_id, route, state, http_status, now, ended=ended)
         self._pipelined(pipe, self._leave, (keys, [*args, "1"]))
 
-    def pipe_attempt(
-        self,
-        pipe: Any,
-        request_id: str,
-        route: str,
-        token_units: int,
-        http_status: int | None,
-        retry_count: int | None,
-        now: int,
-        attempt_id: str = "",
-        tenant_key: str | None = None,
-    ) -> None:
-        keys, args = self.attempt_call(request_id, route, token_units, http_status, retry_count, now, attempt_id, tenant_key)
-        self._pipelined(pipe, self._attempt, (keys, [*args, "1"]))  # its reply 1, not the record (not read)
+    def pipe_attempt(self, pipe: Any, call: tuple[list[Any], list[Any]]) -> None:
+        """An attempt's end (``call``: `attempt_call`'s keys and arguments), its reply 1, not
+        the record (not read)."""
+        keys, args = call
+        self._pipelined(pipe, self._attempt, (keys, [*args, "1"]))
 
     def pipe_decide(
         self,
