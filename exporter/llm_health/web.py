@@ -21,7 +21,7 @@ import signal
 import ssl
 import zlib
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -232,6 +232,17 @@ def add_reload(app: web.Application, reload: Reload) -> None:
     app.router.add_post("/-/reload", handle)
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
+
+
+def run_with(app: web.Application, start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]) -> None:
+    """``start()`` as ``app`` starts serving, ``stop()`` as it shuts down (its cleanup)."""
+
+    async def lifecycle(_app: web.Application) -> AsyncIterator[None]:
+        await start()
+        yield
+        await stop()
+
+    app.cleanup_ctx.append(lifecycle)
 
 
 def freeze_after_startup(app: web.Application) -> None:

@@ -23,7 +23,6 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -38,7 +37,7 @@ from ..core import kinds
 from ..core.states import State
 from ..tasks import cancel_and_wait
 from ..urls import BadTarget, parse_target
-from ..web import add_reload, healthy, metrics_handler, secure
+from ..web import add_reload, healthy, metrics_handler, run_with, secure
 from . import page
 from .collectors import BackendsCollector, BuildInfoCollector
 from .fast_exposition import Exposition
@@ -309,13 +308,7 @@ class Exporter:
         app.router.add_get("/-/live", self.handle_live)
         app.router.add_get("/-/ready", self.handle_ready)
         add_reload(app, self.reload)
-
-        async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-            await self.start()
-            yield
-            await self.stop()
-
-        app.cleanup_ctx.append(lifecycle)
+        run_with(app, self.start, self.stop)
         return app
 
 

@@ -21,7 +21,6 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -32,6 +31,7 @@ from redis import asyncio as aioredis
 from ..config.gate import GateConfig, Route, parse_gate_config
 from ..config.load import load_yaml
 from ..config.web import WebConfig
+from ..web import run_with
 from .controls import Controls
 from .decision import Admission, Outcome
 from .headers import GateError, token_units
@@ -217,11 +217,5 @@ class Gate:
         # the admin bearer token in the same Authorization header, and check it themselves.
         self.controls.add_to(app, web_config, self.reload)
         app.router.add_route("*", "/{tail:.*}", self.handle_proxy)
-
-        async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-            await self.start()
-            yield
-            await self.stop()
-
-        app.cleanup_ctx.append(lifecycle)
+        run_with(app, self.start, self.stop)
         return app
