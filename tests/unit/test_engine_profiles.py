@@ -27,7 +27,7 @@ def test_the_fields_hold_together(profile: Profile):
     unit = engines.EngineReading("m", "0", 1.0, 2.0, None, None, tuple(float(i) for i in range(len(profile.counters))), ())
     if profile.finished is not None:
         assert profile.finished in profile.counters  # the queue age reads it from the counters
-        assert queue_age.counts(profile.name, unit) == (float(profile.counters.index(profile.finished)), 1.0, 2.0)
+        assert queue_age.counts(profile.name, unit) == (float(list(profile.counters).index(profile.finished)), 1.0, 2.0)
     else:
         assert queue_age.counts(profile.name, unit) is None
     for path in (profile.sleep_path, profile.pause_path, profile.health_path):
