@@ -16,16 +16,14 @@ import yaml
 
 from llm_health.core import engines
 from llm_health.core.engines import START_TIME, Profile
-from tests.fixtures.paths import REAL_METRICS, ROOT, load_script
+from llm_health.sim import engines as sim_engines
+from llm_health.sim import servers as sim
+from tests.fixtures.paths import REAL_METRICS, ROOT, captured_payloads, load_script
 from tests.fixtures.stack import metric_names, payload_series
 
 generate = load_script(ROOT / "rules" / "generate.py", "rules_generate_signals")
 PROFILES = list(engines.PROFILES)
 SECTIONS = sorted({p.rules for p in PROFILES if p.rules})
-
-
-def payload_files(profile: Profile, root: Path = ROOT) -> list[Path]:
-    return sorted({path for pattern in profile.payloads for path in root.glob(pattern)})
 
 
 def profile_series(profile: Profile) -> set[str]:
@@ -36,7 +34,7 @@ def profile_series(profile: Profile) -> set[str]:
 
 def unproven(profile: Profile, root: Path = ROOT) -> list[str]:
     """The profile's series that appear in none of its captured payloads."""
-    seen = set().union(*(payload_series(p) for p in payload_files(profile, root)))
+    seen = set().union(*(payload_series(p) for p in captured_payloads(profile, root)))
     return sorted(profile_series(profile) - seen)
 
 
@@ -61,18 +59,18 @@ def unknown(section: str, text: str) -> list[str]:
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.name)
 def test_every_series_of_a_profile_is_in_one_of_its_captured_payloads(profile):
-    assert payload_files(profile), f"{profile.name}: no captured payload matches {profile.payloads}"
+    assert captured_payloads(profile), f"{profile.name}: no captured payload matches {profile.payloads}"
     assert not unproven(profile), f"{profile.name}: in none of its captured payloads: {unproven(profile)}"
 
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.name)
 def test_each_captured_payload_is_read_as_its_engine(profile):
-    for path in payload_files(profile):
+    for path in captured_payloads(profile):
         assert engines.read(path.read_text()).profile == profile.name, path.name
 
 
 def test_every_published_payload_is_some_engine_s():
-    claimed = {path for p in PROFILES for path in payload_files(p)}
+    claimed = {path for p in PROFILES for path in captured_payloads(p)}
     assert set(REAL_METRICS.glob("*.prom")) <= claimed
 
 
@@ -88,6 +86,23 @@ def test_a_profile_s_signals_hold_together(profile):
         section = generate.signals(profile.rules, "progress")
         assert {s: section[s] for s in labels} == labels
         assert len(set(section.values())) == len(section), f"{profile.rules}: two series share a signal label"
+
+
+@pytest.mark.parametrize("kind", sorted(sim_engines.FLAVORS))
+def test_each_simulation_serves_every_signal_of_its_profile(kind):
+    """The simulated engines derive from the profiles: a flavour's kind is its profile's
+    (its rules section, else its name), and a busy simulation's payload holds every
+    series its profile reads as a number, so the exporter's tests on the simulator read
+    what the rules read."""
+    flavour = sim_engines.FLAVORS[kind]
+    assert kind == (flavour.profile.rules or flavour.profile.name)
+    server = sim.SimServer("x", kind=kind, model="m")
+    sim.saturated(server)
+    server.advance(30)
+    reading = engines.read(server.payload())
+    assert reading.profile == flavour.profile.name
+    for unit in reading.engines.values():
+        assert not [v for v in (*unit.counters, *unit.gauges, unit.running, unit.waiting) if v != v], unit
 
 
 @pytest.fixture(scope="module")
