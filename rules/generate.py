@@ -35,11 +35,10 @@ from pathlib import Path
 
 import yaml
 
-try:
-    from llm_health.core import engines
-except ImportError:  # run from a checkout without the package installed
-    sys.path.append(str(Path(__file__).resolve().parent.parent / "exporter"))
-    from llm_health.core import engines
+# The engines' profiles of this checkout (the package beside this directory), whatever
+# llm_health is installed: the rules are written from them.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "exporter"))
+from llm_health.core import engines
 
 HERE = Path(__file__).resolve().parent
 MIXIN = HERE.parent / "mixin"
