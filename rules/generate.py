@@ -35,9 +35,15 @@ from pathlib import Path
 
 import yaml
 
+# The engines' profiles of this checkout (the package beside this directory), whatever
+# llm_health is installed: the rules are written from them.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "exporter"))
+from llm_health.core import engines
+
 HERE = Path(__file__).resolve().parent
 MIXIN = HERE.parent / "mixin"
 TEMPLATES = HERE / "templates"
+ENGINE_TEMPLATE = HERE / "templates" / "engine.tmpl"
 CONFIG = HERE / "config.yaml"
 MANIFEST = "prometheusrule.yaml"
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_.]*)\}")
@@ -73,11 +79,101 @@ def seconds(text: object, where: str) -> float:
 
 def engine_sections(config: dict) -> list[str]:
     """The engines' rules sections: each job of `scrape_intervals:` with a template of its
-    name (each engine with a raw layer); the exporter's job has its own template (llm-health).
-    Adding an engine's section is its template and its config (two windows: progress_window
-    and rate_window)."""
+    name or a registered engine's rules section (`Profile.rules`); the exporter's job has
+    its own template (llm-health). Adding an engine's section is its profile and its config
+    (two windows: progress_window and rate_window), and a template where
+    rules/templates/engine.tmpl does not say enough."""
     intervals = config.get("scrape_intervals")
-    return [job for job in intervals if (TEMPLATES / f"{job}.rules.yml.tmpl").is_file()] if isinstance(intervals, dict) else []
+    sections = {p.rules for p in engines.PROFILES}
+    return [job for job in intervals if job in sections or (TEMPLATES / f"{job}.rules.yml.tmpl").is_file()] if isinstance(intervals, dict) else []
+
+
+SIGNALS = re.compile(r"^( *)\$\{signals\.([A-Za-z0-9_]+)\.([a-z]+)\}[ \t]*$", re.M)
+# Each kind of signals line: what it reads of each series, and its window in the section.
+MOVED = "(max_over_time({s}[{w}]) < Inf) > bool (min_over_time({s}[{w}]) > -Inf)"
+KINDS = {
+    "progress": (MOVED, "progress_window"),
+    "work": (MOVED, "progress_window"),
+    "resets": ("resets({s}[{w}])", "progress_window"),
+    "output": (MOVED, "no_output_window"),
+}
+
+
+def section_profiles(section: str, where: str) -> list[engines.Profile]:
+    """The registered engines whose raw rules are `section`; SystemExit naming `where`."""
+    profiles = [p for p in engines.PROFILES if p.rules == section]
+    if not profiles:
+        raise SystemExit(f"{where}: no registered engine has the rules section {section!r}")
+    if len({p.rules_by for p in profiles}) > 1:
+        raise SystemExit(f"{where}: the engines of {section!r} keep their verdicts by different labels")
+    return profiles
+
+
+def signals(section: str, kind: str, where: str = "rules/generate.py") -> dict[str, str]:
+    """{series: its `signal` label}: the signals of `kind` (KINDS) the rules of `section`
+    read, of every engine whose rules they are, in the registry's order."""
+    profiles = section_profiles(section, where)
+    counters = {s: name for p in profiles for s, name in p.counters.items()}
+    if kind in ("work", "resets"):
+        return counters
+    if kind == "progress":
+        return {**counters, **{s: name for p in profiles for s, name in p.gauges.items()}}
+    if kind == "output":
+        return {s: counters[s] for p in profiles for s in p.output}
+    raise SystemExit(f"{where}: ${{signals.{section}.{kind}}}: the kinds are {', '.join(KINDS)}")
+
+
+def by_labels(section: str, where: str = "rules/generate.py") -> str:
+    """The labels the rules of `section` keep a verdict by: job, instance and `rules_by`."""
+    return ", ".join(("job", "instance", *section_profiles(section, where)[0].rules_by))
+
+
+def signal_lines(section: str, kind: str, indent: str, where: str) -> str:
+    """The expression a `${signals.<section>.<kind>}` line stands for, one signal a line,
+    each kept apart by its `signal` label until the sum (the config's placeholders left in)."""
+    read, window = KINDS.get(kind, (MOVED, ""))
+    terms = [
+        f'label_replace({read.format(s=f"{series}{{${{selectors.{section}}}}}", w=f"${{{section}.{window}}}")}, "signal", "{name}", "", "")'
+        for series, name in signals(section, kind, where).items()
+    ]
+    body = f"\n{indent}  or\n".join(f"{indent}    {term}" for term in terms)
+    return f"{indent}sum by ({by_labels(section, where)}) (\n{body}\n{indent})"
+
+
+def with_signals(text: str, where: str) -> str:
+    """A template with each `${signals.<section>.<kind>}` line written out (`signal_lines`)."""
+    return SIGNALS.sub(lambda m: signal_lines(m.group(2), m.group(3), m.group(1), where), text)
+
+
+def engine_template(section: str) -> str:
+    """rules/templates/engine.tmpl for an engine section with no template of its own: its
+    `@...@` words filled from the section's profiles (the first one's title names it)."""
+    where = f"{ENGINE_TEMPLATE.name} for {section}"
+    profiles = section_profiles(section, where)
+    title = profiles[0].title
+    in_flight = dict.fromkeys(s for p in profiles for s in (*p.running, *p.waiting))
+    words = {
+        "@section@": section,
+        "@title@": title,
+        "@alert@": re.sub(r"[^A-Za-z0-9]", "", title[:1].upper() + title[1:]),
+        "@by@": by_labels(section, where),
+        "@in_flight@": "|".join(re.escape(s) for s in in_flight),
+    }
+    text = ENGINE_TEMPLATE.read_text()
+    for word, value in words.items():
+        text = text.replace(word, value)
+    return text
+
+
+def templates(config: dict) -> dict[str, tuple[str, str]]:
+    """{rule file: (the template's name, its text with the signals written in)}: each
+    template of rules/templates/, and rules/templates/engine.tmpl for each engine section
+    with no template of its own."""
+    out = {t.name.removesuffix(".tmpl"): (t.name, with_signals(t.read_text(), t.name)) for t in TEMPLATES.glob("*.rules.yml.tmpl")}
+    for section in engine_sections(config):
+        if f"{section}.rules.yml" not in out:
+            out[f"{section}.rules.yml"] = (ENGINE_TEMPLATE.name, with_signals(engine_template(section), ENGINE_TEMPLATE.name))
+    return dict(sorted(out.items()))
 
 
 _DERIVE = "local d = import 'derive.libsonnet'; function(config, engines) d.derive(config, engines)"
@@ -202,14 +298,12 @@ def render_all(config: dict, variant: str | None = None) -> dict[str, str]:
     groups: list[dict] = []
     intervals = ", ".join(f"{job} {value}" for job, value in config["scrape_intervals"].items())
     where = f"the `{variant}` variant of rules/config.yaml" if variant else "rules/config.yaml"
-    for template in sorted(TEMPLATES.glob("*.rules.yml.tmpl")):
-        name = template.name.removesuffix(".tmpl")
-        source = template.read_text()
-        text = render_template(source, config, template.name)
+    for name, (template, source) in templates(config).items():
+        text = render_template(source, config, template)
         parsed = yaml.safe_load(text)  # fail here, not in Prometheus, on broken YAML
         groups.extend(parsed["groups"])
         header = (
-            f"# GENERATED by rules/generate.py from rules/templates/{template.name} and\n"
+            f"# GENERATED by rules/generate.py from rules/templates/{template} and\n"
             f"# {where}. Do not edit: change those and run `python rules/generate.py`.\n"
             f"# For these scrape intervals: {jobs_read(source, config)}.\n"
         )
@@ -280,14 +374,14 @@ def mixin_files(path: Path = CONFIG) -> dict[str, str]:
     its windows itself, by the definition `derive` runs) and the templates as values."""
     raw = yaml.safe_load(path.read_text())
     raw.pop("variants", None)
-    templates = {t.name.removesuffix(".tmpl"): template_values(t.read_text()) for t in sorted(TEMPLATES.glob("*.rules.yml.tmpl"))}
+    values = {name: template_values(source) for name, (_, source) in templates(raw).items()}
     return {
         "config.libsonnet": libsonnet("The defaults of the mixin's _config (less `variants:`)", "rules/config.yaml", "rules/generate.py", raw),
         "templates.libsonnet": libsonnet(
             "The rule templates as values, by the file each renders, `${section.key}` cut out of their strings (`templated`)",
             "rules/templates/*.rules.yml.tmpl",
             "rules/generate.py",
-            templates,
+            values,
         ),
     }
 

@@ -3661,23 +3661,7 @@
                 {
                   "key": "vllm.progress_window"
                 },
-                "]) > -Inf), \"signal\", \"kv_cache_usage\", \"\", \"\")\n  or\n    label_replace((max_over_time(vllm:gpu_cache_usage_perc{",
-                {
-                  "key": "selectors.vllm"
-                },
-                "}[",
-                {
-                  "key": "vllm.progress_window"
-                },
-                "]) < Inf) > bool (min_over_time(vllm:gpu_cache_usage_perc{",
-                {
-                  "key": "selectors.vllm"
-                },
-                "}[",
-                {
-                  "key": "vllm.progress_window"
-                },
-                "]) > -Inf), \"signal\", \"gpu_cache_usage\", \"\", \"\")\n  or\n    label_replace((max_over_time(vllm:num_requests_running{",
+                "]) > -Inf), \"signal\", \"kv_cache_usage\", \"\", \"\")\n  or\n    label_replace((max_over_time(vllm:num_requests_running{",
                 {
                   "key": "selectors.vllm"
                 },
@@ -3709,7 +3693,23 @@
                 {
                   "key": "vllm.progress_window"
                 },
-                "]) > -Inf), \"signal\", \"waiting\", \"\", \"\")\n)\n"
+                "]) > -Inf), \"signal\", \"waiting\", \"\", \"\")\n  or\n    label_replace((max_over_time(vllm:gpu_cache_usage_perc{",
+                {
+                  "key": "selectors.vllm"
+                },
+                "}[",
+                {
+                  "key": "vllm.progress_window"
+                },
+                "]) < Inf) > bool (min_over_time(vllm:gpu_cache_usage_perc{",
+                {
+                  "key": "selectors.vllm"
+                },
+                "}[",
+                {
+                  "key": "vllm.progress_window"
+                },
+                "]) > -Inf), \"signal\", \"gpu_cache_usage\", \"\", \"\")\n)\n"
               ]
             }
           },

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from llm_health.core import engines
 from tests.fixtures.paths import RULES, load_script
 from tests.fixtures.rule_intervals import Windows, suite
 from tests.fixtures.stack import PROMTOOL, run_tool
@@ -95,8 +96,8 @@ def test_alerts_at_every_evaluation_of_an_hour(tmp_path, rules, scrape):
     config = config_for(rules)
     w = windows(config, scrape)
     files = rule_files(rules, tmp_path)
-    engines = {f"{name}.rules.yml" for name in ("vllm", "llamacpp", "sglang", "tgi", "triton")}
-    assert {p.name for p in files} == engines | {"llm-health.rules.yml", "dcgm.rules.yml"}
+    raw = {f"{p.rules}.rules.yml" for p in engines.PROFILES if p.rules}  # every engine's raw layer
+    assert {p.name for p in files} == raw | {"llm-health.rules.yml", "dcgm.rules.yml"}
     test_file = suite(tmp_path / "intervals.test.yml", files, w, scrape)
     result = run_tool(PROMTOOL, "test", "rules", str(test_file), timeout=600)
     out = result.stdout + result.stderr

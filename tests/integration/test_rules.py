@@ -54,7 +54,7 @@ def alerts() -> list[dict]:
 
 
 def test_rule_files_exist():
-    raw = {f"{name}.rules.yml" for name in ("vllm", "llamacpp", "sglang", "tgi", "triton")}
+    raw = {f"{p.rules}.rules.yml" for p in engines.PROFILES if p.rules}  # every engine's raw layer
     assert {p.name for p in RULE_FILES} == raw | {"llm-health.rules.yml", "dcgm.rules.yml"}
     assert TEST_FILES
 

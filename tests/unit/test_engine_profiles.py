@@ -13,7 +13,7 @@ from llm_health.core import engines, forwarding, kinds, queue_age
 from llm_health.core.engines import Profile, Reading
 from llm_health.core.health import Observation, Settings, decide
 from llm_health.core.states import State
-from tests.fixtures.paths import REAL_METRICS
+from tests.fixtures.paths import REAL_METRICS, published_only
 
 S = Settings(hung_after_seconds=20, probe_interval=60)
 PROFILES = engines.PROFILES
@@ -27,7 +27,7 @@ def test_the_fields_hold_together(profile: Profile):
     unit = engines.EngineReading("m", "0", 1.0, 2.0, None, None, tuple(float(i) for i in range(len(profile.counters))), ())
     if profile.finished is not None:
         assert profile.finished in profile.counters  # the queue age reads it from the counters
-        assert queue_age.counts(profile.name, unit) == (float(profile.counters.index(profile.finished)), 1.0, 2.0)
+        assert queue_age.counts(profile.name, unit) == (float(list(profile.counters).index(profile.finished)), 1.0, 2.0)
     else:
         assert queue_age.counts(profile.name, unit) is None
     for path in (profile.sleep_path, profile.pause_path, profile.health_path):
@@ -65,11 +65,7 @@ def test_a_timed_out_metrics_read_means_what_the_profile_says(profile: Profile):
         assert states == [State.UNKNOWN] * 3
 
 
-CAPTURED = {
-    "sglang": "sglang-0.3-llama31-8b-heavy-load-docs.prom",
-    "tgi": "tgi-109req-idle-after-load-datadog-fixture.prom",
-    "triton": "triton-densenet-3req-datadog-fixture.prom",
-}
+CAPTURED = {name: path.name for name, path in published_only().items()}  # the engines known by a published payload alone
 
 
 def _moved(r: Reading) -> Reading:

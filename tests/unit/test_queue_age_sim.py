@@ -17,7 +17,7 @@ def read(e: SimEngine) -> engines.EngineReading:
 
 
 def finished(u: engines.EngineReading) -> float:
-    return u.counters[engines.VLLM_V1.counters.index("vllm:request_success_total")]
+    return u.counters[list(engines.VLLM_V1.counters).index("vllm:request_success_total")]
 
 
 def test_the_sim_and_the_real_capture_read_through_the_same_profile_fields():
@@ -48,7 +48,7 @@ def test_overloaded_engine_conserves_arrivals_and_its_queue_ages():
             e.preempt()
             after = read(e)
             assert (after.running, after.waiting, finished(after)) == (u.running - 1, u.waiting + 1, finished(u))
-            assert after.counters[engines.VLLM_V1.counters.index("vllm:num_preemptions_total")] == 1
+            assert after.counters[list(engines.VLLM_V1.counters).index("vllm:num_preemptions_total")] == 1
         if i % 10 == 0:
             q.update(engines.read(render_vllm([e], "sim-model", 1000.0)), now=i / 10)
             ages.append(q.backend)

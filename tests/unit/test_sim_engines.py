@@ -17,14 +17,10 @@ from llm_health.core.health import Observation, Settings, decide
 from llm_health.core.states import State
 from llm_health.sim import servers as sim
 from llm_health.sim.engines import base, sglang, tgi
-from tests.fixtures.paths import REAL_METRICS
+from tests.fixtures.paths import REAL_METRICS, published_only
 
 S = Settings(hung_after_seconds=20, probe_interval=60)
-CAPTURED = {
-    "sglang": "sglang-0.3-llama31-8b-heavy-load-docs.prom",
-    "tgi": "tgi-109req-idle-after-load-datadog-fixture.prom",
-    "triton": "triton-densenet-3req-datadog-fixture.prom",
-}
+CAPTURED = {name: path.name for name, path in published_only().items()}  # the engines known by a published payload alone
 KINDS = sorted(CAPTURED)
 
 

@@ -75,7 +75,7 @@ def counts(profile: str, e: EngineReading) -> tuple[float, float, float] | None:
     p = BY_NAME.get(profile)
     if p is None or p.finished is None:
         return None
-    finished = e.counters[p.counters.index(p.finished)]
+    finished = e.counters[list(p.counters).index(p.finished)]
     return finished, e.running, e.waiting
 
 

@@ -48,8 +48,22 @@ LLAMACPP = Profile(
     waiting=("llamacpp:requests_deferred",),
     steps="llamacpp:n_decode_total",
     generation_tokens="llamacpp:tokens_predicted_total",
-    counters=("llamacpp:n_decode_total", "llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total"),
-    gauges=("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+    # Every counter and gauge a live llama-server moves while it works, but the two
+    # throughput gauges (reset by every /metrics read) and n_busy_slots_per_decode (a
+    # lifetime average). It moves none of them inside one llama_decode() call.
+    counters={
+        "llamacpp:n_decode_total": "decodes",
+        "llamacpp:prompt_tokens_total": "prompt_tokens",
+        "llamacpp:prompt_tokens_cached_total": "prompt_tokens_cached",
+        "llamacpp:prompt_seconds_total": "prompt_seconds",
+        "llamacpp:tokens_predicted_total": "tokens_predicted",
+        "llamacpp:tokens_predicted_seconds_total": "tokens_predicted_seconds",
+        "llamacpp:n_tokens_max": "n_tokens_max",
+        "llamacpp:spec_decode_num_draft_tokens_total": "spec_draft_tokens",
+        "llamacpp:spec_decode_num_accepted_tokens_total": "spec_accepted_tokens",
+        "llamacpp:spec_decode_num_drafts_total": "spec_drafts",
+    },
+    gauges={"llamacpp:requests_processing": "requests_processing", "llamacpp:requests_deferred": "requests_deferred"},
     output=("llamacpp:tokens_predicted_total",),
     aliases=("llama-server",),
     start_header="Process-Start-Time-Unix",
@@ -60,4 +74,6 @@ LLAMACPP = Profile(
     evidence_path="/slots",
     routes=ROUTES,
     never=NEVER,
+    rules="llamacpp",
+    payloads=("tests/data/llamacpp/*.prom", "tests/data/real-world/metrics/llamacpp-*.prom"),
 )

@@ -3,12 +3,16 @@
 Everything the rest of the product asks of an engine is a field here, never a comparison
 of its name: the series and how they reduce, how a restart shows, what a timed-out
 `/metrics` means, its health and sleep endpoints, the routes a door forwards to it and
-those it never does, its queue-age method. Pure data.
+those it never does, its queue-age method, the signals its raw rules watch (rules/
+generate.py writes their progress, work and reset expressions from `counters` and
+`gauges`, so the exporter and the rules read the same series) and the captured payloads
+that prove its series (tests/unit/test_engine_signals.py). Pure data.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
 
 START_TIME = "process_start_time_seconds"
@@ -20,12 +24,16 @@ class Profile:
 
     `unit_labels` name the labels that tell one engine unit from another in one payload
     (vLLM's data-parallel `engine` rank and `model_name`); series are summed over every
-    other label (e.g. `finished_reason`). `counters` only ever rise in one process, so a
-    fall means a restart. `steps` is the counter of engine steps; `gauges` are the
+    other label (e.g. `finished_reason`).
+
+    Progress is `counters` and `gauges`, each series with its `signal` label in the raw
+    rules: any of them moving is progress; with requests waiting and none running, the
+    counters alone (the work: a queue rises as requests arrive). `counters` only ever rise
+    in one process, so a fall means a restart (the rules' resets). `gauges` are the
     engine-side gauges whose change also shows the engine took a step (KV usage rises
     during a long prefill even when no step is counted): never a gauge that a part in
     front of the engine moves as requests arrive (a router's queue), which rises while
-    the engine is hung.
+    the engine is hung. `steps` is the counter of engine steps (one of `counters`).
     """
 
     name: str  # the `profile` label and the name in `Reading.profile`
@@ -36,8 +44,8 @@ class Profile:
     waiting: tuple[str, ...]
     steps: str | None
     generation_tokens: str | None
-    counters: tuple[str, ...]
-    gauges: tuple[str, ...] = ()
+    counters: Mapping[str, str]  # series: its `signal` label in the raw rules
+    gauges: Mapping[str, str] = field(default_factory=dict)
     unit_labels: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()  # other names the engine goes by (its server's binary)
     # Series that tell this engine where no profile's marker is present (an older or
@@ -88,6 +96,19 @@ class Profile:
     # and the paths never forwarded whatever a route allows.
     routes: tuple[str, ...] = ()
     never: tuple[str, ...] = ()
+    # Its raw rules (rules/generate.py): their section of rules/config.yaml, also their
+    # scrape job, shared by the profiles of one engine (vLLM's V1 and V0: the rules watch
+    # the signals of both); the labels beside job and instance that a verdict is kept by.
+    # A section with no template of its own (rules/templates/<section>.rules.yml.tmpl) is
+    # rendered from rules/templates/engine.tmpl. None: the engine has no raw rules.
+    rules: str | None = None
+    rules_by: tuple[str, ...] = ()
+    # Captured `/metrics` payloads of the engine (globs, relative to the repository root):
+    # every series the profile reads is in one of them (tests/unit/test_engine_signals.py).
+    payloads: tuple[str, ...] = ()
+
+    def __hash__(self) -> int:  # the signal maps are dicts; equal profiles share a name
+        return hash(self.name)
 
     @property
     def has_sleep_endpoints(self) -> bool:

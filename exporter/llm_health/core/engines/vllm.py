@@ -1,6 +1,7 @@
 """vLLM, V1 and V0 engines: the series, sleep and pause endpoints, the routes of its API
 server (read from vLLM 0.32.0's own code: tests/data/engine-routes/) and its admin
-endpoints, never forwarded."""
+endpoints, never forwarded. One rules section (`vllm`) for both: its rules watch the
+signals of the two."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ from dataclasses import replace
 
 from .profile import Profile
 
-_COUNTERS = (
-    "vllm:iteration_tokens_total_count",
-    "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm:request_success_total",
-    "vllm:num_preemptions_total",
-)
+# Progress: the steps, the tokens, finished requests, preemptions; KV usage (which alone
+# moves while V1 prefills a long prompt in chunks), running and waiting (updated on steps).
+_COUNTERS = {
+    "vllm:iteration_tokens_total_count": "steps",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:request_success_total": "request_success",
+    "vllm:num_preemptions_total": "preemptions",
+}
+_RUNNING_WAITING = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
 
 ROUTES = (
     "GET /v1/responses/*",
@@ -76,8 +80,8 @@ VLLM_V1 = Profile(
     waiting=("vllm:num_requests_waiting",),
     steps="vllm:iteration_tokens_total_count",
     generation_tokens="vllm:generation_tokens_total",
-    counters=(*_COUNTERS, "vllm:prefix_cache_queries_total"),
-    gauges=("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"),
+    counters=_COUNTERS,
+    gauges={"vllm:kv_cache_usage_perc": "kv_cache_usage", **_RUNNING_WAITING},
     unit_labels=("model_name", "engine"),
     sleep_awake="vllm:engine_sleep_state",
     sleep_path="/is_sleeping",
@@ -92,6 +96,9 @@ VLLM_V1 = Profile(
     refusal_reasons=("max_num_queued_reqs", "max_num_queued_tokens"),
     routes=ROUTES,
     never=NEVER,
+    rules="vllm",
+    rules_by=("model_name", "engine"),
+    payloads=("tests/data/vllm-real/*.prom", "tests/data/real-world/metrics/vllm-v1-*.prom"),
 )
 
 VLLM_V0 = replace(
@@ -99,15 +106,11 @@ VLLM_V0 = replace(
     name="vllm_v0",
     marker="vllm:gpu_cache_usage_perc",
     waiting=("vllm:num_requests_waiting", "vllm:num_requests_swapped"),
-    counters=_COUNTERS,
-    gauges=(
-        "vllm:gpu_cache_usage_perc",
-        "vllm:cpu_cache_usage_perc",
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
-        "vllm:num_requests_swapped",
-    ),
+    gauges={"vllm:gpu_cache_usage_perc": "gpu_cache_usage", **_RUNNING_WAITING},
     sleep_awake=None,
+    refusals=None,  # the admission counter came with V1 (0.32)
+    refusal_reasons=(),
     # Older or partial vLLM payloads without a cache-usage gauge.
     fallback_markers=("vllm:num_requests_running", "vllm:iteration_tokens_total_count"),
+    payloads=("tests/data/real-world/metrics/vllm-v0-*.prom", "tests/data/real-world/metrics/vllm-late-v0engine-*.prom"),
 )

@@ -50,12 +50,20 @@ def one_token_answer(model: str, usage: bool = True) -> web.Response:
 
 
 class SimFlavor:
-    """One engine's simulation. `kind` is the name `SimServer(kind=...)` takes; `profile`
-    the core profile its payload must be read as (its sleep and pause paths are served)."""
+    """One engine's simulation. `profile` is the core profile its payload must be read as
+    (its sleep and pause paths are served; its payload serves every signal the profile
+    reads: tests/unit/test_engine_signals.py); `kind`, the name `SimServer(kind=...)` takes,
+    is the profile's: its rules section (the engine's scrape job: `vllm` for vLLM's two
+    profiles), else its name."""
 
     kind: str
     profile: Profile
     one_engine = False  # the server has one inference loop: engines=1 only
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "profile" in vars(cls) and "kind" not in vars(cls):
+            cls.kind = cls.profile.rules or cls.profile.name
 
     def make_engines(self, count: int, max_model_len: int) -> list[SimEngine]:
         raise NotImplementedError

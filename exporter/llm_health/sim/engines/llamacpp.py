@@ -236,7 +236,6 @@ class LlamaCppSim(SimFlavor):
     `loop_stuck`: the inference loop stopped outside a decode: `/metrics` (a task on that
     loop) and `/v1/models` (which takes the loop's queue lock) never answer, `/health` does."""
 
-    kind = "llamacpp"
     profile = LLAMACPP
     one_engine = True
 

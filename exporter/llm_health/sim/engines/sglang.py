@@ -55,7 +55,6 @@ def render_sglang(e: StepEngine, model: str) -> str:
 
 
 class SGLangSim(OpenAIFlavor):
-    kind = "sglang"
     profile = SGLANG
     one_engine = True  # the captured payload's one unit: model_name, no rank label
     owned_by = "sglang"

@@ -126,7 +126,6 @@ def render_tgi(e: StepEngine) -> str:
 
 
 class TgiSim(OpenAIFlavor):
-    kind = "tgi"
     profile = TGI
     one_engine = True  # one router, one model, no unit labels
     owned_by = "tgi"

@@ -114,7 +114,6 @@ def _units(server: Served) -> list[StepEngine]:
 
 
 class TritonSim(OpenAIFlavor):
-    kind = "triton"
     profile = TRITON
     owned_by = "triton"
 

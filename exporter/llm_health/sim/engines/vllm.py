@@ -15,7 +15,6 @@ from .base import ADMITTED_HEADER, Served, SimFlavor, one_token_answer
 
 
 class VllmSim(SimFlavor):
-    kind = "vllm"
     profile = VLLM_V1
 
     def make_engines(self, count: int, max_model_len: int) -> list[SimEngine]:
