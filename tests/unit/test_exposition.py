@@ -12,6 +12,7 @@ from importlib.metadata import version
 import pytest
 from prometheus_client.parser import _parse_sample, text_string_to_metric_families
 
+from llm_health.core import engines
 from llm_health.core.exposition import Names, ParseError, _parse_line, compile_names, parse
 from tests.fixtures.paths import REAL_METRICS, real_payloads
 from tests.fixtures.prom_reference import reference
@@ -25,50 +26,9 @@ modern_only = pytest.mark.skipif(PROM_VERSION < (0, 23), reason="prometheus_clie
 METRICS_DIR = REAL_METRICS
 REAL_FILES = real_payloads()
 
-# Names of the kind the engine profiles ask for (see core/engines/ and bench/bench_parse.py).
-VLLM_SET = frozenset(
-    {
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
-        "vllm:num_requests_swapped",
-        "vllm:iteration_tokens_total_count",
-        "vllm:prompt_tokens_total",
-        "vllm:generation_tokens_total",
-        "vllm:request_success_total",
-        "vllm:num_preemptions_total",
-        "vllm:kv_cache_usage_perc",
-        "vllm:gpu_cache_usage_perc",
-        "vllm:cpu_cache_usage_perc",
-        "vllm:engine_sleep_state",
-        "vllm:prefix_cache_queries_total",
-        "vllm:prefix_cache_hits_total",
-        "process_start_time_seconds",
-    }
-)
-OTHER_ENGINES = frozenset(
-    {
-        "sglang:num_running_reqs",
-        "sglang:num_queue_reqs",
-        "sglang:prompt_tokens_total",
-        "sglang:generation_tokens_total",
-        "sglang:token_usage",
-        "sglang:num_used_tokens",
-        "tgi_batch_current_size",
-        "tgi_queue_size",
-        "tgi_batch_inference_count",
-        "tgi_request_success",
-        "tgi_request_generated_tokens_sum",
-        "llamacpp:requests_processing",
-        "llamacpp:requests_deferred",
-        "llamacpp:n_decode_total",
-        "llamacpp:prompt_tokens_total",
-        "llamacpp:tokens_predicted_total",
-        "nv_inference_pending_request_count",
-        "nv_inference_exec_count",
-        "nv_inference_count",
-        "nv_inference_request_success",
-    }
-)
+# The names the engine profiles ask for (core/engines/): vLLM's, and every other engine's.
+VLLM_SET = frozenset().union(*(p.wanted for p in engines.PROFILES if p.prefix == "vllm:"))
+OTHER_ENGINES = frozenset().union(*(p.wanted for p in engines.PROFILES if p.prefix != "vllm:")) - VLLM_SET
 
 
 # --- the reference -------------------------------------------------------------------------
