@@ -129,21 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         out = {name: [{"panel": title, "expr": concrete(expr)} for title, expr in queries(json.loads(text))] for name, text in files.items()}
         print(json.dumps(out, indent=2))
         return 0
-    stale = []
     targets = {OUT / name: text for name, text in files.items()}
     targets[MIXIN_DASHBOARDS] = mixin_templates(config)
-    for path, text in targets.items():
-        name = str(path.relative_to(ROOT))
-        if args.check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(name)
-        else:
-            path.parent.mkdir(exist_ok=True)
-            path.write_text(text)
-    if stale:
-        print("stale, run `python grafana/generate.py`: " + ", ".join(stale), file=sys.stderr)
-        return 1
-    return 0
+    return _rules_generate().sync(targets, args.check, "python grafana/generate.py")
 
 
 if __name__ == "__main__":

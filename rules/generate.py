@@ -401,18 +401,22 @@ def main(argv: list[str] | None = None) -> int:
         for name, config in variant_configs(args.config).items():
             outputs[HERE / name] = render_all(config, name)
         outputs[MIXIN / "generated"] = mixin_files(args.config)
+    return sync({directory / name: text for directory, files in outputs.items() for name, text in files.items()}, args.check, "python rules/generate.py")
+
+
+def sync(files: dict[Path, str], check: bool, command: str) -> int:
+    """Each file written with its text, or with ``check`` compared with it: 0, or 1 once the
+    stale ones are named with the command that renders them again (the three generators':
+    rules/, grafana/ and deploy/kubernetes/)."""
     stale = []
-    for directory, files in outputs.items():
-        for name, text in files.items():
-            path = directory / name
-            if args.check:
-                if not path.exists() or path.read_text() != text:
-                    stale.append(str(path.relative_to(HERE.parent)) if path.is_relative_to(HERE.parent) else str(path))
-            else:
-                directory.mkdir(parents=True, exist_ok=True)
-                path.write_text(text)
+    for path, text in files.items():
+        if not check:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        elif not path.exists() or path.read_text() != text:
+            stale.append(str(path.relative_to(HERE.parent)) if path.is_relative_to(HERE.parent) else str(path))
     if stale:
-        print("stale, run `python rules/generate.py`: " + ", ".join(stale), file=sys.stderr)
+        print(f"stale, run `{command}`: " + ", ".join(stale), file=sys.stderr)
         return 1
     return 0
 

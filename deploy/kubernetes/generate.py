@@ -23,6 +23,7 @@ Needs PyYAML only.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import sys
@@ -138,18 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare with the committed files, write nothing")
     args = parser.parse_args(argv)
-    stale = []
-    for name, text in render_all().items():
-        path = HERE / name
-        if args.check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(name)
-        else:
-            path.write_text(text)
-    if stale:
-        print("stale, run `python deploy/kubernetes/generate.py`: " + ", ".join(stale), file=sys.stderr)
-        return 1
-    return 0
+    spec = importlib.util.spec_from_file_location("rules_generate", ROOT / "rules" / "generate.py")
+    assert spec is not None and spec.loader is not None
+    rules_generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rules_generate)
+    return rules_generate.sync({HERE / name: text for name, text in render_all().items()}, args.check, "python deploy/kubernetes/generate.py")
 
 
 if __name__ == "__main__":
