@@ -30,6 +30,11 @@ pytestmark = pytest.mark.realllamacpp
 BUSY_SECONDS = 70.0
 
 
+def llamacpp_loop(tmp_path, srv, **kw) -> Loop:
+    """The whole loop around a real llama-server: its raw rules' job and both hung alerts."""
+    return Loop(tmp_path, srv.url, srv.host, srv.port, srv.launch_spec(), raw_job="llamacpp", hung_alerts=("LLMBackendHung", "LlamaCppServerHung"), **kw)
+
+
 def slow_and_busy(srv, loop: Loop):
     """The loop started on ``srv``, then phase (1): two long completions on a throttled
     llama-server, watched for BUSY_SECONDS: slow, throttled, busy, and nothing hung. The
@@ -53,16 +58,7 @@ def test_the_whole_loop_on_llamacpp(llamacpp_server_factory, tmp_path):
     # thread the test's freezer holds (a real hang has no second tracer).
     ready, done = tmp_path / "capture-ready", tmp_path / "capture-done"
     handover = [sys.executable, str(ROOT / "tests" / "harness" / "handover_pids.py"), str(ready), str(done), str(tmp_path / "server.pid")]
-    loop = Loop(
-        tmp_path,
-        srv.url,
-        srv.host,
-        srv.port,
-        srv.launch_spec(),
-        raw_job="llamacpp",
-        hung_alerts=("LLMBackendHung", "LlamaCppServerHung"),
-        restarter_backend={"capture": {"pids_command": handover}},
-    )
+    loop = llamacpp_loop(tmp_path, srv, restarter_backend={"capture": {"pids_command": handover}})
     load = None
     try:
         load = slow_and_busy(srv, loop)

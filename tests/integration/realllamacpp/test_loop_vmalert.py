@@ -33,7 +33,7 @@ from tests.fixtures.loop import STACKS, Loop
 from tests.fixtures.stack import wait_until
 from tests.fixtures.summary import show
 from tests.fixtures.victoriametrics import install_problem
-from tests.integration.realllamacpp.test_loop_llamacpp import slow_and_busy
+from tests.integration.realllamacpp.test_loop_llamacpp import llamacpp_loop, slow_and_busy
 
 pytestmark = pytest.mark.realllamacpp
 
@@ -50,16 +50,7 @@ def test_the_whole_loop_with_vmalert(llamacpp_server_factory, tmp_path):
     require(install_problem("victoria-metrics", "vmalert"))
     srv = llamacpp_server_factory()
     old_header = srv.start_header()
-    loop = Loop(
-        tmp_path,
-        srv.url,
-        srv.host,
-        srv.port,
-        srv.launch_spec(),
-        raw_job="llamacpp",
-        hung_alerts=("LLMBackendHung", "LlamaCppServerHung"),
-        monitoring="victoriametrics",
-    )
+    loop = llamacpp_loop(tmp_path, srv, monitoring="victoriametrics")
     load = None
     try:
         load = slow_and_busy(srv, loop)
