@@ -7,11 +7,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from tests.fixtures.paths import ROOT
+from tests.fixtures.paths import ROOT, inner_pytest
 
 CASES = """
 import pytest
@@ -51,20 +50,7 @@ def test_skipped():
 def _pytest(tmp_path, ci: str, cases: str = CASES, *extra: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_cases.py").write_text(cases)
     env = {**os.environ, "CI": ci, "PYTHONPATH": str(ROOT)}
-    argv = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "tests.fixtures.ci",
-        "--rootdir",
-        str(tmp_path),
-        *extra,
-        str(tmp_path / "test_cases.py"),
-    ]
+    argv = inner_pytest("tests.fixtures.ci", tmp_path, *extra, str(tmp_path / "test_cases.py"))
     return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
 
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
-from tests.fixtures.paths import ROOT
+from tests.fixtures.paths import ROOT, inner_pytest
 from tests.fixtures.stack import wait_until
 from tests.harness.processes import proc_state, signal_same, start_time
 
@@ -49,19 +48,7 @@ def _alive(pid: int) -> bool:
 
 def test_sigterm_tears_the_fixtures_down(tmp_path: Path):
     (tmp_path / "test_inner.py").write_text(INNER)
-    argv = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "tests.fixtures.procs",
-        "--rootdir",
-        str(tmp_path),
-        str(tmp_path / "test_inner.py"),
-    ]
+    argv = inner_pytest("tests.fixtures.procs", tmp_path, str(tmp_path / "test_inner.py"))
     pytest_proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pid = None
     try:
