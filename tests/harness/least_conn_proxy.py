@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from collections.abc import Callable
 
 
 class LeastConnProxy:
@@ -101,3 +103,17 @@ class LeastConnProxy:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def one_round_in(rec: LeastConnProxy, run: Callable[[], None], timeout: float = 60) -> threading.Thread:
+    """``run`` (a checker reading through ``rec``) in a thread of its own, returned once its
+    first /metrics read passed and a second more went by: the first round over (work in
+    flight, progress unknown until the next). Fails unless exactly one read passed."""
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + timeout
+    while rec.count("GET", "/metrics") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rec.count("GET", "/metrics") == 1, rec.requests
+    time.sleep(1.0)
+    return t

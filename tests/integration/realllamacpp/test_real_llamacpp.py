@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -30,7 +29,7 @@ from llm_health.core.health import Observation, Settings, decide
 from llm_health.probe.client import BackendClient
 from llm_health.probe.reading import read_fetched
 from tests.harness import llamacpp as harness
-from tests.harness.vllm import LeastConnProxy
+from tests.harness.least_conn_proxy import LeastConnProxy, one_round_in
 
 pytestmark = pytest.mark.realllamacpp
 
@@ -394,13 +393,7 @@ def test_restart_detected_then_idle(srv):
             def run() -> None:
                 outcome["result"] = check(rec.url, "--interval", str(interval), "--rounds", "3", "--hung-after", "600", "--probe-timeout", "20")
 
-            t = threading.Thread(target=run, daemon=True)
-            t.start()
-            deadline = time.monotonic() + 60
-            while rec.count("GET", "/metrics") < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert rec.count("GET", "/metrics") == 1, rec.requests
-            time.sleep(1.0)  # the first round is over: work in flight, progress unknown until the next
+            t = one_round_in(rec, run)
             t0 = time.monotonic()
             ready = srv.restart(grace=0)  # killed, as a supervisor does to a server that will not stop
             restart_s = time.monotonic() - t0

@@ -20,6 +20,7 @@ import pytest
 
 from tests.fixtures.summary import show
 from tests.harness import vllm as harness
+from tests.harness.least_conn_proxy import one_round_in
 
 pytestmark = pytest.mark.realvllm
 
@@ -287,13 +288,7 @@ def test_restart_detected_then_idle(srv):
                     timeout=interval * 3 + 60,
                 )
 
-            t = threading.Thread(target=run, daemon=True)
-            t.start()
-            deadline = time.monotonic() + 60
-            while rec.count("GET", "/metrics") < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert rec.count("GET", "/metrics") == 1, rec.requests
-            time.sleep(1.0)  # let the first round finish (work in flight: not final)
+            t = one_round_in(rec, run)
         t0 = time.monotonic()
         srv.restart()
         restart_s = time.monotonic() - t0
