@@ -260,7 +260,7 @@ def loop_factory() -> Any:
 PARTS = (
     ("the HTTP client (aiohttp, yarl, multidict)", ("/aiohttp/", "/yarl/", "/multidict/", "/propcache/")),
     ("the fast read (probe.fast_http, the connect and system calls in it)", ("llm_health/probe/fast_http",)),
-    ("parsing (core.exposition, probe.reading)", ("llm_health/core/exposition", "llm_health/probe/reading")),
+    ("parsing (core.exposition, probe.pieces)", ("llm_health/core/exposition", "llm_health/probe/pieces")),
     ("reducing and deciding (core.engines, core.health, core.evidence)", ("llm_health/core/",)),
     ("rendering the series (exporter.fast_exposition)", ("llm_health/exporter/fast_exposition",)),
     ("the round's own code (probe.client, probe.monitor, exporter)", ("llm_health/",)),

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_health.core import engines
-from llm_health.probe.reading import read_fetched
+from llm_health.probe.pieces import read_fetched
 from llm_health.sim import servers as sim
 from llm_health.sim.engines import llamacpp as sim_llamacpp
 from tests.fixtures.paths import ARTIFACTS, REAL_LLAMACPP, REAL_METRICS, REAL_VLLM

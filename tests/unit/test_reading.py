@@ -9,7 +9,7 @@ import pytest
 from llm_health.core import engines
 from llm_health.core.engines import Limits, OverLimits
 from llm_health.core.exposition import ParseError, parse
-from llm_health.probe.reading import pieces, read_payload
+from llm_health.probe.pieces import pieces, read_payload
 from tests.fixtures.paths import real_payloads
 
 

@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from .. import __version__
-from ..collector import SnapshotCollector
+from ..collector_base import SnapshotCollector
 from .fast_exposition import FAMILIES, expand, samples
 from .slots import Slot
 

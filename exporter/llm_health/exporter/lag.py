@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from ..collector import SnapshotCollector
+from ..collector_base import SnapshotCollector
 
 
 class LoopWatch:

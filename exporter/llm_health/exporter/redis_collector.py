@@ -25,7 +25,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..collector import SnapshotCollector
+from ..collector_base import SnapshotCollector
 from ..core.drift import DRIFT_KINDS
 from ..store.feed import RELEASE_REASONS
 from ..urls import redact_url

@@ -22,7 +22,7 @@ hold a connection another backend waits for.
 An engine with no start-time series may send its start as a header of `/metrics` (its
 profile's `start_header`, integer microseconds; core.engines). `Fetched.start_header`
 carries it (seconds) and the reader uses it where the payload has no start time
-(`probe.reading.read_fetched`), so a restart is seen even when the new process's counters
+(`probe.pieces.read_fetched`), so a restart is seen even when the new process's counters
 are already past the old ones. It is compared for equality only, never read as a time.
 Where the engine's `/metrics` is a task on its inference loop's own queue
 (`metrics_on_loop`), the monitor asks its health endpoint (`BackendClient.health`) when

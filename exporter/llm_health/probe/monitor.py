@@ -15,7 +15,7 @@ from ..core.exposition import ParseError
 from ..core.health import Memory, Observation, Settings, Verdict, after_probe, decide, same_fingerprint
 from ..core.queue_age import QueueAges
 from .client import BackendClient, Fetched, ProbeResult
-from .reading import read_fetched
+from .pieces import read_fetched
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from ..collector import SnapshotCollector
+from ..collector_base import SnapshotCollector
 from ..config.restarter import RestarterConfig
 from ..core.restart_policy import REFUSALS
 

@@ -18,7 +18,7 @@ from ..core.engines import Limits, OverLimits, UnknownEngine
 from ..core.evidence import Evidence
 from ..core.exposition import ParseError
 from ..probe.client import BackendClient
-from ..probe.reading import read_fetched
+from ..probe.pieces import read_fetched
 
 
 class Kept:

@@ -17,7 +17,7 @@ from llm_health.core.engines import Limits, Reading, read
 from llm_health.core.health import Observation, Settings, decide
 from llm_health.core.states import State
 from llm_health.probe.client import BackendClient
-from llm_health.probe.reading import read_fetched
+from llm_health.probe.pieces import read_fetched
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "llamacpp"
 HEADERS = json.loads((DATA / "headers.json").read_text())

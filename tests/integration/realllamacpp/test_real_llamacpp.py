@@ -27,7 +27,7 @@ import pytest
 from llm_health.core.engines import Limits
 from llm_health.core.health import Observation, Settings, decide
 from llm_health.probe.client import BackendClient
-from llm_health.probe.reading import read_fetched
+from llm_health.probe.pieces import read_fetched
 from tests.harness import llamacpp as harness
 from tests.harness.least_conn_proxy import LeastConnProxy, one_round_in
 

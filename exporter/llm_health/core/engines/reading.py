@@ -138,7 +138,7 @@ def _sum_by_unit(samples: Iterable[tuple[dict[str, str], float]], unit_labels: t
 
 def read(text: str, limits: Limits | None = None) -> Reading:
     """Parse a whole payload and reduce it (for callers with the text at hand; the
-    exporter parses in pieces, see probe.reading)."""
+    exporter parses in pieces, see probe.pieces)."""
     limits = limits or Limits()
     try:
         samples = parse(text, payload_names(), budget=Budget(limits.max_samples))
