@@ -12,7 +12,7 @@ from llm_health.core import webhook
 from llm_health.core.engines import Limits
 from llm_health.gate import headers
 from llm_health.gate.headers import BadRequest, read_tenant
-from llm_health.probe import client, fast_http, reading
+from llm_health.probe import client, fast_http, pieces
 from llm_health.restarter import app as restarter
 from tests.fixtures.paths import ROOT
 
@@ -85,7 +85,7 @@ def test_the_kept_connection_numbers_are_the_code_constants():
 
 
 def test_payload_pieces_are_the_code_size():
-    assert number(sentence(r"A payload is parsed in pieces of ([\d,]+ (?:KiB|MiB)) cut at line ends").group(1)) == reading.PIECE
+    assert number(sentence(r"A payload is parsed in pieces of ([\d,]+ (?:KiB|MiB)) cut at line ends").group(1)) == pieces.PIECE
 
 
 def test_webhook_limits_are_the_code_constants():
