@@ -64,11 +64,15 @@ def stream(url: str, req: Req, max_tokens: int, prompt: str | list[int] = "Hello
         conn.close()
 
 
-def burst(url: str, n: int, max_tokens: int, stagger: float, prompt: str | list[int] = "Hello") -> tuple[list[Req], list[threading.Thread]]:
+def burst(
+    url: str, n: int, max_tokens: int, stagger: float, prompt: str | list[int] = "Hello", prompts: list[list[int]] | None = None
+) -> tuple[list[Req], list[threading.Thread]]:
+    """``n`` streamed requests, ``stagger`` s apart: each with ``prompt``, or the i-th with
+    ``prompts[i]`` (prompts that share no first block share no cached prefix)."""
     reqs, threads = [], []
-    for _ in range(n):
+    for i in range(n):
         r = Req(sent=time.time())
-        t = threading.Thread(target=stream, args=(url, r, max_tokens, prompt), daemon=True)
+        t = threading.Thread(target=stream, args=(url, r, max_tokens, prompt if prompts is None else prompts[i]), daemon=True)
         t.start()
         reqs.append(r)
         threads.append(t)
@@ -285,9 +289,12 @@ def test_engine_queue_age_on_a_real_vllm_across_preemptions(exporter_factory, vl
         reqs, preemptions = [], None
         # Whether eight requests overlap enough to preempt is the engine's timing: on a loaded
         # machine the API server can hand them over one by one (a CI run saw none). Up to
-        # three bursts, each drained before the next; every one is checked.
-        for _ in range(3):
-            more, threads = burst(srv.url, 8, 400, stagger=0.1, prompt=harness.prompt_ids(200))
+        # three bursts, each drained before the next; every one is checked. Each request has
+        # a prompt of its own: one prompt for all let the prefix cache share its blocks, so
+        # two requests running together fitted the cache and a CI run saw no preemption.
+        for b in range(3):
+            prompts = [harness.prompt_ids(200, start=10 + 8 * b + i) for i in range(8)]
+            more, threads = burst(srv.url, 8, 400, stagger=0.1, prompts=prompts)
             reqs += more
             for t in threads:
                 t.join(240)
