@@ -109,6 +109,48 @@ async def test_an_attempt_s_end_whole_writes_what_its_two_calls_write(two, statu
     assert await dump(r, "one:") == await dump(r, "two:")
 
 
+async def _before_the_end(r: Any, q: AdmissionQueue, state: str) -> None:
+    """The record ``x`` as the end finds it: decided (running), waiting in the queue (queued,
+    on the waiting sets), its attempt already counted (the end sent again), done, a resent
+    id decided again, or gone."""
+    if state == "queued":
+        await q.enqueue("x", "chat", "default", NOW + 30_000, NOW)
+        return
+    if state == "gone":
+        return
+    await r.eval(DECIDE_ENDS_LUA, *decide_call(q, "x"))
+    if state == "counted":
+        keys, args = q.attempt_call("x", "chat", 5, 200, 0, NOW + 2, attempt_id="att-x")
+        await r.eval(ENDS_LUA, 0, *flat([("a", keys, [*args, "1"])]))
+    elif state == "done":
+        await r.eval(ENDS_LUA, 0, *flat(ends_of(q, "x", 200, 7)))
+    elif state == "decided twice":
+        await r.eval(DECIDE_ENDS_LUA, *decide_call(q, "x"))
+
+
+@pytest.mark.parametrize("state", ["running", "queued", "counted", "done", "decided twice", "gone"])
+async def test_an_end_whole_from_every_state_of_its_record_writes_what_its_two_calls_write(two, state):
+    """`e` writes the attempt's state in its write and leaves the record alone after it where
+    the record said running: from every state a record can be in, the keys are the two
+    calls' (a queued record still taken off the waiting sets, an end sent again counted once)."""
+    r, (a, b) = two
+    for q in (a, b):
+        await _before_the_end(r, q, state)
+    calls = []
+    for q in (a, b):
+        keys, args = q.attempt_call("x", "chat", 9, 200, 0, NOW + 5, attempt_id="att-x")
+        lkeys, largs = q.leave_call("x", "chat", "done", 200, NOW + 5, ended=1)
+        calls.append(((keys, [*args, "1"]), (lkeys, [*largs, "1"])))
+    (attempt, leave), (battempt, bleave) = calls
+    assert await r.eval(ENDS_LUA, 0, *flat([("a", *attempt), ("l", *leave)])) == 2
+    assert await r.eval(ENDS_LUA, 0, *attempt_end((battempt[0], battempt[1][:8]), (bleave[0], bleave[1][:6]))) == 2
+    one, other = await dump(r, "one:"), await dump(r, "two:")
+    assert one == other, (one, other)
+    if state != "gone":
+        record = one[a.keys.record("x")[len("one:") :]][1]
+        assert record[b"state"] == b"done" and not any(k.endswith(("enqueued", "deadline", "retried")) and v[1] for k, v in one.items()), one
+
+
 def test_attempt_end_refuses_calls_of_two_records() -> None:
     q = AdmissionQueue(redis.Redis(), prefix="p:")
     attempt = q.attempt_call("x", "chat", 1, 200, 0, NOW)
@@ -183,3 +225,16 @@ async def test_the_lean_reply_says_what_the_full_one_says(two, policy):
 def test_packed_refuses_an_unknown_call() -> None:
     with pytest.raises(ValueError, match=r"'a' .*, 'l' .* or 'e'"):
         packed("x", [], [])
+
+
+async def test_a_decision_takes_a_new_record_s_id_off_the_waiting_sets_where_it_was_left(two):
+    """A decision skips taking an id off the waiting sets only where the id is new to the
+    route's live set: an id whose record went while the sets still held it (deleted by hand,
+    evicted) is taken off them, as every decision did before."""
+    r, (a, _) = two
+    await a.enqueue("x", "chat", "default", NOW + 30_000, NOW)
+    await r.delete(a.keys.record("x"))
+    await r.eval(DECIDE_ENDS_LUA, *decide_call(a, "x"))
+    for kind in ("enqueued", "deadline", "retried"):
+        assert await r.zscore(a.keys.route("chat", kind), "default/x") is None and await r.zscore(a.keys.route("chat", kind), "x") is None
+    assert (await r.hget(a.keys.record("x"), "state")) == b"running"

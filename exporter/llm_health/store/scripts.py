@@ -52,17 +52,20 @@ local function enqueue(rec, id, running)
                'deadline_ms', dl, 'retry_count', 0, 'attempts', 0, 'token_units', 0,
                'attempt_units_max', 0, 'http_status', '', 'state', state, 'updated_ms', ARGV[6])
   end
+  local keep = math.max(tonumber(dl), tonumber(ARGV[6]))
+  local new_id = redis.call('ZADD', KEYS[5], string.format('%d', keep), id) == 1
   if running then
-    redis.call('ZREM', KEYS[2], id)
-    redis.call('ZREM', KEYS[3], id)
-    redis.call('ZREM', KEYS[4], id)
+    -- an id new to the live set is on no other (GC takes an id off all of them at once)
+    if not (fresh and new_id) then
+      redis.call('ZREM', KEYS[2], id)
+      redis.call('ZREM', KEYS[3], id)
+      redis.call('ZREM', KEYS[4], id)
+    end
   else
     redis.call('ZADD', KEYS[2], enq, id)
     redis.call('ZADD', KEYS[3], dl, id)
     if retry >= 1 then redis.call('ZADD', KEYS[4], dl, id) end
   end
-  local keep = math.max(tonumber(dl), tonumber(ARGV[6]))
-  redis.call('ZADD', KEYS[5], string.format('%d', keep), id)
   redis.call('PEXPIREAT', rec, string.format('%d', keep + tonumber(ARGV[7])))
   redis.call('SADD', KEYS[7], ARGV[2])
   gc(string.format('(%d', tonumber(ARGV[6]) - tonumber(ARGV[7])), tonumber(ARGV[8]))
@@ -90,7 +93,11 @@ local function leave(rec, id, state, status, now, only_if_waiting)
 end
 """
 # KEYS: record, enqueued, deadline, retried. ARGV: id, new state, http_status ('' keeps),
-# now_ms, only_if_waiting; ARGV[7] '1': reply 1, not the record (a door's finish: unread).
+# now_ms, only_if_waiting; ARGV[7] '1': reply 1, not the record (a door's finish: unread);
+# ARGV[8] 'written': the record's leave already written in the same script, by the attempt's
+# write (RECORD_ATTEMPT_LUA's ARGV[10], store.ends' `e`), from a record that said running:
+# on no waiting set then (every way to running takes the id off them), so only the in-flight
+# sets below are left to do.
 # KEYS[5..7], where given: the route's in-flight sets (keys.route_inflight), the id taken
 # off them whatever the record says (an attempt's end, a refusal), and where it was in
 # flight and ARGV[6] is '1' (an attempt the door sent on ended) or '2' (its client gave
@@ -113,6 +120,7 @@ if KEYS[7] then
   end
   redis.call('ZREM', KEYS[6], ARGV[1])
 end
+if ARGV[8] == 'written' then return 1 end
 if not leave(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]) then return false end
 if ARGV[7] == '1' then return 1 end
 return redis.call('HGETALL', KEYS[1])
@@ -348,14 +356,19 @@ return {stats, record, spent, ages, id, door, covers, ahead, slots, verdict(name
 #       not the record (a door's finish)
 # With an attempt id the script is idempotent: the same attempt recorded twice (a write
 # sent again after a timeout whose first copy did run) is counted once, tenant included.
+# ARGV[9] '2' and ARGV[10] a state (store.ends' `e`, an attempt's end whole): the state
+# written with the attempt, in the same write, and the reply the state the record said
+# before (false where nothing was written: no record, the attempt already counted), so
+# that LEAVE_QUEUE_LUA, told 'written', does not read and write the record again.
 RECORD_ATTEMPT_LUA = """
 local rec = KEYS[1]
 local function reply()
   if ARGV[9] == '1' then return 1 end
+  if ARGV[9] == '2' then return false end
   return redis.call('HGETALL', rec)
 end
 -- one read and one write of the record (the script is atomic: read, add, write back)
-local f = redis.call('HMGET', rec, 'deadline_ms', 'last_attempt', 'attempts', 'token_units', 'attempt_units_max', 'retry_count')
+local f = redis.call('HMGET', rec, 'deadline_ms', 'last_attempt', 'attempts', 'token_units', 'attempt_units_max', 'retry_count', 'state')
 if not f[1] and redis.call('EXISTS', rec) == 0 then return false end
 local function count(v, what)
   local n = tonumber(v or '0')
@@ -382,6 +395,7 @@ if ARGV[3] ~= '' then write[#write + 1] = 'http_status'; write[#write + 1] = ARG
 local dl = tonumber(f[1])
 local raised = ARGV[6] ~= '' and tonumber(ARGV[6]) > tonumber(f[6] or '0')
 if raised then write[#write + 1] = 'retry_count'; write[#write + 1] = ARGV[6] end
+if ARGV[9] == '2' then write[#write + 1] = 'state'; write[#write + 1] = ARGV[10] end
 redis.call('HSET', rec, unpack(write))
 if raised and redis.call('ZSCORE', KEYS[2], ARGV[1]) then
   redis.call('ZADD', KEYS[4], string.format('%d', dl), ARGV[1])
@@ -393,6 +407,7 @@ if tonumber(ARGV[4]) > dl then
   redis.call('ZADD', KEYS[5], ARGV[4], ARGV[1])
   redis.call('PEXPIREAT', rec, string.format('%d', tonumber(ARGV[4]) + tonumber(ARGV[5])))
 end
+if ARGV[9] == '2' then return f[7] or '' end
 return reply()
 """
 
