@@ -3,8 +3,9 @@ answer 503, Dynamo 529) refused the work: the attempt is recorded with no token 
 whatever its body reported, and counted in `llm_gate_upstream_refusals_total{route,code}`;
 tokens of an answer that ended after its request's deadline are counted in
 `llm_gate_late_token_units_total{route}`. Through the gate (a real upstream on loopback,
-a real redis-server) and through `llm-health decide`'s nginx door (the attempt's end as
-nginx's access log reports it)."""
+a real redis-server), through `llm-health decide`'s nginx door (the attempt's end as
+nginx's access log reports it) and through nginx's Lua door (a real nginx, its end written
+from its log phase)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,6 +26,7 @@ from llm_health.gate.app import Gate
 from llm_health.gate.doors import RECORD_HEADER, Doors
 from llm_health.store.queue import AdmissionQueue
 from tests.fixtures.doors import serve
+from tests.fixtures.nginx import NginxLua
 
 USAGE = {"prompt_tokens": 200, "completion_tokens": 72, "total_tokens": 272}
 
@@ -124,3 +127,21 @@ async def test_the_nginx_door_counts_an_engine_s_529_as_a_refusal(redis_url):
         assert m[("llm_gate_upstream_refusals_total", (("code", "503"), ("route", "chat")))] == 0
     finally:
         await doors.admission.stop()
+
+
+async def test_the_lua_door_records_an_engine_s_503_and_529_as_refusals_with_no_tokens(upstream, redis_url, tmp_path):
+    """The same engine behind nginx's Lua door: each refusal's body reports usage, its
+    record counts none; the 200's counts what its body says."""
+    path = tmp_path / "gate.yml"
+    path.write_text(yaml.safe_dump({"gate": {"redis": redis_url, "routes": {"chat": {"upstream": upstream, "default_deadline_ms": 30_000}}}}))
+    (tmp_path / "nginx").mkdir()
+    with NginxLua(tmp_path / "nginx", gate_file=path, engine_port=int(upstream.rsplit(":", 1)[1])) as nginx:
+        async with aiohttp.ClientSession() as s:
+            for prompt in ("503", "529", "ok"):
+                body = {"model": "m", "messages": [{"role": "user", "content": prompt}]}
+                async with s.post(nginx.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": f"lua-{prompt}"}) as r:
+                    assert r.status == (200 if prompt == "ok" else int(prompt)), await r.text()
+        records = {p: await done(redis_url, f"default/lua-{p}") for p in ("503", "529", "ok")}
+    for code in ("503", "529"):
+        assert (records[code].http_status, records[code].token_units, records[code].attempts) == (int(code), 0, 1), records[code]
+    assert (records["ok"].http_status, records["ok"].token_units) == (200, 272), records["ok"]
