@@ -85,7 +85,8 @@ async def measure(targets: dict[str, Target], rate: float, seconds: float, round
                 runs[name].append(run)
             for name, t in targets.items() if closed else ():
                 cpu0, mine0, t0 = {k: cpu_seconds(p) for k, p in t.pids.items()}, own_cpu_s(), time.perf_counter()
-                per_s, bad = await closed_loop(s, t, 64, closed / rounds, f"c{r}-{time.time_ns()}")
+                # the variant's name goes into each request's X-Request-Id: no spaces there
+                per_s, bad = await closed_loop(s, Target(name.replace(" ", "-"), t.url, t.pids), 64, closed / rounds, f"c{r}-{time.time_ns()}")
                 wall = time.perf_counter() - t0
                 cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in t.pids.items()}
                 ceilings[name].append((per_s * wall, bad, wall, cpu, own_cpu_s() - mine0))
