@@ -187,13 +187,32 @@ async def test_an_end_redis_refuses_is_skipped_and_the_rest_run(two):
     assert reply.split(b"\t")[2] == b"admit_once", reply
 
 
-async def test_redis_saying_not_now_fails_the_call_and_loses_no_end(two):
-    """min-replicas-to-write with no replica in reach: every write is NOREPLICAS. The call
-    fails (the door sends its ends again) instead of skipping them as refused; once Redis
-    takes writes again, the same call records them."""
+def whole_end(q: AdmissionQueue, rid: str, status: int, units: int) -> list[str]:
+    """An attempt's end whole (`e`), as the Lua door sends it."""
+    keys, args = q.attempt_call(rid, "chat", units, status, 0, NOW + 5, attempt_id="att-" + rid)
+    lkeys, largs = q.leave_call(rid, "chat", "done", status, NOW + 5, ended=1)
+    return attempt_end((keys, [str(v) for v in args]), (lkeys, [str(v) for v in largs]))
+
+
+async def test_an_end_whole_redis_refuses_is_skipped_and_the_rest_run(two):
+    """`e` on a key that is no record: both of its calls refused (its attempt's read, then
+    its leave's write), nothing written to it, and the next end recorded."""
     r, (a, _) = two
     await r.eval(DECIDE_ENDS_LUA, *decide_call(a, "x"))
-    ends = flat(ends_of(a, "x", 200, 7))
+    await r.set(a.keys.record("bad"), "a string where a record was")
+    assert await r.eval(ENDS_LUA, 0, *whole_end(a, "bad", 200, 3), *whole_end(a, "x", 200, 7)) == 2
+    assert await r.get(a.keys.record("bad")) == b"a string where a record was"
+    assert await r.hmget(a.keys.record("x"), "state", "token_units") == [b"done", b"7"]
+
+
+@pytest.mark.parametrize("form", ["two calls", "whole"])
+async def test_redis_saying_not_now_fails_the_call_and_loses_no_end(two, form):
+    """min-replicas-to-write with no replica in reach: every write is NOREPLICAS. The call
+    fails (the door sends its ends again) instead of skipping them as refused; once Redis
+    takes writes again, the same call records them. An end as its two calls and whole."""
+    r, (a, _) = two
+    await r.eval(DECIDE_ENDS_LUA, *decide_call(a, "x"))
+    ends = flat(ends_of(a, "x", 200, 7)) if form == "two calls" else whole_end(a, "x", 200, 7)
     await r.config_set("min-replicas-to-write", 1)
     try:
         # the reply starts with Redis' own code: every door reads it as Redis down (store.codes)
