@@ -37,10 +37,17 @@ def decide_call(q: AdmissionQueue, rid: str, lean: str = "1", **policy: Any) -> 
     return call
 
 
-def ends_of(q: AdmissionQueue, rid: str, status: int, units: int) -> list[tuple[str, list[Any], list[Any]]]:
-    keys, args = q.attempt_call(rid, "chat", units, status, 0, NOW + 5, attempt_id="att-" + rid)
-    lkeys, largs = q.leave_call(rid, "chat", "done", status, NOW + 5, ended=1)
+def ends_of(q: AdmissionQueue, rid: str, status: int, units: int, ended: int = 1, tenant_key: str | None = None) -> list[tuple[str, list[Any], list[Any]]]:
+    """An attempt's end as its two calls, `a` then `l` (each replying 1)."""
+    keys, args = q.attempt_call(rid, "chat", units, status, 0, NOW + 5, attempt_id="att-" + rid, tenant_key=tenant_key)
+    lkeys, largs = q.leave_call(rid, "chat", "done", status, NOW + 5, ended=ended)
     return [("a", keys, [*args, "1"]), ("l", lkeys, [*largs, "1"])]
+
+
+def whole_end(q: AdmissionQueue, rid: str, status: int, units: int, ended: int = 1, tenant_key: str | None = None) -> list[str]:
+    """The same end whole (`e`), as the Lua door sends it."""
+    (_, keys, args), (_, lkeys, largs) = ends_of(q, rid, status, units, ended, tenant_key)
+    return attempt_end((keys, [str(v) for v in args[:8]]), (lkeys, [str(v) for v in largs[:6]]))
 
 
 def flat(ends: list[tuple[str, list[Any], list[Any]]]) -> list[str]:
@@ -96,16 +103,9 @@ async def test_an_attempt_s_end_whole_writes_what_its_two_calls_write(two, statu
     r, (a, b) = two
     for q in (a, b):
         await r.eval(DECIDE_ENDS_LUA, *decide_call(q, "x"))
-    calls = []
-    for q in (a, b):
-        tkey = q.keys.tenant("default", NOW // 60_000) if tenant else None
-        keys, args = q.attempt_call("x", "chat", units, status, 0, NOW + 5, attempt_id="att-x", tenant_key=tkey)
-        lkeys, largs = q.leave_call("x", "chat", "done", status, NOW + 5, ended=ended)
-        calls.append(((keys, [*args, "1"]), (lkeys, [*largs, "1"])))
-    (attempt, leave), (battempt, bleave) = calls
-    pairs = [("a", *attempt), ("l", *leave)]
-    assert await r.eval(ENDS_LUA, 0, *flat(pairs)) == 2
-    assert await r.eval(ENDS_LUA, 0, *attempt_end((battempt[0], battempt[1][:8]), (bleave[0], bleave[1][:6]))) == 2
+    tkeys = [q.keys.tenant("default", NOW // 60_000) if tenant else None for q in (a, b)]
+    assert await r.eval(ENDS_LUA, 0, *flat(ends_of(a, "x", status, units, ended, tkeys[0]))) == 2
+    assert await r.eval(ENDS_LUA, 0, *whole_end(b, "x", status, units, ended, tkeys[1])) == 2
     assert await dump(r, "one:") == await dump(r, "two:")
 
 
@@ -136,14 +136,8 @@ async def test_an_end_whole_from_every_state_of_its_record_writes_what_its_two_c
     r, (a, b) = two
     for q in (a, b):
         await _before_the_end(r, q, state)
-    calls = []
-    for q in (a, b):
-        keys, args = q.attempt_call("x", "chat", 9, 200, 0, NOW + 5, attempt_id="att-x")
-        lkeys, largs = q.leave_call("x", "chat", "done", 200, NOW + 5, ended=1)
-        calls.append(((keys, [*args, "1"]), (lkeys, [*largs, "1"])))
-    (attempt, leave), (battempt, bleave) = calls
-    assert await r.eval(ENDS_LUA, 0, *flat([("a", *attempt), ("l", *leave)])) == 2
-    assert await r.eval(ENDS_LUA, 0, *attempt_end((battempt[0], battempt[1][:8]), (bleave[0], bleave[1][:6]))) == 2
+    assert await r.eval(ENDS_LUA, 0, *flat(ends_of(a, "x", 200, 9))) == 2
+    assert await r.eval(ENDS_LUA, 0, *whole_end(b, "x", 200, 9)) == 2
     one, other = await dump(r, "one:"), await dump(r, "two:")
     assert one == other, (one, other)
     if state != "gone":
@@ -185,13 +179,6 @@ async def test_an_end_redis_refuses_is_skipped_and_the_rest_run(two):
     assert await r.hget(a.keys.record("x"), "state") == b"done"
     reply = await r.eval(DECIDE_ENDS_LUA, *decide_call(a, "y"), *bad)
     assert reply.split(b"\t")[2] == b"admit_once", reply
-
-
-def whole_end(q: AdmissionQueue, rid: str, status: int, units: int) -> list[str]:
-    """An attempt's end whole (`e`), as the Lua door sends it."""
-    keys, args = q.attempt_call(rid, "chat", units, status, 0, NOW + 5, attempt_id="att-" + rid)
-    lkeys, largs = q.leave_call(rid, "chat", "done", status, NOW + 5, ended=1)
-    return attempt_end((keys, [str(v) for v in args]), (lkeys, [str(v) for v in largs]))
 
 
 async def test_an_end_whole_redis_refuses_is_skipped_and_the_rest_run(two):
