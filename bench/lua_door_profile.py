@@ -34,6 +34,7 @@ import resource
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 from tests.fixtures.nginx import Nginx, NginxLua
@@ -70,11 +71,20 @@ def own_cpu_s() -> float:
     return u.ru_utime + u.ru_stime
 
 
-async def measure(targets: dict[str, Target], rate: float, seconds: float, rounds: int, closed: float) -> tuple[dict[str, list[Run]], dict[str, list[tuple]]]:
-    """(the open-loop runs by variant, the closed-loop ones: (answers, bad, wall seconds,
-    CPU seconds by role, the load generator's CPU seconds) each)."""
+class Part(NamedTuple):
+    """One closed-loop part of a variant."""
+
+    answers: float
+    bad: int
+    wall_s: float
+    cpu_s: dict[str, float]  # by role
+    generator_cpu_s: float
+
+
+async def measure(targets: dict[str, Target], rate: float, seconds: float, rounds: int, closed: float) -> tuple[dict[str, list[Run]], dict[str, list[Part]]]:
+    """(the open-loop runs by variant, the closed-loop parts by variant)."""
     runs: dict[str, list[Run]] = {name: [] for name in targets}
-    ceilings: dict[str, list[tuple]] = {name: [] for name in targets}
+    ceilings: dict[str, list[Part]] = {name: [] for name in targets}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as s:
         for t in targets.values():
             await open_loop(s, t, 50, 1, Run(), f"warm-{t.name}")
@@ -83,24 +93,24 @@ async def measure(targets: dict[str, Target], rate: float, seconds: float, round
                 run = Run()
                 await open_loop(s, t, rate, seconds, run, f"p{r}-{time.time_ns()}")
                 runs[name].append(run)
-            for name, t in targets.items() if closed else ():
+            if not closed:
+                continue
+            for name, t in targets.items():
                 cpu0, mine0, t0 = {k: cpu_seconds(p) for k, p in t.pids.items()}, own_cpu_s(), time.perf_counter()
                 # the variant's name goes into each request's X-Request-Id: no spaces there
                 per_s, bad = await closed_loop(s, Target(name.replace(" ", "-"), t.url, t.pids), 64, closed / rounds, f"c{r}-{time.time_ns()}")
                 wall = time.perf_counter() - t0
                 cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in t.pids.items()}
-                ceilings[name].append((per_s * wall, bad, wall, cpu, own_cpu_s() - mine0))
+                ceilings[name].append(Part(per_s * wall, bad, wall, cpu, own_cpu_s() - mine0))
     return runs, ceilings
 
 
-def ceiling_lines(ceilings: dict[str, list[tuple]]) -> list[str]:
+def ceiling_lines(ceilings: dict[str, list[Part]]) -> list[str]:
     out = [f"{'variant':<13} {'ceiling/s':>9} {'bad':>5} {'nginx':>7} {'redis':>7} {'engine':>7} {'servers':>8} {'generator busy':>15}"]
     for name, parts in ceilings.items():
-        answers, bad, wall = sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts)
-        per = {k: sum(p[3].get(k, 0.0) for p in parts) / max(answers, 1) * 1000 for k in ("nginx", "redis", "engine")}
-        if name == "nginx alone":
-            per["redis"] = 0.0  # asked nothing: what Redis spent here is idle noise
-        busy = sum(p[4] for p in parts) / wall
+        answers, bad, wall = sum(p.answers for p in parts), sum(p.bad for p in parts), sum(p.wall_s for p in parts)
+        per = {k: sum(p.cpu_s.get(k, 0.0) for p in parts) / max(answers, 1) * 1000 for k in ("nginx", "redis", "engine")}
+        busy = sum(p.generator_cpu_s for p in parts) / wall
         out.append(
             f"{name:<13} {answers / wall:>9.0f} {bad:>5} {per['nginx']:>7.3f} {per['redis']:>7.3f} {per['engine']:>7.3f} {sum(per.values()):>8.3f} {busy:>15.2f}"
         )
@@ -136,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         (tmp / "alone").mkdir()
         alone = stack.enter_context(Nginx(tmp / "alone", decide_port=free_port(), engine_port=port, syslog_port=free_port(), admission=False))
         assert alone.proc
-        targets["nginx alone"] = Target(
-            "nginx alone", alone.url + "/v1/chat/completions", {"nginx": alone.proc.pid, "redis": redis.proc.pid, "engine": engine.pid}
-        )
+        targets["nginx alone"] = Target("nginx alone", alone.url + "/v1/chat/completions", {"nginx": alone.proc.pid, "engine": engine.pid})
         os.sched_setaffinity(0, mine)
         pin([p for t in targets.values() for p in t.pids.values()], servers)
         runs, ceilings = asyncio.run(measure(targets, args.rate, args.seconds, args.rounds, args.closed))
