@@ -192,6 +192,20 @@ async def test_an_end_whole_redis_refuses_is_skipped_and_the_rest_run(two):
     assert await r.hmget(a.keys.record("x"), "state", "token_units") == [b"done", b"7"]
 
 
+async def test_an_end_whole_of_other_counts_is_skipped_and_the_rest_run(two):
+    """`e` is read where its keys and arguments lie (9 or 10 keys, 9 arguments): one with
+    other counts writes nothing, and the ends after it still run, each from its own place."""
+    r, (a, _) = two
+    for rid in ("x", "y"):
+        await r.eval(DECIDE_ENDS_LUA, *decide_call(a, rid))
+    good = whole_end(a, "x", 200, 7)
+    short = ["e", "8", "9", *good[3:11], *good[12:]]  # the ninth key left out
+    assert len(short) == 3 + 8 + 9
+    assert await r.eval(ENDS_LUA, 0, *short, *good, *whole_end(a, "y", 200, 5)) == 4
+    assert await r.hmget(a.keys.record("x"), "state", "token_units", "attempts") == [b"done", b"7", b"1"]
+    assert await r.hmget(a.keys.record("y"), "state", "token_units") == [b"done", b"5"]
+
+
 @pytest.mark.parametrize("form", ["two calls", "whole"])
 async def test_redis_saying_not_now_fails_the_call_and_loses_no_end(two, form):
     """min-replicas-to-write with no replica in reach: every write is NOREPLICAS. The call

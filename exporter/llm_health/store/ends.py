@@ -44,10 +44,7 @@ def _function(name: str, body: str) -> str:
 
 
 _RUN_ENDS = (
-    "local DOWN = {"
-    + ", ".join(f"{code} = true" for code in sorted(RETRYABLE_CODES))
-    + "}\n"
-    + """
+    """
 -- One script's call: 1 where it ran (and its reply), 0 where Redis refused it (skipped).
 local function run_one(script, keys, args)
   local ok, e = pcall(script, keys, args)
@@ -55,6 +52,9 @@ local function run_one(script, keys, args)
   -- a command's error reply comes as its text (or, on some versions, a table holding it)
   local text = e
   if type(e) == 'table' then text = e.err end
+  local DOWN = {"""
+    + ", ".join(f"{code} = true" for code in sorted(RETRYABLE_CODES))
+    + """}  -- built here, on an error only: not on every call
   if type(text) == 'string' and DOWN[string.match(text, '^(%u+) ') or ''] then
     error({err = text})  -- Redis itself said "not now" (NOREPLICAS, READONLY, ...): the call fails, the door sends it again
   end
@@ -64,25 +64,33 @@ local function run_ends(from)
   local i, done, last = from, 0, #ARGV
   while i <= last do
     local kind, nk, na = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
-    local keys, args = {}, {}
-    for j = 1, nk do keys[j] = ARGV[i + 2 + j] end
-    for j = 1, na do args[j] = ARGV[i + 2 + nk + j] end
     if kind == 'e' then
       -- keys: record, enqueued, deadline, retried, live, dup, in flight, its ends, ended[, the
       -- tenant's minute]; args: id, token units, http status, now, retention, retry count,
-      -- attempt id, units charged, ended ('1' or '2')
+      -- attempt id, units charged, ended ('1' or '2'); read where they lie in ARGV (k + j is
+      -- key j, a + j argument j: no copy of the run; an `e` of other counts is skipped)
       -- the attempt's write sets the state too ('2', 'done'); where the record said running,
       -- the leave has nothing left to do on it ('written': RECORD_ATTEMPT_LUA, LEAVE_QUEUE_LUA)
-      local ran, before = run_one(record_attempt, {keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[10]},
-                                  {args[1], args[2], args[3], args[4], args[5], args[6], args[7], args[8], '2', 'done'})
-      local written = ''
-      if before == 'running' then written = 'written' end
-      done = done + ran + run_one(leave_queue, {keys[1], keys[2], keys[3], keys[4], keys[7], keys[8], keys[9]},
-                                  {args[1], 'done', args[3], args[4], '0', args[9], '1', written})
-    elseif kind == 'l' then
-      done = done + run_one(leave_queue, keys, args)
+      local k, a = i + 2, i + 2 + nk
+      if (nk == 9 or nk == 10) and na == 9 then
+        local tenant = nil
+        if nk == 10 then tenant = ARGV[k + 10] end
+        local ran, before = run_one(record_attempt, {ARGV[k + 1], ARGV[k + 2], ARGV[k + 3], ARGV[k + 4], ARGV[k + 5], ARGV[k + 6], tenant},
+                                    {ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], ARGV[a + 7], ARGV[a + 8], '2', 'done'})
+        local written = ''
+        if before == 'running' then written = 'written' end
+        done = done + ran + run_one(leave_queue, {ARGV[k + 1], ARGV[k + 2], ARGV[k + 3], ARGV[k + 4], ARGV[k + 7], ARGV[k + 8], ARGV[k + 9]},
+                                    {ARGV[a + 1], 'done', ARGV[a + 3], ARGV[a + 4], '0', ARGV[a + 9], '1', written})
+      end
     else
-      done = done + run_one(record_attempt, keys, args)
+      local keys, args = {}, {}
+      for j = 1, nk do keys[j] = ARGV[i + 2 + j] end
+      for j = 1, na do args[j] = ARGV[i + 2 + nk + j] end
+      if kind == 'l' then
+        done = done + run_one(leave_queue, keys, args)
+      else
+        done = done + run_one(record_attempt, keys, args)
+      end
     end
     i = i + 3 + nk + na
   end

@@ -97,9 +97,12 @@ end
 -- slack, retry count, engine age and projected wait, '' where unknown), then the reason.
 local function lean(id, deadline, name, reason, status, after, retryable, figures)
   local function num(x) if x == false or x == nil then return '' end return string.format('%d', x) end
-  local v = verdict(name, reason, status, after, retryable)
-  return table.concat({id, deadline, name, num(status), v[4] or '', v[5], num(figures[1]), num(figures[2]), num(figures[3]),
-                       num(figures[4]), num(figures[5]), reason}, '\t')
+  local a, r = '', '0'  -- Retry-After and retryable as `verdict` writes them
+  if after ~= nil then a = string.format('%.17g', after) end
+  if retryable then r = '1' end
+  -- one concatenation, no table (the script runs on every request through the door)
+  return id .. '\t' .. deadline .. '\t' .. name .. '\t' .. num(status) .. '\t' .. a .. '\t' .. r .. '\t' .. num(figures[1]) .. '\t'
+         .. num(figures[2]) .. '\t' .. num(figures[3]) .. '\t' .. num(figures[4]) .. '\t' .. num(figures[5]) .. '\t' .. reason
 end
 """
 

@@ -18,7 +18,7 @@ GC_LIMIT = 200  # ids removed per GC call: bounded work inside a hot-path script
 # KEYS[2..6] = enqueued, deadline, retried, live, dup of one route.
 _GC_FN = """
 local function gc(cutoff, limit)
-  local old = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', cutoff, 'LIMIT', 0, limit)
+  local old = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', cutoff, 'LIMIT', '0', limit)
   if #old > 0 then
     for i = 2, 6 do redis.call('ZREM', KEYS[i], unpack(old)) end
   end
@@ -49,8 +49,8 @@ local function enqueue(rec, id, running)
   else
     enq, dl = ARGV[5], ARGV[4]
     redis.call('HSET', rec, 'route', ARGV[2], 'tenant', ARGV[3], 'enqueued_ms', enq,
-               'deadline_ms', dl, 'retry_count', 0, 'attempts', 0, 'token_units', 0,
-               'attempt_units_max', 0, 'http_status', '', 'state', state, 'updated_ms', ARGV[6])
+               'deadline_ms', dl, 'retry_count', '0', 'attempts', '0', 'token_units', '0',
+               'attempt_units_max', '0', 'http_status', '', 'state', state, 'updated_ms', ARGV[6])
   end
   local keep = math.max(tonumber(dl), tonumber(ARGV[6]))
   local new_id = redis.call('ZADD', KEYS[5], string.format('%d', keep), id) == 1
@@ -68,7 +68,7 @@ local function enqueue(rec, id, running)
   end
   redis.call('PEXPIREAT', rec, string.format('%d', keep + tonumber(ARGV[7])))
   redis.call('SADD', KEYS[7], ARGV[2])
-  gc(string.format('(%d', tonumber(ARGV[6]) - tonumber(ARGV[7])), tonumber(ARGV[8]))
+  gc(string.format('(%d', tonumber(ARGV[6]) - tonumber(ARGV[7])), ARGV[8])
   return fresh  -- the record was written whole here
 end
 """
@@ -226,15 +226,15 @@ end
 local stats
 if ARGV[23] == '1' then
   -- the lean reply: of the route's stats the decision reads the oldest waiting only
-  stats = {false, score(redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES'))}
+  stats = {false, score(redis.call('ZRANGE', KEYS[2], '0', '0', 'WITHSCORES'))}
 else
   stats = {
     redis.call('ZCARD', KEYS[2]),
-    score(redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')),
-    score(redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')),
+    score(redis.call('ZRANGE', KEYS[2], '0', '0', 'WITHSCORES')),
+    score(redis.call('ZRANGE', KEYS[3], '0', '0', 'WITHSCORES')),
     redis.call('ZCOUNT', KEYS[3], '-inf', ARGV[6]),
     redis.call('ZCARD', KEYS[4]),
-    score(redis.call('ZRANGE', KEYS[6], -1, -1, 'WITHSCORES')),
+    score(redis.call('ZRANGE', KEYS[6], '-1', '-1', 'WITHSCORES')),
   }
 end
 local fresh = enqueue(rec, id, true)
@@ -415,6 +415,6 @@ return reply()
 GC_LUA = (
     _GC_FN
     + """
-return gc(string.format('(%d', tonumber(ARGV[1])), tonumber(ARGV[2]))
+return gc(string.format('(%d', tonumber(ARGV[1])), ARGV[2])
 """
 )
