@@ -843,10 +843,18 @@ function M.body_filter()
 end
 
 -- Token units of the answer: `usage.total_tokens` (or prompt + completion) of its last
--- `usage` object (gate.headers.token_units).
+-- `usage` object (gate.headers.token_units). The objects are found as gmatch would find
+-- them ('"usage"%s*:%s*(%b{})', each search resumed after a match's end), but the key is
+-- looked for as plain text first: a pattern tried at every byte of the tail cost the
+-- door more than the rest of its log phase.
 local function token_units(tail)
-  local last
-  for obj in tail:gmatch('"usage"%s*:%s*(%b{})') do last = obj end
+  local last, init = nil, 1
+  while true do
+    local s = tail:find('"usage"', init, true)
+    if s == nil then break end
+    local _, e, obj = tail:find('^"usage"%s*:%s*(%b{})', s)
+    if e then last, init = obj, e + 1 else init = s + 1 end
+  end
   if last == nil or last:sub(2):find("{", 1, true) then return 0 end
   local total = last:match('"total_tokens"%s*:%s*(%d+)')
   if total then return tonumber(total) end
