@@ -135,3 +135,9 @@ def test_the_documented_door_costs_are_bench_admissions_cpu_lines():
     }
     for role, m in quoted.items():
         assert m and m[1] == ratio[role], (role, m and m[1], ratio)
+    # the README's gate paragraph quotes the gate's and the Lua door's, with its advice
+    (readme,) = [p for p in paragraphs(README.read_text()) if "Admission doors side by side" in p]
+    for role, pattern in (("gate", r"gate's own CPU per\s+request is (\d+\.\d\d)x"), ("the Lua door", r"Lua door spends (\d+\.\d\d)x")):
+        m = re.search(pattern, readme)
+        assert m and m[1] == ratio[role], (role, m and m[1], ratio)
+    assert "For production at high" in readme
