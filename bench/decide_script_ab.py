@@ -2,8 +2,9 @@
 git revision's, on one redis-server: the decision (store.ends.DECIDE_ENDS_LUA, the lean
 reply the door asks for, a route with no backends as in bench_admission) carrying the
 previous request's end whole (`e`), as the door sends them at its ceiling. The calls are
-built by the same code the tests use to speak for the door (store.queue's pipe_decide,
-attempt_call and leave_call; store.ends.attempt_end), each request a new id.
+built by the same code the tests use to speak for the door (tests/fixtures/lua_door_calls.py:
+store.queue's pipe_decide, attempt_call and leave_call; store.ends.attempt_end), each
+request a new id.
 
 The two scripts run in interleaved blocks (A B, then B A, ...) on the one server, so a
 drift of the machine falls on both; each block's figure is Redis's own time per EVALSHA
@@ -25,14 +26,14 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import redis
+from tests.fixtures import lua_door_calls
 from tests.fixtures.redis_server import RedisServer
 
 from bench._machine import machine_line
 from llm_health.core.admission import Policy
-from llm_health.store.ends import DECIDE_ENDS_LUA, attempt_end
+from llm_health.store.ends import DECIDE_ENDS_LUA
 from llm_health.store.policy import policy_args
 from llm_health.store.queue import AdmissionQueue
 
@@ -52,16 +53,6 @@ def script_at(rev: str) -> str:
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
 
 
-class Captured:
-    """A stand-in pipeline that keeps the one EVALSHA pipe_decide queues."""
-
-    def __init__(self) -> None:
-        self.call: list[Any] = []
-
-    def evalsha(self, sha: str, n: int, *rest: Any) -> None:
-        self.call = [n, *rest]
-
-
 def calls(q: AdmissionQueue, first: int, count: int) -> list[list[str]]:
     """``count`` door calls from request ``first``: each decision (lean) after the previous
     request's end whole, as the Lua door carries it."""
@@ -69,14 +60,9 @@ def calls(q: AdmissionQueue, first: int, count: int) -> list[list[str]]:
     out = []
     for i in range(first, first + count):
         now = NOW + i
-        pipe = Captured()
-        q.pipe_decide(pipe, f"r{i}", "chat", "default", now + 30_000, now, tenant_key=None, fingerprint=None, backends=[], policy=settings)
-        call = [str(v) for v in pipe.call] + ["1"]  # '1': the lean reply
+        call = [str(v) for v in lua_door_calls.decision(q, f"r{i}", now, now + 30_000, backends=[], policy=settings)]
         if i > first:
-            prev = f"r{i - 1}"
-            akeys, aargs = q.attempt_call(prev, "chat", 9, 200, 0, now, attempt_id=f"att-{prev}", tenant_key=None)
-            lkeys, largs = q.leave_call(prev, "chat", "done", 200, now, ended=1)
-            call += attempt_end((akeys, [str(v) for v in aargs]), (lkeys, [str(v) for v in largs]))
+            call += lua_door_calls.whole_end(q, f"r{i - 1}", 200, 9, now)
         out.append(call)
     return out
 

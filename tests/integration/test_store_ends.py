@@ -14,40 +14,26 @@ from llm_health.core.admission import Policy
 from llm_health.store.ends import DECIDE_ARGS, DECIDE_ENDS_LUA, ENDS_LUA, attempt_end, packed
 from llm_health.store.policy import policy_args
 from llm_health.store.queue import AdmissionQueue
+from tests.fixtures import lua_door_calls
 
 NOW = 1_800_000_000_000
 
 
-class Captured:
-    """A stand-in pipeline that keeps the one EVALSHA pipe_decide queues."""
-
-    def __init__(self) -> None:
-        self.call: list[Any] = []
-
-    def evalsha(self, sha: str, n: int, *rest: Any) -> None:
-        self.call = [n, *rest]
-
-
 def decide_call(q: AdmissionQueue, rid: str, lean: str = "1", **policy: Any) -> list[Any]:
-    pipe = Captured()
-    settings = policy_args(Policy(**policy))
-    q.pipe_decide(pipe, rid, "chat", "default", NOW + 30_000, NOW, tenant_key=None, fingerprint=None, backends=["b1"], policy=settings)
-    call = [*pipe.call, lean]  # '1': the lean reply, as the Lua door asks
+    call = lua_door_calls.decision(q, rid, NOW, NOW + 30_000, backends=["b1"], policy=policy_args(Policy(**policy)), lean=lean)
     assert len(call) == 1 + call[0] + DECIDE_ARGS
     return call
 
 
 def ends_of(q: AdmissionQueue, rid: str, status: int, units: int, ended: int = 1, tenant_key: str | None = None) -> list[tuple[str, list[Any], list[Any]]]:
     """An attempt's end as its two calls, `a` then `l` (each replying 1)."""
-    keys, args = q.attempt_call(rid, "chat", units, status, 0, NOW + 5, attempt_id="att-" + rid, tenant_key=tenant_key)
-    lkeys, largs = q.leave_call(rid, "chat", "done", status, NOW + 5, ended=ended)
+    (keys, args), (lkeys, largs) = lua_door_calls.end_calls(q, rid, status, units, NOW + 5, ended, tenant_key)
     return [("a", keys, [*args, "1"]), ("l", lkeys, [*largs, "1"])]
 
 
 def whole_end(q: AdmissionQueue, rid: str, status: int, units: int, ended: int = 1, tenant_key: str | None = None) -> list[str]:
     """The same end whole (`e`), as the Lua door sends it."""
-    (_, keys, args), (_, lkeys, largs) = ends_of(q, rid, status, units, ended, tenant_key)
-    return attempt_end((keys, [str(v) for v in args[:8]]), (lkeys, [str(v) for v in largs[:6]]))
+    return lua_door_calls.whole_end(q, rid, status, units, NOW + 5, ended, tenant_key)
 
 
 def flat(ends: list[tuple[str, list[Any], list[Any]]]) -> list[str]:
