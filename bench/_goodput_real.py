@@ -35,7 +35,8 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ from tests.fixtures.redis_server import RedisServer
 from tests.harness import vllm as harness
 from tests.harness.processes import free_port
 
-from bench._goodput_model import AGE_CAP_SERVICES, TOKENS, Arrival, Outcome, Result, schedule
+from bench._goodput_model import AGE_CAP_SERVICES, TOKENS, AgeRefusal, Arrival, Outcome, Result, schedule
 from bench._goodput_model import DOORS as DOOR_NAMES
 from bench._processes import decide_args, llm_health
 from llm_health.store.keys import QueueKeys
@@ -70,13 +71,19 @@ class Upstream:
         self.seen: dict[str, list[float]] = defaultdict(list)  # id -> monotonic arrival of each copy
         self.session: aiohttp.ClientSession | None = None
         self.inflight: dict[int, float] = {}  # every copy at the engine now: when it arrived
+        self.spans: list[tuple[float, float]] = []  # every copy that has left: (arrived, left), monotonic
         self.tokens = itertools.count()
 
-    def oldest_waiting_s(self, slots: int) -> float:
-        """The client-side truth: vLLM schedules first come, first served, so with `slots`
-        sequences running the oldest copy waiting is the (slots + 1)-th oldest in flight."""
-        times = sorted(self.inflight.values())
-        return time.monotonic() - times[slots] if len(times) > slots else 0.0
+    def clear(self) -> None:
+        self.seen.clear()
+        self.spans.clear()
+
+    def oldest_waiting_s(self, slots: int, at: float) -> float:
+        """The client-side truth at monotonic `at`: vLLM schedules first come, first served,
+        so with `slots` sequences running the oldest copy waiting is the (slots + 1)-th
+        oldest of those in flight then."""
+        times = sorted([a for a, left in self.spans if a <= at < left] + [a for a in self.inflight.values() if a <= at])
+        return at - times[slots] if len(times) > slots else 0.0
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -90,7 +97,7 @@ class Upstream:
                 data = await up.read()
                 return web.Response(status=up.status, body=data, content_type="application/json")
         finally:
-            del self.inflight[token]
+            self.spans.append((self.inflight.pop(token), time.monotonic()))
 
 
 class TTLProxy:
@@ -130,24 +137,47 @@ async def serve(handler: Any) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-class Recording(httpx.AsyncHTTPTransport):
-    """The SDK's transport, recording each attempt's status by X-Request-Id."""
+@dataclass(frozen=True)
+class Refused:
+    """A door's `reject_age_beats_slack` as the client read it: its age and slack (ms), the
+    instant the door decided (monotonic: the request's deadline less that slack, on the
+    door's clock, which is this machine's), and whether it was the caller's first attempt."""
 
-    def __init__(self, outcomes: dict[str, Outcome], truth: Callable[[], float]) -> None:
+    door_ms: float
+    slack_ms: float
+    decided: float
+    fresh: bool
+
+    def against(self, up: Upstream, slots: int) -> AgeRefusal:
+        return AgeRefusal(self.door_ms, self.slack_ms, up.oldest_waiting_s(slots, self.decided) * 1000, self.fresh)
+
+
+class Recording(httpx.AsyncHTTPTransport):
+    """The SDK's transport, recording each attempt's status by X-Request-Id, and each age
+    refusal's figures (Refused)."""
+
+    def __init__(self, outcomes: dict[str, Outcome]) -> None:
         super().__init__(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-        self.outcomes, self.truth = outcomes, truth
-        self.ages: list[tuple[float, float, float]] = []  # a door's age refusals: (its queue age, the truth, the slack), ms
+        self.outcomes = outcomes
+        self.ages: list[Refused] = []
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         o = self.outcomes.get(request.headers.get("x-request-id", ""))
         if o is not None:
             o.attempts += 1
+        sent = time.monotonic()
         response = await super().handle_async_request(request)
+        read = time.monotonic()
         if o is not None:
             o.codes.append(str(response.status_code))
         h = response.headers
         if h.get("x-llm-health-decision") == "reject_age_beats_slack" and "x-queue-age-ms" in h and "x-deadline-slack-ms" in h:
-            self.ages.append((float(h["x-queue-age-ms"]), self.truth() * 1000, float(h["x-deadline-slack-ms"])))
+            slack_ms = float(h["x-deadline-slack-ms"])
+            # monotonic = wall + (monotonic - wall now); clamped to the attempt's own span
+            # against the slack's rounding to the millisecond
+            decided = (float(request.headers["x-request-deadline-ms"]) - slack_ms) / 1000 + (time.monotonic() - time.time())
+            fresh = request.headers.get("x-stainless-retry-count", "0") == "0"
+            self.ages.append(Refused(float(h["x-queue-age-ms"]), slack_ms, min(max(decided, sent), read), fresh))
         return response
 
 
@@ -155,13 +185,11 @@ def prompt(i: int) -> list[int]:
     return harness.prompt_ids(PROMPT_TOKENS, start=10 + (i * 13) % 1400)
 
 
-async def drive(
-    url: str, arrivals: list[Arrival], seconds: float, engine: harness.VLLMServer, truth: Callable[[], float]
-) -> tuple[list[Outcome], float, list[tuple[float, float, float]]]:
+async def drive(url: str, arrivals: list[Arrival], seconds: float, engine: harness.VLLMServer) -> tuple[list[Outcome], float, list[Refused]]:
     """The open loop: each arrival's call at its time; at the window's end the engine's
     generated tokens are read, then what still runs is cancelled. (outcomes, tokens)."""
     outcomes = {a.id: Outcome(a) for a in arrivals}
-    transport = Recording(outcomes, truth)
+    transport = Recording(outcomes)
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench-not-a-secret", http_client=openai.DefaultAsyncHttpx2Client(transport=transport))
     before = engine.counters()["generation_tokens_total"] or 0.0
     t0, wall0 = time.monotonic(), time.time()
@@ -399,7 +427,7 @@ class Bench:
     async def one(
         self, name: str, load: float, arrivals: list[Arrival], url: str, srv: harness.VLLMServer, up: Upstream, capacity: float, run: int = 1
     ) -> Result:
-        up.seen.clear()
+        up.clear()
         prioritize(srv)
         if self.redis_url:
             await asyncio.to_thread(exporter_settled, self.redis_url)
@@ -408,9 +436,10 @@ class Bench:
         tag = "".join(c if c.isalnum() else "-" for c in name) + (f"-run{run}" if run > 1 else "")
         arrivals = [Arrival(f"{tag}-{a.id}", a.at, a.deadline_s) for a in arrivals]
         t0 = time.monotonic()
-        outcomes, generated, ages = await drive(url, arrivals, self.seconds, srv, lambda: up.oldest_waiting_s(self.slots))
+        outcomes, generated, refused = await drive(url, arrivals, self.seconds, srv)
         count_copies(outcomes, up, t0)
         await asyncio.to_thread(srv.wait_idle, 300)
+        ages = [a.against(up, self.slots) for a in refused]
         r = Result(name, load, self.seconds, capacity, outcomes, generated, ages=ages, run=run)
         if self.redis_url and name in DOOR_NAMES:
             with redis_lib.Redis.from_url(self.redis_url) as rc:

@@ -52,3 +52,35 @@ def test_a_door_below_direct_on_the_means_misses_and_late_copies_of_the_repeat_c
     copies = next(line for line in lines if "copies reach the engine" in line)
     assert re.search(r"measured: 1 \(direct 0\); 0 failed: NOT met$", copies), copies
     _goodput_part("\n".join([*table(results), *lines]), "")
+
+
+def test_the_truth_at_a_decision_is_the_oldest_copy_waiting_at_that_instant() -> None:
+    from bench._goodput_real import Upstream
+
+    up = Upstream("http://127.0.0.1:1")
+    up.spans = [(0.0, 5.0), (1.0, 6.0), (2.0, 3.0), (3.0, 10.0)]
+    up.inflight = {7: 4.0}
+    assert up.oldest_waiting_s(1, 2.5) == 1.5  # 0 runs; 1 (the oldest waiting), 2 in flight
+    assert up.oldest_waiting_s(1, 3.0) == 2.0  # 2 has left; 3 arrives behind 1
+    assert up.oldest_waiting_s(1, 5.5) == 2.5  # 0 has left: 1 runs, 3 waits since 3.0
+    assert up.oldest_waiting_s(3, 5.5) == 0.0  # room for all three: nothing waits
+    assert up.oldest_waiting_s(2, 5.5) == 1.5  # the copy still in flight, since 4.0
+
+
+def test_the_age_checks_judge_fresh_refusals_on_the_clause_that_refused_them() -> None:
+    from bench._goodput_model import AgeRefusal, age_checks
+
+    ages = [
+        AgeRefusal(door_ms=3000, slack_ms=3200, truth_ms=2900, fresh=True),  # on the slack, true within a round
+        AgeRefusal(door_ms=2900, slack_ms=3200, truth_ms=200, fresh=True),  # on the slack: 200 + 1000 + 400 < 3200, wrong
+        AgeRefusal(door_ms=2100, slack_ms=12000, truth_ms=1800, fresh=True),  # on the cap (2000): a round older the truth is over it
+        AgeRefusal(door_ms=2500, slack_ms=12000, truth_ms=500, fresh=True),  # on the cap, the truth far under it: wrong
+        AgeRefusal(door_ms=9000, slack_ms=1000, truth_ms=0, fresh=False),  # a retry: in the distance, not in the fresh counts
+    ]
+    r = Result("gate", 4.0, 100.0, 1.0, [], 0.0, ages=ages)
+    (line,) = age_checks([r], service_ms=400, cap_ms=2000)
+    assert line.startswith("gate at 4x: 5 reject_age_beats_slack (4 fresh, 1 retries); ")
+    assert "median +2.00 s, min +0.10 s, max +9.00 s, 3 more than a round (1 s) off" in line
+    assert "would not have refused: 2 (of 2 on the slack with the expected service 400 ms, 2 on the age cap 2000 ms)" in line
+    # the words alone: the last three fresh ones, one of them over the cap in truth
+    assert "younger than the slack less a round: 3 (1 of them over the age cap and 0 within the expected service of the slack, in truth)" in line
