@@ -205,6 +205,25 @@ def age_checks(results: list[Result], service_ms: float, cap_ms: float, round_ms
     return lines
 
 
+def yardstick(results: list[Result], doors: tuple[str, ...] = DOORS) -> list[str]:
+    """C against the engine's own output in the windows. C is a closed loop before and after
+    the runs (the larger judges); a window whose engine generated more than C shows the
+    engine faster then than C says, so the doors' goodput is printed against the largest
+    output of any window too: a stricter reading, not a goal."""
+    if not results:
+        return []
+    worth = {r.label + f" at {r.load:g}x": r.generated / TOKENS / r.seconds for r in results}
+    low, high = min(worth, key=lambda k: worth[k]), max(worth, key=lambda k: worth[k])
+    top, c = worth[high], results[0].capacity
+    doors_at = [f"{r.label} at {r.load:g}x {r.goodput / top:.2f}" for r in results if r.policy in doors and r.load > 1 and r.run == 1]
+    return [
+        f"the engine's own output in the windows: {worth[low]:.3f} ({low}) to {top:.3f} ({high}) answers' worth/s, against C {c:.3f}"
+        + (f": above C in {sum(1 for w in worth.values() if w > c)} windows, so C understated the engine then" if top > c else ""),
+        f"the doors' goodput against the largest output of any window ({top:.3f}/s), a stricter reading than the goals': "
+        + (", ".join(doors_at) or "none above 1x"),
+    ]
+
+
 def mean_goodput(results: list[Result], policy: str, load: float) -> tuple[float, list[Result]] | None:
     """A policy's goodput at a load, the mean over its windows there (one, or UNDERLOAD_RUNS)."""
     runs = [r for r in results if r.policy == policy and r.load == load]

@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 from bench import _goodput_sim
-from bench._goodput_model import AGE_CAP_SERVICES, DEADLINE_MIX, age_checks, failed_lines, goals, table, write_svg
+from bench._goodput_model import AGE_CAP_SERVICES, DEADLINE_MIX, age_checks, failed_lines, goals, table, write_svg, yardstick
 from bench._machine import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +71,8 @@ def real(args: argparse.Namespace, loads: list[float]) -> list[str]:
         *failed_lines(results),
         "",
         *age_checks(results, int(bench.full_s * 1000), int(AGE_CAP_SERVICES * bench.full_s * 1000)),
+        "",
+        *yardstick(results),
         "",
         *goals(results),
     ]

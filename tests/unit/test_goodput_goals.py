@@ -84,3 +84,16 @@ def test_the_age_checks_judge_fresh_refusals_on_the_clause_that_refused_them() -
     assert "would not have refused: 2 (of 2 on the slack with the expected service 400 ms, 2 on the age cap 2000 ms)" in line
     # the issue's words alone: the last three fresh ones, one of them over the cap in truth
     assert "younger than the slack less a round: 3 (1 of them over the age cap and 0 within the expected service of the slack, in truth)" in line
+
+
+def test_the_yardstick_prints_the_doors_against_the_largest_output_of_any_window() -> None:
+    from bench._goodput_model import yardstick
+
+    results = rows((80, 80), (80, 80))
+    results[1].generated = 16.0 * 120  # the gate at 2x: the engine made 1.2 answers' worth/s, above C (1.0)
+    first, second = yardstick(results, doors=("gate",))
+    assert first == (
+        "the engine's own output in the windows: 1.000 (direct at 2x) to 1.200 (gate at 2x) answers' worth/s, against C 1.000: "
+        "above C in 1 windows, so C understated the engine then"
+    )
+    assert second.endswith("(1.200/s), a stricter reading than the goals': gate at 2x 0.79, gate at 4x 0.79")
