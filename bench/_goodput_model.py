@@ -122,6 +122,11 @@ class Result:
         return self.goodput / self.capacity
 
     @property
+    def worth(self) -> float:
+        """The engine's output in answers' worth a second: its generated tokens / TOKENS."""
+        return self.generated / TOKENS / self.seconds
+
+    @property
     def wasted(self) -> float:
         """Share of the engine's generated tokens not in an on-time answer."""
         useful = sum(o.tokens for o in self.on_time())
@@ -154,7 +159,7 @@ def table(results: list[Result]) -> list[str]:
         refusals = ", ".join(f"{k}: {v}" for k, v in sorted(r.refusals().items())) or "-"
         n = len(r.outcomes)
         lines.append(
-            f"| {r.label} | {r.load:g}x | {n} | {len(r.on_time())} | {r.goodput:.3f} | {r.fraction:.2f} | {r.generated / TOKENS / r.seconds:.3f} | {r.wasted:.1%} | "
+            f"| {r.label} | {r.load:g}x | {n} | {len(r.on_time())} | {r.goodput:.3f} | {r.fraction:.2f} | {r.worth:.3f} | {r.wasted:.1%} | "
             f"{r.copies / max(n, 1):.2f} | {r.copies_late} | {refusals} | {r.quantile(0.5):.2f} | {r.quantile(0.99):.2f} | {r.failed} |"
         )
     return lines
@@ -173,12 +178,20 @@ def failed_lines(results: list[Result]) -> list[str]:
 def age_checks(results: list[Result], service_ms: float, cap_ms: float, round_ms: float = ROUND_MS) -> list[str]:
     """Per door and load, the issue's check of the age each `reject_age_beats_slack` acted on:
     its distance from the client-side truth at the door's decision (within one round, the
-    exporter's ``round_ms``?), and the fresh requests (first attempts) it refused where the
+    exporter's ``round_ms``), and the fresh requests (first attempts) it refused where the
     truth, even a round older, would not have been refused by the same clause of the rule:
     the age plus the expected service (``service_ms``) against the slack, or the age against
     the route's cap (``cap_ms``). Beside them, the issue's words taken alone: fresh requests
     refused while the oldest truly waiting was younger than the slack less a round (the
     service and the cap aside: those the rule refuses on purpose)."""
+
+    def on_the_slack(a: AgeRefusal) -> bool:  # else the age cap refused it
+        return a.door_ms + service_ms >= a.slack_ms
+
+    def a_round_older_refuses(a: AgeRefusal) -> bool:  # the truth a round older meets the clause that refused `a`
+        older = a.truth_ms + round_ms
+        return older + service_ms >= a.slack_ms if on_the_slack(a) else older >= cap_ms
+
     lines = []
     for r in results:
         if not r.ages:
@@ -186,19 +199,17 @@ def age_checks(results: list[Result], service_ms: float, cap_ms: float, round_ms
         diffs = sorted(a.door_ms - a.truth_ms for a in r.ages)
         off = sum(1 for d in diffs if abs(d) > round_ms)
         fresh = [a for a in r.ages if a.fresh]
-        on_slack = [a for a in fresh if a.door_ms + service_ms >= a.slack_ms]
-        on_cap = [a for a in fresh if a.door_ms + service_ms < a.slack_ms]
-        wrong_slack = sum(1 for a in on_slack if a.truth_ms + round_ms + service_ms < a.slack_ms)
-        wrong_cap = sum(1 for a in on_cap if a.truth_ms + round_ms < cap_ms)
+        on_slack = sum(1 for a in fresh if on_the_slack(a))
+        wrong = sum(1 for a in fresh if not a_round_older_refuses(a))
         words = [a for a in fresh if a.truth_ms < a.slack_ms - round_ms]
-        words_cap = sum(1 for a in words if a in on_cap and a.truth_ms + round_ms >= cap_ms)
-        words_service = sum(1 for a in words if a in on_slack and a.truth_ms + round_ms + service_ms >= a.slack_ms)
+        words_cap = sum(1 for a in words if not on_the_slack(a) and a_round_older_refuses(a))
+        words_service = sum(1 for a in words if on_the_slack(a) and a_round_older_refuses(a))
         lines.append(
             f"{r.label} at {r.load:g}x: {len(r.ages)} reject_age_beats_slack ({len(fresh)} fresh, {len(r.ages) - len(fresh)} retries); "
             f"door age - client truth at the decision: median {percentile(diffs, 50) / 1000:+.2f} s, min {diffs[0] / 1000:+.2f} s, "
             f"max {diffs[-1] / 1000:+.2f} s, {off} more than a round ({round_ms / 1000:g} s) off; "
-            f"fresh requests refused that the truth a round older would not have refused: {wrong_slack + wrong_cap} "
-            f"(of {len(on_slack)} on the slack with the expected service {service_ms:.0f} ms, {len(on_cap)} on the age cap {cap_ms:.0f} ms); "
+            f"fresh requests refused that the truth a round older would not have refused: {wrong} "
+            f"(of {on_slack} on the slack with the expected service {service_ms:.0f} ms, {len(fresh) - on_slack} on the age cap {cap_ms:.0f} ms); "
             f"fresh requests refused while the oldest truly waiting was younger than the slack less a round: {len(words)} "
             f"({words_cap} of them over the age cap and {words_service} within the expected service of the slack, in truth)"
         )
@@ -212,7 +223,7 @@ def yardstick(results: list[Result], doors: tuple[str, ...] = DOORS) -> list[str
     output of any window too: a stricter reading, not a goal."""
     if not results:
         return []
-    worth = {r.label + f" at {r.load:g}x": r.generated / TOKENS / r.seconds for r in results}
+    worth = {r.label + f" at {r.load:g}x": r.worth for r in results}
     low, high = min(worth, key=lambda k: worth[k]), max(worth, key=lambda k: worth[k])
     top, c = worth[high], results[0].capacity
     doors_at = [f"{r.label} at {r.load:g}x {r.goodput / top:.2f}" for r in results if r.policy in doors and r.load > 1 and r.run == 1]
