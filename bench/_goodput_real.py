@@ -255,6 +255,24 @@ def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: fl
     raise RuntimeError(f"{url} not up in {timeout} s")
 
 
+async def drained(srv: harness.VLLMServer, up: Upstream, timeout: float = 300) -> None:
+    """Return once nothing of the block is left anywhere: no copy in flight at the pass-through
+    (a door or the TTL proxy may forward one in the moment its client's cancel takes) and the
+    engine idle. The engine is then stopped until its next block, up to minutes: stopped in
+    the middle of a step, vLLM's own limit on a step (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS,
+    300 s, wall-clock) killed it when it ran again (a run at eb2aae4), and a request left in it
+    would run in the next policy's block."""
+    deadline = time.monotonic() + timeout
+    while True:
+        await asyncio.sleep(0.5)
+        if not up.inflight:
+            await asyncio.to_thread(srv.wait_idle, max(1.0, deadline - time.monotonic()))
+            if not up.inflight:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(up.inflight)} copies still in flight at the pass-through {timeout:g} s after the block")
+
+
 ENGINE_NICE = -10
 ENGINE_RT_PRIORITY = 1  # SCHED_FIFO, below the throttler's 10 (tests/harness/throttler.py)
 
@@ -321,6 +339,10 @@ class Bench:
         self.full_s = 0.0  # a request's service while the engine is full (slots / C): the doors' expected_service_ms
 
     def engine(self, extra: list[str]) -> harness.VLLMServer:
+        # An engine waits stopped through the other policies' blocks (about 7 minutes at
+        # most); should one ever be stopped in a step despite `drained`, vLLM's 300 s limit on
+        # a step would kill it when it ran again, and the run with it.
+        os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
         srv = harness.VLLMServer.start(max_num_seqs=self.slots, extra_args=extra)
         srv.completion(MAX_TOKENS, prompt(0))  # its threads started before they are raised
         self.log.append(prioritize(srv))
@@ -467,7 +489,7 @@ class Bench:
         t0 = time.monotonic()
         outcomes, generated, refused = await drive(url, arrivals, self.seconds / ROUNDS, srv)
         count_copies(outcomes, up, t0)
-        await asyncio.to_thread(srv.wait_idle, 300)
+        await drained(srv, up)
         ages = [a.against(up, self.slots) for a in refused]
         r = Result(name, load, self.seconds / ROUNDS, capacity, outcomes, generated, ages=ages)
         if self.redis_url and name in DOOR_NAMES:
