@@ -76,7 +76,7 @@ def test_a_door_below_direct_misses_and_late_copies_of_any_block_count() -> None
 
 
 def test_the_truth_at_a_decision_is_the_oldest_copy_waiting_at_that_instant() -> None:
-    from bench._goodput_real import Upstream
+    from bench._goodput_wire import Upstream
 
     up = Upstream("http://127.0.0.1:1")
     up.spans = [(0.0, 5.0), (1.0, 6.0), (2.0, 3.0), (3.0, 10.0)]
