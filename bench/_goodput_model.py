@@ -107,10 +107,6 @@ class Result:
     ages: list[AgeRefusal] = field(default_factory=list)  # a door's age refusals
     parts: tuple[float, ...] = ()  # the goodput of each block the window was merged from (merge)
 
-    @property
-    def label(self) -> str:
-        return self.policy
-
     def on_time(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.on_time and o.done_at is not None and o.done_at <= self.seconds]
 
@@ -199,7 +195,7 @@ def table(results: list[Result]) -> list[str]:
         refusals = ", ".join(f"{k}: {v}" for k, v in sorted(r.refusals().items())) or "-"
         n = len(r.outcomes)
         lines.append(
-            f"| {r.label} | {r.load:g}x | {n} | {len(r.on_time())} | {r.goodput:.3f} | {r.fraction:.2f} | {r.worth:.3f} | {r.wasted:.1%} | "
+            f"| {r.policy} | {r.load:g}x | {n} | {len(r.on_time())} | {r.goodput:.3f} | {r.fraction:.2f} | {r.worth:.3f} | {r.wasted:.1%} | "
             f"{r.copies / max(n, 1):.2f} | {r.copies_late} | {refusals} | {r.quantile(0.5):.2f} | {r.quantile(0.99):.2f} | {r.failed} |"
         )
     return lines
@@ -211,7 +207,7 @@ def failed_lines(results: list[Result]) -> list[str]:
     for r in results:
         if r.failed:
             first = next(o.failed for o in r.outcomes if o.failed)
-            out.append(f"FAILED: {r.label} at {r.load:g}x: {r.failed} failed requests (first: {first})")
+            out.append(f"FAILED: {r.policy} at {r.load:g}x: {r.failed} failed requests (first: {first})")
     return out
 
 
@@ -245,7 +241,7 @@ def age_checks(results: list[Result], service_ms: float, cap_ms: float, round_ms
         words_cap = sum(1 for a in words if not on_the_slack(a) and a_round_older_refuses(a))
         words_service = sum(1 for a in words if on_the_slack(a) and a_round_older_refuses(a))
         lines.append(
-            f"{r.label} at {r.load:g}x: {len(r.ages)} reject_age_beats_slack ({len(fresh)} fresh, {len(r.ages) - len(fresh)} retries); "
+            f"{r.policy} at {r.load:g}x: {len(r.ages)} reject_age_beats_slack ({len(fresh)} fresh, {len(r.ages) - len(fresh)} retries); "
             f"door age - client truth at the decision: median {percentile(diffs, 50) / 1000:+.2f} s, min {diffs[0] / 1000:+.2f} s, "
             f"max {diffs[-1] / 1000:+.2f} s, {off} more than a round ({round_ms / 1000:g} s) off; "
             f"fresh requests refused that the truth a round older would not have refused: {wrong} "
@@ -263,13 +259,13 @@ def yardstick(results: list[Result], doors: tuple[str, ...] = DOORS) -> list[str
     printed against the largest output of any window too: a stricter reading, not a goal."""
     if not results:
         return []
-    worth = {r.label + f" at {r.load:g}x": r.worth for r in results}
+    worth = {r.policy + f" at {r.load:g}x": r.worth for r in results}
     low, high = min(worth, key=lambda k: worth[k]), max(worth, key=lambda k: worth[k])
     top = worth[high]
     above = sum(1 for r in results if r.worth > r.capacity)
     cs = sorted({r.capacity for r in results})
     c = f"C {cs[0]:.3f}" if len(cs) == 1 else f"C {cs[0]:.3f} to {cs[-1]:.3f}"
-    doors_at = [f"{r.label} at {r.load:g}x {r.goodput / top:.2f}" for r in results if r.policy in doors and r.load > 1]
+    doors_at = [f"{r.policy} at {r.load:g}x {r.goodput / top:.2f}" for r in results if r.policy in doors and r.load > 1]
     return [
         f"the engine's own output in the windows: {worth[low]:.3f} ({low}) to {top:.3f} ({high}) answers' worth/s, against {c}"
         + (f": above its load's C in {above} windows, so C understated the engine then" if above else ""),

@@ -373,9 +373,9 @@ class Bench:
         if self.redis_url and name in DOOR_NAMES:
             with redis_lib.Redis.from_url(self.redis_url) as rc:
                 left = rc.zcard(QueueKeys().route_inflight("chat")[0])
-            self.log.append(f"after {r.label} at {load:g}x, block {block}, the engine idle: {left} requests left in the route's in-flight set in Redis")
+            self.log.append(f"after {r.policy} at {load:g}x, block {block}, the engine idle: {left} requests left in the route's in-flight set in Redis")
         print(
-            f"bench_goodput: {r.label} at {load:g}x, block {block}: {len(r.on_time())} of {len(outcomes)} on time, {r.failed} failed",
+            f"bench_goodput: {r.policy} at {load:g}x, block {block}: {len(r.on_time())} of {len(outcomes)} on time, {r.failed} failed",
             file=sys.stderr,
             flush=True,
         )
