@@ -16,11 +16,12 @@ import redis
 from redis import asyncio as aioredis
 
 from llm_health.core import admission
-from llm_health.core.queue_age import acted_on, door_age, door_ahead, door_covers, door_wait
+from llm_health.core.queue_age import acted_on, door_age, door_ahead, door_covers, door_running, door_wait, keep_until
 from llm_health.gate.decision import _policy_args as ARGS
 from llm_health.store.keys import QueueKeys
 from llm_health.store.policy import Figures, Verdict
 from llm_health.store.queue import AdmissionQueue, parse_decide
+from llm_health.store.scripts import GAVE_UP_MS
 from tests.integration.test_gate import post, stack  # noqa: F401  (the fixture)
 
 
@@ -55,7 +56,9 @@ async def test_the_script_and_the_reference_agree(redis_url):
             policy = admission.Policy(expected_service_ms=rng.choice([0.0, 250.0, 4000.0]), reject_if_queue_age_ms_gte=rng.choice([3000.0, 30000.0]))
             q.pipe_decide(pipe, f"t/new-{case}", route, "t", now + 60_000, now, tenant_key=None, fingerprint=None, backends=backends, policy=ARGS(policy))
             got = parse_decide(f"t/new-{case}", (await pipe.execute())[0], now)
-            running, held = sum(r for _, r in counts), sum(w + r for w, r in counts)
+            # the running ones the figure skips: R, at least S where requests wait (door_running)
+            running = sum(door_running(r, w, r if most is None else most) for (w, r), most in zip(counts, seen))
+            held = sum(w + r for w, r in counts)
             sized = all(most != 0 for most in seen)
             slots = sum(r if most is None else most for (_, r), most in zip(counts, seen)) if sized else None
             assert got.door_age_ms == int(door_age(sent, running, read, now)), (case, sent, counts, read)
@@ -68,22 +71,32 @@ async def test_the_script_and_the_reference_agree(redis_url):
             assert got.figures == want, (case, got.figures, want)
             ref = admission.decide(admission.Request(want.queue_age_ms, 60_000, 0, wait_ms=want.wait_ms), policy)
             assert got.verdict == Verdict(ref.decision, ref.reason, ref.status, ref.retry_after_s, ref.retryable), case
-            # The request itself joined the sets, sent now, until its deadline.
+            # The request itself joined the sets, sent now, until its end is heard or its
+            # deadline plus its budget (keep_until: 60 s, a minute at most) has passed.
             assert await client.zscore(keys.route_inflight(route)[0], f"t/new-{case}") == now
-            assert await client.zscore(keys.route_inflight(route)[1], f"t/new-{case}") == now + 60_000
+            assert await client.zscore(keys.route_inflight(route)[1], f"t/new-{case}") == keep_until(now, now + 60_000, GAVE_UP_MS) == now + 120_000
             assert 60_000 < await client.pttl(keys.route_inflight(route)[0]) <= 120_000  # nothing outlives the traffic
-        # A request whose end the door never heard of (a lost report) stays until its deadline.
+        # A request whose end the door never heard of (a lost report) stays past its deadline,
+        # as an admitted retry's copy waits in the engine past it, until its deadline plus its
+        # own budget (keep_until: sent at now - 1000, deadline now + 50, so until now + 1100).
         route, now = "lost", int(time.time() * 1000)
         await client.set(q.keys.engine_waiting("lb"), f"1 0 {now}")
+        assert keep_until(now - 1000, now + 50, GAVE_UP_MS) == now + 1100
         for rid, deadline in (("t/lost", now + 50), ("t/other", now + 60_000)):
             pipe = client.pipeline(transaction=False)
             q.pipe_decide(pipe, rid, route, "t", deadline, now - 1000, tenant_key=None, fingerprint=None, backends=["lb"], policy=ARGS(admission.Policy()))
             await pipe.execute()
-        await asyncio.sleep(0.1)
-        pipe = client.pipeline(transaction=False)
-        q.pipe_decide(pipe, "t/next", route, "t", now + 60_000, now + 100, tenant_key=None, fingerprint=None, backends=["lb"], policy=ARGS(admission.Policy()))
-        await pipe.execute()
-        assert [m.decode() for m in await client.zrange(q.keys.route_inflight(route)[0], 0, -1)] == ["t/other", "t/next"]
+
+        async def decide_at(rid: str, at: int) -> list[str]:
+            pipe = client.pipeline(transaction=False)
+            q.pipe_decide(pipe, rid, route, "t", at + 60_000, at, tenant_key=None, fingerprint=None, backends=["lb"], policy=ARGS(admission.Policy()))
+            await pipe.execute()
+            return [m.decode() for m in await client.zrange(q.keys.route_inflight(route)[0], 0, -1)]
+
+        assert await decide_at("t/past", now + 1099) == ["t/lost", "t/other", "t/past"]  # past its deadline, in flight still
+        assert await decide_at("t/next", now + 1100) == ["t/other", "t/past", "t/next"]
+        # A budget longer than a minute keeps it a minute past its deadline, no more.
+        assert keep_until(now, now + 300_000, GAVE_UP_MS) == now + 300_000 + GAVE_UP_MS
     finally:
         await q.aclose()
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from llm_health.core import engines
 from llm_health.core.engines import EngineReading, Reading
-from llm_health.core.queue_age import MAX_POINTS, QueueAges, acted_on, door_age, door_ahead, door_covers, door_wait, to_ms
+from llm_health.core.queue_age import MAX_POINTS, QueueAges, acted_on, door_age, door_ahead, door_covers, door_running, door_wait, keep_until, to_ms
 
 NAN = math.nan
 
@@ -331,3 +331,27 @@ def test_with_clients_giving_up_the_door_figure_is_the_truth(slots, steps, round
         figure = acted_on(None if q.backend is None else q.backend * 1000, door, covers)
         assert covers and figure is not None
         assert abs(figure - engine.truth(now) * 1000) < 1e-6
+
+
+def test_a_read_between_steps_counts_the_engines_sequences_as_running():
+    """vLLM publishes its counts after a step: the requests it finished are gone from the
+    running ones and the next not yet scheduled. A read of 0 running and 10 waiting on a
+    2-sequence engine (a duty-cycled engine paused between steps, from a bench_goodput
+    diagnostic) takes the two oldest as running, which the next step runs: the head is the
+    third oldest, not the oldest, which would be a whole service time too old."""
+    sent = [1_000.0, 1_500.0, 2_000.0] + [2_500.0 + 100 * i for i in range(9)]
+    assert door_running(0, 10, 2) == 2
+    assert door_age(sent, door_running(0, 10, 2), round_ms=4_000, now_ms=4_000) == 2_000.0
+    assert door_age(sent, 0, round_ms=4_000, now_ms=4_000) == 3_000.0  # as read: the oldest, about to run
+    assert door_running(1, 0, 2) == 1  # nothing waits: what it runs is all there is
+    assert door_running(3, 4, 2) == 3  # more than the most seen: as read
+    assert door_running(0, 4, None) == 0 and door_running(0, 4, 0) == 0  # what it runs when full unknown: as read
+
+
+def test_a_request_whose_end_is_not_heard_stays_past_its_deadline_by_its_budget():
+    """A retry admitted shortly before its request's deadline, with the SDK's per-attempt
+    timeout equal to the request's budget, is waited on until the deadline plus the budget
+    at most: the door keeps it in flight that long (the engine holds it), a minute at most."""
+    assert keep_until(enqueued_ms=0, deadline_ms=5_000, cap_ms=60_000) == 10_000
+    assert keep_until(enqueued_ms=0, deadline_ms=300_000, cap_ms=60_000) == 360_000
+    assert keep_until(enqueued_ms=9_000, deadline_ms=5_000, cap_ms=60_000) == 5_000  # a deadline before its send: the deadline

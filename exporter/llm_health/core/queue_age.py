@@ -205,14 +205,35 @@ class QueueAges:
         self.curves, self.units = curves, units
 
 
+def door_running(running: int, waiting: int, slots: int | None) -> int:
+    """How many of the requests in flight at an engine's read a door's figure takes as
+    running (`door_age`'s ``running``; `store.scripts.DECIDE_LUA` counts the same per
+    backend): its running count, but where requests wait, at least ``slots``, what it runs
+    when full (the published `S`, `QueueAges.slots`; None or 0 while not yet known).
+
+    vLLM publishes its counts after a step, with the requests that step finished already
+    gone from the running ones and the waiting ones not yet scheduled: a read between two
+    steps shows fewer running than it runs while requests wait (on a duty-cycled engine,
+    for as long as it is paused: reads of 0 running and 10 waiting on a 2-sequence engine).
+    Taken as they are, the figure would count a request the next step runs as the head of
+    the queue, up to a whole service time too old. Where it is wrong: an engine that runs
+    fewer than its most because its KV cache is full (a preemption, long prompts) while
+    requests wait; the figure then skips requests that truly wait, and is too young by
+    as many places in the queue."""
+    if waiting > 0 and slots:
+        return max(running, slots)
+    return running
+
+
 def door_age(admitted_ms: Sequence[float], running: int, round_ms: float, now_ms: float) -> float:
     """The age of the oldest request waiting, as a door in front of the engine sees it
     (`store.scripts.DECIDE_LUA` runs the same rule inside Redis; a test holds them equal).
 
     ``admitted_ms``: when each request the door sent on and has not yet seen end was sent
     (an end: its answer, an error, or its client giving up, which aborts it in the engine;
-    a request past its deadline is dropped); ``running``: the engine's running count read
-    at ``round_ms`` (the exporter's last round). Of the requests in flight at ``round_ms``,
+    one whose end is never heard leaves at its deadline plus its own budget, `keep_until`);
+    ``running``: the engine's running count read at ``round_ms`` (the exporter's last
+    round), as `door_running` takes it. Of the requests in flight at ``round_ms``,
     with first-come-first-served scheduling the ``running`` oldest are the ones running
     (vLLM's preemption sends back the most recently scheduled, the youngest running), so
     the next oldest is the head of the queue, counted from its send: the engine's waiting
@@ -220,12 +241,28 @@ def door_age(admitted_ms: Sequence[float], running: int, round_ms: float, now_ms
     engine, seconds). A client that gives up is gone from the set at once, so unlike the
     counters' figure (`QueueAges`) it never keeps the age of a request that left. 0 when no
     more were in flight than run. Runs high where the door never hears of an end (a lost
-    report: until that request's deadline); low where other traffic bypasses the door
-    (`door_covers`)."""
+    report: until that request leaves, `keep_until`); low where other traffic bypasses the
+    door (`door_covers`)."""
     before = sorted(t for t in admitted_ms if t <= round_ms)
     if len(before) <= running:
         return 0.0
     return max(0.0, now_ms - before[running])
+
+
+def keep_until(enqueued_ms: float, deadline_ms: float, cap_ms: float) -> float:
+    """Until when a door keeps a request it sent in its in-flight set when it never hears
+    the request's end (`store.scripts.DECIDE_LUA` scores it so): its deadline plus its own
+    budget (deadline less first send), ``cap_ms`` at most (`GAVE_UP_MS`, a minute).
+
+    A request's end is normally heard (its answer, an error, its client giving up); this
+    bounds a lost one. It is not the deadline itself: a retry admitted shortly before the
+    deadline is still waited on by its client past it (the OpenAI SDK's per-attempt
+    timeout counts from that attempt's own start, and a client whose per-attempt timeout
+    is its budget waits until deadline + budget at most), and the engine holds it in its
+    queue all that time. A set that dropped it at the deadline would count the queue's head
+    younger than it is (a diagnostic of bench_goodput found age errors of -1 s from just
+    this: bench/notes/bench_goodput.md)."""
+    return deadline_ms + max(0.0, min(cap_ms, deadline_ms - enqueued_ms))
 
 
 def door_covers(admitted_ms: Sequence[float], held: int, round_ms: float, ended: int = 0) -> bool:

@@ -174,10 +174,11 @@ end
 # door_covers, the same rules): their running and waiting counts summed, "W R READ_MS S" each
 # (keys.engine_waiting; S, what the engine runs when full: absent from an older exporter,
 # then R; 0 while not yet known), and of the route's requests in flight sent by the latest READ_MS
-# (keys.route_inflight, scored by when each was sent) the oldest after the R running ones:
-# now minus when it was sent; 0 when no more than R were in flight, false when a count is
-# unknown; and 1 where at least W + R were in flight then, those that ended since counted
-# too, and those whose clients gave up (or that reached their deadline in flight) within a
+# (keys.route_inflight, scored by when each was sent) the oldest after the running ones (R
+# each, at least S where W > 0: core.queue_age.door_running): now minus when it was sent; 0
+# when no more than those were in flight, false when a count is unknown; and 1 where at
+# least W + R were in flight then, those that ended since counted too, and those whose
+# clients gave up (or that reached their deadline plus budget in flight) within a
 # minute before (keys.route_inflight's third set: the engine holds one until it notices),
 # else 0 (something bypasses the door). And the requests that must end before this one
 # starts (core.queue_age.door_ahead): every request the route has in flight now (where the
@@ -185,8 +186,8 @@ end
 # summed), plus one, where every sequence is taken; unknown (false) while any S is 0. Then this request (or the first copy it was
 # matched to) joins the in-flight sets, the second scored by its deadline
 # (keys.route_inflight): its refusal or its attempt's end takes it off (LEAVE_QUEUE_LUA),
-# and its deadline at the latest (an end the door never heard of, a lost report, does not
-# stay).
+# and its deadline plus its own budget at the latest, a minute at most (core.queue_age.keep_until:
+# an end the door never heard of, a lost report, does not stay).
 # KEYS: record, enqueued, deadline, retried, live, dup, routes, [tenant's minute],
 #       [fingerprint], n engine age keys, n engine waiting keys, [the three in-flight sets
 #       when n > 0] (all under the queue's prefix: one slot on Cluster)
@@ -269,7 +270,7 @@ local door, covers, ahead, slots = false, 0, false, false
 if n > 0 then
   local inflight, ends, ended = KEYS[k + 2 * n], KEYS[k + 2 * n + 1], KEYS[k + 2 * n + 2]
   local gone = redis.call('ZRANGEBYSCORE', ends, '-inf', ARGV[6], 'LIMIT', 0, 64)
-  if #gone > 0 then  -- past their deadline in flight: their clients gone or late, the engine may hold them yet
+  if #gone > 0 then  -- no end heard by their deadline plus budget (a lost report): the engine may hold them yet
     redis.call('ZREM', inflight, unpack(gone))
     redis.call('ZREM', ends, unpack(gone))
     for _, g in ipairs(gone) do redis.call('ZADD', ended, string.format('%d', now + GAVE_UP_MS), g) end
@@ -280,8 +281,10 @@ if n > 0 then
   for i = k + n, k + 2 * n - 1 do
     local w, r, t, s = string.match(redis.call('GET', KEYS[i]) or '', '^(%d+) (%d+) (%d+) ?(%d*)$')
     if not w then known = false break end
-    running = running + tonumber(r)
     if s == '' then s = r elseif tonumber(s) == 0 then sized = false end
+    -- core.queue_age.door_running: where requests wait, at least what it runs when full (a
+    -- read between two steps shows the finished gone and the next not yet scheduled)
+    if tonumber(w) > 0 then running = running + math.max(tonumber(r), tonumber(s)) else running = running + tonumber(r) end
     slots = slots + math.max(tonumber(r), tonumber(s))
     held = held + tonumber(w) + tonumber(r)
     read = math.max(read, tonumber(t))
@@ -312,7 +315,11 @@ if n > 0 then
     slots = false
   end
   redis.call('ZADD', inflight, ARGV[6], id)
-  redis.call('ZADD', ends, record[4], id)
+  -- kept until its end is heard, or its deadline plus its own budget, a minute at most
+  -- (core.queue_age.keep_until: a retry admitted before the deadline is waited on past it)
+  local dl = tonumber(record[4])
+  local budget = dl - (tonumber(record[3]) or dl)
+  redis.call('ZADD', ends, string.format('%d', dl + math.max(0, math.min(GAVE_UP_MS, budget))), id)
   -- Nothing outlives the traffic: the sets expire after the latest deadline in them.
   local keep = math.max(1, tonumber(record[4]) - now) + GAVE_UP_MS
   for _, key in ipairs({inflight, ends}) do
