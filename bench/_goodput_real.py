@@ -367,6 +367,7 @@ class Bench:
         t0 = time.monotonic()
         outcomes, generated, refused = await drive(url, arrivals, self.seconds / ROUNDS, srv)
         count_copies(outcomes, up, t0)
+        free = up.free_share(self.slots, t0, t0 + self.seconds / ROUNDS)
         await drained(srv, up)
         ages = [a.against(up, self.slots) for a in refused]
         r = Result(name, load, self.seconds / ROUNDS, capacity, outcomes, generated, ages=ages)
@@ -374,6 +375,7 @@ class Bench:
             with redis_lib.Redis.from_url(self.redis_url) as rc:
                 left = rc.zcard(QueueKeys().route_inflight("chat")[0])
             self.log.append(f"after {r.policy} at {load:g}x, block {block}, the engine idle: {left} requests left in the route's in-flight set in Redis")
+        self.log.append(f"{r.policy} at {load:g}x, block {block}: a sequence free (fewer than {self.slots} copies at the engine) {free:.1%} of the block")
         print(
             f"bench_goodput: {r.policy} at {load:g}x, block {block}: {len(r.on_time())} of {len(outcomes)} on time, {r.failed} failed",
             file=sys.stderr,

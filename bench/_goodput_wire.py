@@ -42,6 +42,24 @@ class Upstream:
         times = sorted([a for a, left in self.spans if a <= at < left] + [a for a in self.inflight.values() if a <= at])
         return at - times[slots] if len(times) > slots else 0.0
 
+    def free_share(self, slots: int, start: float, end: float) -> float:
+        """The share of [start, end) (monotonic) when fewer than `slots` copies were at the
+        engine: a sequence it could have run was free. Tells a door that kept work from an
+        engine with room apart from an engine that ran slower."""
+        events = sorted(
+            [(max(a, start), 1) for a, left in self.spans if a < end and left > start]
+            + [(min(left, end), -1) for a, left in self.spans if a < end and left > start]
+            + [(max(a, start), 1) for a in self.inflight.values() if a < end]
+        )
+        free, held, at = 0.0, 0, start
+        for t, step in events:
+            if held < slots:
+                free += t - at
+            held, at = held + step, t
+        if held < slots:
+            free += end - at
+        return free / (end - start) if end > start else 0.0
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         rid = request.headers.get("X-Request-Id", "")

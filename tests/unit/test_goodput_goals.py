@@ -8,6 +8,7 @@ import re
 
 import pytest
 from bench._goodput_model import AgeRefusal, Arrival, Outcome, Result, goals, merge, table
+from bench._goodput_wire import Upstream
 
 from tests.fixtures.bench_tables import _goodput_part
 
@@ -76,8 +77,6 @@ def test_a_door_below_direct_misses_and_late_copies_of_any_block_count() -> None
 
 
 def test_the_truth_at_a_decision_is_the_oldest_copy_waiting_at_that_instant() -> None:
-    from bench._goodput_wire import Upstream
-
     up = Upstream("http://127.0.0.1:1")
     up.spans = [(0.0, 5.0), (1.0, 6.0), (2.0, 3.0), (3.0, 10.0)]
     up.inflight = {7: 4.0}
@@ -121,3 +120,14 @@ def test_the_yardstick_prints_the_doors_against_the_largest_output_of_any_window
         "above its load's C in 1 windows, so C understated the engine then"
     )
     assert second.endswith("(1.200/s), a stricter reading than the goals': gate at 2x 0.79, gate at 4x 0.79")
+
+
+def test_free_share_is_the_time_a_sequence_stood_free():
+    """The pass-through's diagnostic: the share of a block with fewer copies at the engine
+    than its sequences (copies that left, and one still in flight, cut at the block's edges)."""
+    up = Upstream("http://127.0.0.1:1")
+    up.spans = [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]
+    assert up.free_share(2, 0.0, 10.0) == 0.9  # two at once only in [1, 2)
+    up.inflight = {1: 9.0}
+    assert up.free_share(1, 0.0, 10.0) == 0.5  # one or more in [0, 3), [5, 6), [9, 10)
+    assert up.free_share(1, 1.0, 3.0) == 0.0
