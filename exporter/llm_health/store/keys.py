@@ -123,11 +123,12 @@ class QueueKeys:
 
     def route_inflight(self, route: str) -> tuple[str, str, str]:
         """The requests a door sent on for `route` and has not seen end, scored by when they
-        were sent (Unix ms); the same scored by their deadline: added by the decision
-        script, removed by the attempt's end (an answer, an error, the client giving up) or
-        a refusal, and at the deadline at the latest; and the attempts that ended, scored by
-        when (kept two minutes), one whose client gave up (or that reached its deadline in
-        flight) a minute later: the engine holds such a request until it notices, which for
+        were sent (Unix ms); the same scored by when they leave unheard, their deadline
+        plus their own budget, a minute at most (`core.queue_age.keep_until`): added by the
+        decision script, removed by the attempt's end (an answer, an error, the client
+        giving up) or a refusal, and at that score at the latest; and the attempts that
+        ended, scored by when (kept two minutes), one whose client gave up (or that stayed
+        in flight unheard until then) a minute later: the engine holds such a request until it notices, which for
         a waiting request may be only when it would have run it."""
         return self.route(route, "inflight"), self.route(route, "inflight_ends"), self.route(route, "ended")
 

@@ -184,7 +184,7 @@ end
 # starts (core.queue_age.door_ahead): every request the route has in flight now (where the
 # door does not cover, at least what the engines held) less the engines' sequences (the S
 # summed), plus one, where every sequence is taken; unknown (false) while any S is 0. Then this request (or the first copy it was
-# matched to) joins the in-flight sets, the second scored by its deadline
+# matched to) joins the in-flight sets, the second scored by its deadline plus its own budget
 # (keys.route_inflight): its refusal or its attempt's end takes it off (LEAVE_QUEUE_LUA),
 # and its deadline plus its own budget at the latest, a minute at most (core.queue_age.keep_until:
 # an end the door never heard of, a lost report, does not stay).
