@@ -213,6 +213,7 @@ class Bench:
         self.capacity_s = capacity_s
         self.slots, self.run_ms, self.period_ms, self.seed, self.seconds, self.caps, self.ttl_factor = slots, run_ms, period_ms, seed, seconds, caps, ttl_factor
         self.log: list[str] = []
+        self.free: dict[str, list[float]] = defaultdict(list)  # per policy, each block's Upstream.free_share, at the current load
         self.redis_url: str | None = None
         self.full_s = 0.0  # a request's service while the engine is full (slots / C): the doors' expected_service_ms
 
@@ -343,6 +344,9 @@ class Bench:
                                     blocks[name].append(await self.one(name, load, arrivals, url, engine, up, first, k + 1))
                     capacity = sum(loops) / len(loops)
                     self.log.append(f"C at {load:g}x: the mean of its {len(loops)} closed loops between the blocks, {capacity:.3f} answers/s")
+                    shares = ", ".join(f"{name} {' '.join(f'{x:.1%}' for x in xs)}" for name, xs in self.free.items())
+                    self.log.append(f"a sequence free (fewer than {self.slots} copies at the engine) at {load:g}x, each block's share of its time: {shares}")
+                    self.free.clear()
                     for name, _, _ in policies:
                         merged = merge(blocks[name])
                         merged.capacity = capacity
@@ -375,7 +379,7 @@ class Bench:
             with redis_lib.Redis.from_url(self.redis_url) as rc:
                 left = rc.zcard(QueueKeys().route_inflight("chat")[0])
             self.log.append(f"after {r.policy} at {load:g}x, block {block}, the engine idle: {left} requests left in the route's in-flight set in Redis")
-        self.log.append(f"{r.policy} at {load:g}x, block {block}: a sequence free (fewer than {self.slots} copies at the engine) {free:.1%} of the block")
+        self.free[r.policy].append(free)
         print(
             f"bench_goodput: {r.policy} at {load:g}x, block {block}: {len(r.on_time())} of {len(outcomes)} on time, {r.failed} failed",
             file=sys.stderr,
