@@ -4,10 +4,12 @@ passes."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
-from bench._goodput_model import AgeRefusal, Arrival, Outcome, Result, goals, merge, table
+from bench import _goodput_sim
+from bench._goodput_model import AgeRefusal, Arrival, Outcome, Result, goals, merge, schedule, table
 from bench._goodput_wire import Upstream
 
 from tests.fixtures.bench_tables import _goodput_part
@@ -131,3 +133,25 @@ def test_free_share_is_the_time_a_sequence_stood_free():
     up.inflight = {1: 9.0}
     assert up.free_share(1, 0.0, 10.0) == 0.5  # one or more in [0, 3), [5, 6), [9, 10)
     assert up.free_share(1, 1.0, 3.0) == 0.0
+
+
+def test_a_service_configured_low_wastes_the_engine():
+    """docs/admission.md's advice on `expected_service_ms`, on bench_goodput's simulated fleet
+    (16 engines of 4 sequences, 2 s a request, 120 virtual seconds, seed 1): the door
+    configured 25% below the true service admits requests that finish late, wasting the
+    engine's tokens and goodput under overload; 25% above costs nothing there; below
+    capacity none of the three changes anything. Virtual time: no clock is read."""
+    engines, slots, service, seconds = 16, 4, 2.0, 120.0
+    c = _goodput_sim.capacity(engines, slots, service, 1, seconds)
+    got = {}
+    for load in (0.8, 2.0, 4.0):
+        arrivals = schedule(1, load * c, seconds, service, f"sim{load:g}")
+        for scale in (0.75, 1.0, 1.25):
+            fleet = _goodput_sim.Fleet("door", engines, slots, service, 1)
+            fleet.policy_cfg = dataclasses.replace(fleet.policy_cfg, expected_service_ms=service * 1000 * scale)
+            r = Result("door", load, seconds, c, fleet.run(arrivals, seconds), fleet.generated)
+            got[load, scale] = (round(r.fraction, 2), round(r.wasted * 100, 1))
+    assert got[2.0, 0.75] == (0.93, 6.2) and got[4.0, 0.75] == (0.89, 11.3)
+    assert got[2.0, 1.0] == (0.98, 1.1) and got[4.0, 1.0] == (0.99, 0.9)
+    assert got[2.0, 1.25] == (0.99, 0.7) and got[4.0, 1.25] == (0.99, 0.8)
+    assert got[0.8, 0.75] == got[0.8, 1.0] == got[0.8, 1.25]
