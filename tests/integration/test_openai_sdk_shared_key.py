@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from typing import Any
 
@@ -133,6 +134,25 @@ async def records(redis_url: str, prefix: str, tenant: str, n: int, settled: Any
         await q.aclose()
 
 
+async def door_view(redis_url: str, prefix: str, tenant: str) -> str:
+    """The tenant's records as the door wrote them, for a failure's report: when the door
+    first saw each request and the deadline it took, on the attempts' clock (monotonic
+    seconds, `Attempts.line`), so a door that saw a request late (a proxy in front held
+    it) can be told from a retry matched to the wrong record."""
+    shift = time.monotonic() - time.time()
+    q = AdmissionQueue.from_url(redis_url, prefix=prefix)
+    try:
+        keys = [text(k) for k in await q.redis.keys(q.keys.record(f"{tenant}/*"))]
+        found = [r for k in keys if (r := await q.read(k[len(q.keys.record("")) :])) is not None]
+        found.sort(key=lambda r: r.enqueued_ms)
+        return "; ".join(
+            f"{r.request_id} seen {r.enqueued_ms / 1000 + shift:.2f}s deadline {r.deadline_ms / 1000 + shift:.2f}s retries {r.retry_count} attempts {r.attempts} {r.state}"
+            for r in found
+        )
+    finally:
+        await q.aclose()
+
+
 def statuses(log: Attempts, prompt: str) -> list[int | None]:
     return [s for _, _, s in log.by_prompt[prompt]]
 
@@ -158,6 +178,8 @@ async def scenario(
     # The issue's scenario: every retry after its own caller's deadline.
     ends, logs = await two_callers(url, up, "slow", {"X-Tenant": "slow"}, DEADLINE_MS / 1000, 2.0, key, model)
     report = f"slow: ends {ends}; upstream {dict(up.seen)}; A {logs[0].line('slow', 0)}; B {logs[1].line('slow', 0)}"
+    if ends != ["422 reject_retry_late"] * 2:
+        report += f"; the door's records: {await door_view(redis_url, prefix, 'slow')}"
     assert ends == ["422 reject_retry_late"] * 2, report
     assert [statuses(log, "slow") for log in logs] == [[None, 422]] * 2, report  # a timeout, then the refused retry
     assert up.seen["slow"] == 2, report  # no retry reached the upstream
