@@ -124,14 +124,20 @@ async def records(redis_url: str, prefix: str, tenant: str, n: int, settled: Any
     q = AdmissionQueue.from_url(redis_url, prefix=prefix)
     try:
         for _ in range(1000):
-            keys = [text(k) for k in await q.redis.keys(q.keys.record(f"{tenant}/*"))]
-            found = [r for k in keys if (r := await q.read(k[len(q.keys.record("")) :])) is not None]
+            found = await tenant_records(q, tenant)
             if len(found) >= n and all(settled(r) for r in found):
                 break
             await asyncio.sleep(0.02)
-        return sorted(found, key=lambda r: r.enqueued_ms)
+        return found
     finally:
         await q.aclose()
+
+
+async def tenant_records(q: AdmissionQueue, tenant: str) -> list[QueueRecord]:
+    """Every record of the tenant, oldest first."""
+    keys = [text(k) for k in await q.redis.keys(q.keys.record(f"{tenant}/*"))]
+    found = [r for k in keys if (r := await q.read(k[len(q.keys.record("")) :])) is not None]
+    return sorted(found, key=lambda r: r.enqueued_ms)
 
 
 async def door_view(redis_url: str, prefix: str, tenant: str) -> str:
@@ -142,9 +148,7 @@ async def door_view(redis_url: str, prefix: str, tenant: str) -> str:
     shift = time.monotonic() - time.time()
     q = AdmissionQueue.from_url(redis_url, prefix=prefix)
     try:
-        keys = [text(k) for k in await q.redis.keys(q.keys.record(f"{tenant}/*"))]
-        found = [r for k in keys if (r := await q.read(k[len(q.keys.record("")) :])) is not None]
-        found.sort(key=lambda r: r.enqueued_ms)
+        found = await tenant_records(q, tenant)
         return "; ".join(
             f"{r.request_id} seen {r.enqueued_ms / 1000 + shift:.2f}s deadline {r.deadline_ms / 1000 + shift:.2f}s retries {r.retry_count} attempts {r.attempts} {r.state}"
             for r in found
